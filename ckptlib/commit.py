@@ -1,0 +1,182 @@
+"""The commit protocol (DESIGN.md section 3): fragments -> consistent cut -> atomic publish.
+
+Keys under a run's root::
+
+    manifests/<step>.json                 exists <=> step is committed (the only thing readers trust)
+    fragments/<step>/<part>.g<gen>.json   one part of a cut, written by that part's live generation
+    fences/<part>/<gen>                   generation tokens; the highest existing one is live
+    validations/<step>.json               {"passed": bool, ...}; healthy = committed and passed
+
+Guarantees and where they stop:
+
+* ``publish`` is the commit point: ``put_if_absent`` of the manifest. Exactly one of several
+  concurrent publishers of a step wins. A publisher that finds the manifest already there with the
+  same digest succeeds (this is also how a conditional PUT whose success reply was lost is
+  recognised on retry); with a different digest it raises ``CommitConflict``.
+* ``fence`` creates a generation token with ``put_if_absent``: of two watchdogs fencing the same
+  generation, exactly one wins.
+* ``write_fragment`` refuses when its generation is no longer live, but check-then-write is not
+  atomic: a fence created in between does not stop the write. That is why the coordinator only
+  takes the fragment of the generation that is live when it builds the cut (``gather``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
+from .manifest import Fragment, Manifest, combined_digest, dumps, loads_fragment, loads_manifest
+from .store import Store
+
+_PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
+
+
+def manifest_key(step: int) -> str:
+    return f"manifests/{step}.json"
+
+
+def fragment_key(step: int, part: str, generation: int) -> str:
+    return f"fragments/{step}/{part}.g{generation}.json"
+
+
+def validation_key(step: int) -> str:
+    return f"validations/{step}.json"
+
+
+def check_part_name(part: str) -> str:
+    if not isinstance(part, str) or not _PART_NAME.match(part):
+        raise ValueError(f"part name {part!r} is invalid: use 1-64 letters, digits, '_', '.' or '-'")
+    return part
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+def committed_steps(store: Store) -> list[int]:
+    steps = []
+    for key in store.list("manifests/"):
+        m = _MANIFEST_KEY.match(key)
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def read_manifest(store: Store, step: int) -> Manifest:
+    key = manifest_key(step)
+    try:
+        data = store.get(key)
+    except ObjectNotFound:
+        raise NoCheckpoint(f"step {step} is not committed in {store.url} (no {key}); `ckpt ls {store.url}` lists the committed steps") from None
+    m = loads_manifest(data, f"{store.url}/{key}")
+    if m.step != step:
+        raise CorruptCheckpoint(f"{store.url}/{key} describes step {m.step}, not {step}")
+    return m
+
+
+def build_manifest(step: int, parent: int | None, parts: dict[str, Fragment], single: bool,
+                   meta: dict[str, Any] | None = None) -> Manifest:
+    return Manifest(step=step, parent=parent, created=datetime.now(timezone.utc).isoformat(),
+                    digest=combined_digest(parts, single), single=single, parts=parts, meta=dict(meta or {}))
+
+
+def publish(store: Store, manifest: Manifest, *, attempts: int = 4) -> bool:
+    """Make ``manifest`` the committed checkpoint of its step. True if this call created it.
+
+    Idempotent: returns False when the same digest is already committed (a retry, a concurrent
+    identical save, or our own earlier PUT whose reply was lost). Raises CommitConflict when a
+    different state is committed under the step.
+    """
+    key, data = manifest_key(manifest.step), dumps(manifest)
+    last_error: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            if store.put_if_absent(key, data):
+                return True
+            existing = read_manifest(store, manifest.step)
+        except (StoreError, NoCheckpoint) as e:  # a lost reply or a transient failure: look again
+            last_error = e
+            time.sleep(min(0.1 * 2**attempt, 2.0))
+            continue
+        if existing.digest == manifest.digest:
+            return False
+        raise CommitConflict(
+            f"step {manifest.step} is already committed in {store.url} with digest {existing.digest}; this "
+            f"state has digest {manifest.digest}. Save under a new step, or delete the run if it is stale."
+        )
+    raise StoreError(f"could not publish step {manifest.step} to {store.url} after {attempts} attempts: {last_error}")
+
+
+# --- fencing -------------------------------------------------------------------------------------
+
+def live_generation(store: Store, part: str) -> int:
+    """The highest fence of ``part`` (0 when it was never fenced)."""
+    gens = [int(k.rsplit("/", 1)[1]) for k in store.list(f"fences/{part}/") if k.rsplit("/", 1)[1].isdigit()]
+    return max(gens, default=0)
+
+
+def fence(store: Store, part: str, generation: int, reason: str = "", by: str = "") -> bool:
+    """Create generation ``generation`` of ``part``. True if this caller won; False if it existed."""
+    doc = {"part": part, "generation": generation, "reason": reason, "by": by, "time": time.time()}
+    return store.put_if_absent(f"fences/{part}/{generation}", json.dumps(doc).encode())
+
+
+def check_live(store: Store, part: str, generation: int) -> None:
+    live = live_generation(store, part)
+    if generation < live:
+        raise FencedError(
+            f"part '{part}' generation {generation} was fenced: generation {live} is live. This attempt "
+            "was declared dead (hung or a zombie) and must stop; the live attempt owns the shard."
+        )
+
+
+def put_fragment(store: Store, fragment: Fragment) -> None:
+    """Write a fragment with put_if_absent; an identical one already there is success."""
+    key = fragment_key(fragment.step, fragment.part, fragment.generation)
+    if store.put_if_absent(key, dumps(fragment)):
+        return
+    existing = loads_fragment(store.get(key), f"{store.url}/{key}")
+    if existing.digest != fragment.digest:
+        raise CommitConflict(
+            f"{store.url}/{key} already holds a different state (digest {existing.digest} != "
+            f"{fragment.digest}): the same generation produced two states. Training is not deterministic, "
+            "or two attempts share a generation; fence the part to start a new generation."
+        )
+
+
+def gather(store: Store, step: int, parts: list[str], *, timeout: float, poll: float = 0.2) -> dict[str, Fragment]:
+    """Wait until every part has a fragment of its live generation for ``step``; return them.
+
+    A fragment of a fenced (older) generation is never taken, whoever wrote it.
+    """
+    deadline = time.monotonic() + timeout
+    found: dict[str, Fragment] = {}
+    while True:
+        for part in parts:
+            gen = live_generation(store, part)
+            if part in found and found[part].generation == gen:
+                continue
+            key = fragment_key(step, part, gen)
+            try:
+                found[part] = loads_fragment(store.get(key), f"{store.url}/{key}")
+            except ObjectNotFound:
+                found.pop(part, None)
+        if len(found) == len(parts) and all(found[p].generation == live_generation(store, p) for p in parts):
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(parts) - set(found))
+            raise TimeoutError(f"step {step}: no fragment of the live generation from parts {missing} "
+                               f"after {timeout:.0f} s in {store.url}")
+        time.sleep(poll)
+    hashes = {f.config_hash for f in found.values()}
+    steps = {f.step for f in found.values()}
+    if len(hashes) > 1 or steps != {step}:
+        raise CommitConflict(f"fragments of step {step} disagree: steps {sorted(steps)}, config hashes {sorted(map(str, hashes))}")
+    return found

@@ -1,0 +1,42 @@
+"""Every error ckptlib raises on purpose. Each message names the cause and the fix."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class: anything ckptlib refuses or cannot do."""
+
+
+class StoreError(CheckpointError):
+    """The storage backend cannot be reached or used (URL, bucket, credentials, network)."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """A key that should exist in the store does not."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class CorruptCheckpoint(CheckpointError):
+    """Stored bytes fail a checksum, do not decode, or a manifest is malformed."""
+
+
+class FormatVersionError(CheckpointError):
+    """A manifest written by a format this version cannot read."""
+
+
+class UnsupportedState(CheckpointError, TypeError):
+    """The state handed to save() holds a value the format cannot represent."""
+
+
+class CommitConflict(CheckpointError):
+    """The step is already committed with a different digest."""
+
+
+class FencedError(CheckpointError):
+    """This writer's generation is no longer live: a newer attempt owns the shard."""
+
+
+class NoCheckpoint(CheckpointError, LookupError):
+    """No committed (or healthy) checkpoint matches the request."""

@@ -1,0 +1,183 @@
+"""Save one part of a checkpoint: snapshot -> chunks -> keyframe/delta -> put_if_absent -> Fragment.
+
+Called by ``Checkpointer`` (the only caller). Contract:
+
+* ``take_snapshot`` is the only step that reads the caller's tensors; after it returns the caller
+  may change them. It copies every leaf into host buffers, reusing spare buffers of a previous
+  snapshot so steady-state saves allocate nothing.
+* ``encode_part`` writes every chunk the part needs that is not already stored, with
+  ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
+  nothing and is safe. It writes no fragment and no manifest; publishing is ``commit``'s job.
+* A chunk is ``unchanged`` (its raw checksum is already in the base's blob table: referenced, not
+  written), a ``delta`` (XOR with the same chunk position in the base, when the base chunk's chain
+  is shorter than ``keyframe_every`` and the delta pays), or a ``keyframe``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import codecs
+from .chunking import chunk_size_for, chunk_views
+from .manifest import Blob, Fragment, Leaf, part_digest
+from .store import Store
+from .tree import LeafSpec, copy_into, flatten
+
+# A delta must save at least this share of the raw size, or the keyframe is tried too.
+_DELTA_PAYS = 0.95
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    chunk_bytes: int
+    keyframe_every: int  # longest delta chain + 1: restore reads at most this many objects per chunk
+    zstd_level: int
+
+
+@dataclass
+class Snapshot:
+    """Host copies of a state's leaves, in flatten order."""
+
+    skeleton: Any
+    specs: list[LeafSpec]
+    buffers: list[np.ndarray]
+    seconds: float = 0.0
+
+
+@dataclass
+class Base:
+    """The previous committed version of a part, held in memory: what deltas are taken against."""
+
+    step: int
+    leaves: dict[str, tuple[Leaf, np.ndarray]]  # path -> (leaf entry, raw bytes)
+    blobs: dict[str, Blob] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fragment: Fragment, buffers: list[np.ndarray]) -> "Base":
+        leaves = {leaf.spec.path: (leaf, buf) for leaf, buf in zip(fragment.leaves, buffers)}
+        return cls(fragment.step, leaves, dict(fragment.blobs))
+
+    def spare_buffers(self) -> dict[int, list[np.ndarray]]:
+        spare: dict[int, list[np.ndarray]] = {}
+        for _, buf in self.leaves.values():
+            spare.setdefault(buf.nbytes, []).append(buf)
+        return spare
+
+
+def take_snapshot(state: Any, pool: Executor, spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
+    """Copy every leaf of ``state`` into host memory (the blocking part of a save)."""
+    t0 = time.perf_counter()
+    skeleton, leaves = flatten(state)
+    spare = spare or {}
+    buffers = []
+    for spec, _ in leaves:
+        reuse = spare.get(spec.nbytes)
+        buffers.append(reuse.pop() if reuse else np.empty(spec.nbytes, dtype=np.uint8))
+    # torch.copy_ and numpy copies release the GIL: copy leaves in parallel.
+    list(pool.map(lambda i: copy_into(leaves[i][1], leaves[i][0], buffers[i]), range(len(leaves))))
+    return Snapshot(skeleton, [spec for spec, _ in leaves], buffers, time.perf_counter() - t0)
+
+
+def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:
+    """Content-derived object key: the same chunk encoded the same way always lands on the same key."""
+    ident = json.dumps([raw_digest, base, codec_configs], sort_keys=True, separators=(",", ":"))
+    h = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+    return f"chunks/{h[:2]}/{h}"
+
+
+def encode_part(
+    snap: Snapshot,
+    base: Base | None,
+    store: Store,
+    pool: Executor,
+    opts: WriteOptions,
+    *,
+    step: int,
+    part: str,
+    generation: int = 0,
+    config_hash: str | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Fragment:
+    known = base.blobs if base else {}
+    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None)
+    sizes = []
+    for i, spec in enumerate(snap.specs):
+        size = chunk_size_for(spec.itemsize, opts.chunk_bytes)
+        sizes.append(size)
+        views = chunk_views(snap.buffers[i], size)
+        prev = base.leaves.get(spec.path) if base else None
+        prev_ok = prev is not None and prev[0].spec.nbytes == spec.nbytes and prev[0].chunk_bytes == size
+        prev_views = chunk_views(prev[1], size) if prev_ok else [None] * len(views)
+        for j, view in enumerate(views):
+            jobs.append((i, view, prev_views[j], prev[0].chunks[j] if prev_ok else None))
+
+    def encode_chunk(job):
+        i, view, base_view, base_digest = job
+        digest = codecs.checksum(view)
+        if digest in known:
+            return digest, None, False, "unchanged"
+        itemsize = snap.specs[i].itemsize
+        chosen, kind, base_ref, depth = None, "keyframe", None, 0
+        base_blob = known.get(base_digest) if base_digest else None
+        if base_blob is not None and base_blob.depth + 1 < opts.keyframe_every:
+            chosen = codecs.delta_codecs(itemsize, opts.zstd_level)
+            payload = codecs.encode(view, chosen, base_view)
+            kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
+            if payload.nbytes >= _DELTA_PAYS * view.nbytes:  # the delta does not pay: try a keyframe
+                key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
+                key_payload = codecs.encode(view, key_codecs)
+                if key_payload.nbytes <= payload.nbytes:
+                    chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
+        else:
+            chosen = codecs.keyframe_codecs(itemsize, opts.zstd_level)
+            payload = codecs.encode(view, chosen)
+        configs = [c.to_config() for c in chosen]
+        key = blob_key(digest, base_ref, configs)
+        wrote = store.put_if_absent(key, payload.tobytes())
+        return digest, Blob(key, payload.nbytes, view.nbytes, tuple(configs), base_ref, depth), wrote, kind
+
+    def leaf_digest(i):
+        return codecs.checksum(snap.buffers[i])
+
+    leaf_digests = pool.map(leaf_digest, range(len(snap.specs)))
+    results = list(pool.map(encode_chunk, jobs))
+    leaf_digests = list(leaf_digests)
+
+    chunk_lists: list[list[str]] = [[] for _ in snap.specs]
+    new_blobs: dict[str, Blob] = {}
+    stats = {"keyframe": 0, "delta": 0, "unchanged": 0}
+    bytes_written = 0
+    for (i, *_), (digest, blob, wrote, kind) in zip(jobs, results):
+        chunk_lists[i].append(digest)
+        stats[kind] += 1
+        if blob is not None:
+            new_blobs.setdefault(digest, blob)
+            bytes_written += blob.size if wrote else 0
+
+    # The blob table holds every object the chunks need: new blobs plus the delta chains of both
+    # new and unchanged chunks, so the fragment restores on its own.
+    table: dict[str, Blob] = {}
+    pending = [d for chunks in chunk_lists for d in chunks]
+    while pending:
+        d = pending.pop()
+        if d in table:
+            continue
+        blob = new_blobs.get(d) or known[d]
+        table[d] = blob
+        if blob.base is not None:
+            pending.append(blob.base)
+
+    leaves = [Leaf(spec, leaf_digests[i], sizes[i], tuple(chunk_lists[i])) for i, spec in enumerate(snap.specs)]
+    return Fragment(
+        step=step, part=part, generation=generation, config_hash=config_hash, skeleton=snap.skeleton,
+        leaves=tuple(leaves), blobs=table, digest=part_digest(snap.skeleton, leaves),
+        logical_bytes=sum(s.nbytes for s in snap.specs), bytes_written=bytes_written, stats=stats,
+        meta=dict(meta or {}),
+    )

@@ -1,0 +1,259 @@
+"""Checkpointer behaviour on real stores: round trips, increments, commit rules, async, GC."""
+
+import random
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptlib import (Checkpointer, CommitConflict, NoCheckpoint, RetentionPolicy, UnsupportedState)
+
+
+def assert_same(a, b, path="state"):
+    """Bit-exact equality of nested states: types, dtypes, shapes and bytes."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):  # an OrderedDict restores as a dict
+        assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.cpu().contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8)) if a.numel() else True, path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, path
+
+
+def small_model_state(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    for _ in range(3):
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched
+
+
+def full_state(model, opt, sched):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "step": 3, "note": "hi", "flags": [True, None, 1.5, float("nan"), float("-inf")], "t": (1, "a")}
+
+
+@pytest.fixture(params=["local", "memory"])
+def url(request, tmp_path):
+    return str(tmp_path / "ck") if request.param == "local" else f"memory://ck-{uuid.uuid4().hex}"
+
+
+def test_model_optimizer_rng_round_trip(url):
+    model, opt, sched = small_model_state()
+    state = full_state(model, opt, sched)
+    with Checkpointer(url) as ck:
+        info = ck.save(10, state)
+        assert info.committed and info.step == 10 and len(info.digest) == 32
+        assert info.logical_bytes > 0 and info.bytes_written > 0
+        assert ck.steps() == [10]
+    restored = Checkpointer(url).restore()
+    assert_same(state, restored)
+    # what restores can be loaded back into the live objects
+    model2, opt2, sched2 = small_model_state(seed=1)
+    model2.load_state_dict(restored["model"])
+    opt2.load_state_dict(restored["optimizer"])
+    sched2.load_state_dict(restored["scheduler"])
+    assert_same(model.state_dict(), model2.state_dict())
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.int16]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(DTYPES), shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+       chunk=st.sampled_from([4096, 8192, 1 << 20]), seed=st.integers(0, 1000))
+def test_any_dtype_shape_chunking_round_trip(tmp_path_factory, dtype, shape, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw &= 1  # other byte values are not valid bools
+    t = raw.view(dtype).reshape(shape)
+    state = {"t": t, "nc": t.t() if t.dim() == 2 else t, "np": np.arange(7, dtype=np.int16), "s": np.float32(2.5)}
+    url = str(tmp_path_factory.mktemp("h"))
+    with Checkpointer(url, chunk_bytes=chunk) as ck:
+        a = ck.save(1, state)
+        t2 = t.clone()
+        if t2.numel():
+            t2.view(-1).view(torch.uint8)[0] ^= 1
+        b = ck.save(2, {**state, "t": t2})
+        assert a.digest != b.digest or t.numel() == 0
+        assert_same(state, ck.restore(1))
+        assert_same({**state, "t": t2}, Checkpointer(url, chunk_bytes=chunk).restore(2))
+
+
+def test_digest_independent_of_chunking_and_encoding(tmp_path):
+    state = {"w": torch.randn(300_000), "b": torch.arange(10)}
+    a = Checkpointer(str(tmp_path / "a"), chunk_bytes=4096, zstd_level=1).save(1, state)
+    b = Checkpointer(str(tmp_path / "b"), chunk_bytes=1 << 22, zstd_level=9).save(1, state)
+    assert a.digest == b.digest
+    c = Checkpointer(str(tmp_path / "c")).save(1, {"w": state["w"].clone(), "b": state["b"].clone()})
+    assert c.digest == a.digest
+
+
+def test_incremental_unchanged_and_sparse_changes(tmp_path):
+    emb = torch.randn(200_000, 16)
+    frozen = torch.randn(500_000)
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 20) as ck:
+        first = ck.save(0, {"emb": emb, "frozen": frozen})
+        assert first.kind == "keyframe"
+        emb[torch.randint(0, 200_000, (300,))] += 0.01  # a few rows change
+        second = ck.save(1, {"emb": emb, "frozen": frozen})
+        assert second.kind == "delta"
+        assert second.chunks["unchanged"] >= 2  # frozen tensor's chunks referenced, not rewritten
+        assert second.bytes_written * 20 < second.logical_bytes
+        third = ck.save(2, {"emb": emb, "frozen": frozen})  # nothing changed at all
+        assert third.bytes_written == 0 and third.chunks["unchanged"] == sum(second.chunks.values())
+        assert_same({"emb": emb, "frozen": frozen}, Checkpointer(str(tmp_path)).restore(2))
+
+
+def test_keyframe_every_bounds_delta_chains(tmp_path):
+    x = torch.randn(100_000)
+    with Checkpointer(str(tmp_path), keyframe_every=3, chunk_bytes=1 << 16) as ck:
+        for step in range(8):
+            x[step * 10] += 1.0  # every chunk but one unchanged; chunk 0 changes each step
+            ck.save(step, {"x": x})
+        for step in range(8):
+            m = ck.manifest(step)
+            assert max(b.depth for b in m.parts["state"].blobs.values()) <= 2
+        assert_same({"x": x}, Checkpointer(str(tmp_path)).restore())
+
+
+def test_same_step_same_state_is_noop_different_is_error(url):
+    state = {"x": torch.arange(100.0)}
+    with Checkpointer(url) as ck:
+        first = ck.save(5, state)
+    again = Checkpointer(url).save(5, state)
+    assert not again.committed and again.digest == first.digest and again.bytes_written == 0
+    with pytest.raises(CommitConflict, match="already committed"):
+        Checkpointer(url).save(5, {"x": torch.arange(100.0) + 1})
+    assert_same(state, Checkpointer(url).restore(5))
+
+
+def test_concurrent_savers_of_one_step_commit_once(tmp_path):
+    url = str(tmp_path)
+    states = [{"x": torch.full((50_000,), float(i))} for i in range(6)]
+    results, errors = [], []
+
+    def run(i):
+        try:
+            results.append((i, Checkpointer(url).save(1, states[i])))
+        except CommitConflict as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, info in results if info.committed]
+    assert len(winners) == 1 and len(errors) == 5
+    assert_same(states[winners[0]], Checkpointer(url).restore(1))
+
+
+def test_save_async_snapshots_before_returning(url):
+    x = torch.zeros(2_000_000)
+    with Checkpointer(url) as ck:
+        fut = ck.save_async(1, {"x": x})
+        x.add_(1.0)  # the caller changes the tensor right away
+        info = fut.result()
+        assert info.blocked_s <= info.durable_s
+        fut2 = ck.save_async(2, {"x": x})
+        x.add_(1.0)
+        fut2.result()
+        assert torch.equal(ck.restore(1)["x"], torch.zeros(2_000_000))
+        assert torch.equal(ck.restore(2)["x"], torch.ones(2_000_000))
+
+
+def test_async_error_surfaces_on_result_and_next_save(url):
+    with Checkpointer(url) as ck:
+        ck.save(3, {"x": torch.ones(10)})
+        fut = ck.save_async(3, {"x": torch.zeros(10)})  # conflicts with the committed step 3
+        with pytest.raises(CommitConflict):
+            fut.result()
+        with pytest.raises(Exception, match="previous background save \\(step 3\\) failed"):
+            ck.save(4, {"x": torch.ones(10)})
+        ck.save(4, {"x": torch.ones(10)})  # reported once, then the checkpointer works again
+        assert ck.steps() == [3, 4]
+
+
+def test_unsupported_state_is_refused_with_path(url):
+    with pytest.raises(UnsupportedState, match="model/extra"):
+        Checkpointer(url).save(1, {"model": {"extra": object()}})
+    with pytest.raises(UnsupportedState, match="layout"):
+        Checkpointer(url).save(1, {"s": torch.eye(3).to_sparse()})
+    with pytest.raises(UnsupportedState, match="object"):
+        Checkpointer(url).save(1, {"a": np.array([object()])})
+    assert Checkpointer(url).steps() == []
+
+
+def test_restore_errors_name_the_problem(url):
+    with pytest.raises(NoCheckpoint, match="no committed checkpoint"):
+        Checkpointer(url).restore()
+    Checkpointer(url).save(1, {"x": torch.ones(3)})
+    with pytest.raises(NoCheckpoint, match="step 7 is not committed"):
+        Checkpointer(url).restore(7)
+    with pytest.raises(NoCheckpoint, match="healthy"):
+        Checkpointer(url).restore(healthy=True)
+
+
+def test_gc_keeps_what_kept_checkpoints_need(tmp_path):
+    url = str(tmp_path)
+    x = torch.randn(300_000)
+    with Checkpointer(url, keyframe_every=4, chunk_bytes=1 << 16) as ck:
+        states = {}
+        for step in range(10):
+            x[: 1000 * (step + 1)] += 0.5
+            ck.save(step, {"x": x})
+            states[step] = x.clone()
+        report = ck.gc(RetentionPolicy(keep_last=2, keep_every=4), grace_s=0)
+        assert report.kept_steps == [0, 4, 8, 9] and report.dropped_steps == [1, 2, 3, 5, 6, 7]
+        assert report.deleted_objects and report.freed_bytes > 0
+        assert ck.steps() == [0, 4, 8, 9]
+        for step in ck.steps():
+            assert not ck.verify(step)
+            assert torch.equal(Checkpointer(url).restore(step)["x"], states[step])
+        # the writer still has its base: the next save is a delta on top of what GC kept
+        x[:10] += 1
+        info = ck.save(10, {"x": x})
+        assert info.kind == "delta"
+        assert torch.equal(Checkpointer(url).restore(10)["x"], x)
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        RetentionPolicy(keep_last=0)
+
+
+def test_gc_dry_run_deletes_nothing_and_grace_protects_fresh_chunks(tmp_path):
+    url = str(tmp_path)
+    with Checkpointer(url) as ck:
+        for step in range(4):
+            ck.save(step, {"x": torch.randn(10_000)})
+        before = sorted(ck.store.list(""))
+        dry = ck.gc(RetentionPolicy(keep_last=1), grace_s=0, dry_run=True)
+        assert dry.deleted_objects and sorted(ck.store.list("")) == before
+        fresh = ck.gc(RetentionPolicy(keep_last=1), grace_s=3600)
+        assert ck.steps() == [3]
+        assert not any(k.startswith("chunks/") for k in fresh.deleted_objects)  # all younger than grace

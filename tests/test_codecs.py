@@ -1,0 +1,75 @@
+"""Pure codec and chunking properties (no I/O)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptlib import codecs
+from ckptlib.chunking import chunk_ranges, chunk_size_for, chunk_views
+from ckptlib.errors import CorruptCheckpoint
+
+raw_bytes = st.binary(min_size=0, max_size=5000).map(lambda b: np.frombuffer(b, dtype=np.uint8).copy())
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=raw_bytes, itemsize=st.sampled_from([1, 2, 4, 8]), level=st.sampled_from([1, 3]), flips=st.integers(0, 50))
+def test_keyframe_and_delta_round_trip(data, itemsize, level, flips):
+    key = codecs.keyframe_codecs(itemsize, level)
+    assert np.array_equal(codecs.decode(codecs.encode(data, key), key, data.nbytes), data)
+    # a delta against a base that differs in a few positions
+    base = data.copy()
+    rng = np.random.default_rng(flips)
+    if base.nbytes:
+        idx = rng.integers(0, base.nbytes, size=flips)
+        base[idx] ^= rng.integers(1, 256, size=flips, dtype=np.uint8)
+    delta = codecs.delta_codecs(itemsize, level)
+    enc = codecs.encode(data, delta, base)
+    assert np.array_equal(codecs.decode(enc, delta, data.nbytes, base), data)
+
+
+def test_unchanged_delta_is_tiny_and_configs_round_trip():
+    data = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32).view(np.uint8)
+    delta = codecs.delta_codecs(4, 3)
+    enc = codecs.encode(data, delta, data.copy())
+    assert enc.nbytes < 200  # all zeros
+    configs = [c.to_config() for c in delta]
+    again = codecs.from_configs(configs)
+    assert [c.to_config() for c in again] == configs
+    assert codecs.uses_base(configs) and not codecs.uses_base(configs[1:])
+
+
+def test_byteplane_helps_float_keyframes():
+    data = np.random.default_rng(0).normal(0, 0.02, 1 << 18).astype(np.float32).view(np.uint8)
+    planes = codecs.encode(data, codecs.keyframe_codecs(4, 3)).nbytes
+    plain = codecs.encode(data, [codecs.Zstd(3)]).nbytes
+    assert planes < plain
+
+
+def test_corrupt_frames_raise():
+    data = np.arange(10000, dtype=np.uint8)
+    key = codecs.keyframe_codecs(1, 3)
+    enc = codecs.encode(data, key).copy()
+    with pytest.raises(CorruptCheckpoint):
+        codecs.decode(enc[: enc.nbytes // 2], key, data.nbytes)
+    enc[enc.nbytes // 2] ^= 0xFF
+    with pytest.raises(CorruptCheckpoint):
+        out = codecs.decode(enc, key, data.nbytes)
+        assert codecs.checksum(out) == codecs.checksum(data)
+        raise CorruptCheckpoint("decoded but checksum differs")  # either way the reader catches it
+    with pytest.raises(CorruptCheckpoint, match="unknown codec"):
+        codecs.from_configs([{"name": "rot13"}])
+
+
+@settings(max_examples=200, deadline=None)
+@given(nbytes=st.integers(0, 100_000), itemsize=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.integers(16, 9000))
+def test_chunks_cover_exactly_and_align(nbytes, itemsize, chunk):
+    nbytes -= nbytes % itemsize
+    size = chunk_size_for(itemsize, chunk)
+    assert size % itemsize == 0 and size >= itemsize
+    ranges = chunk_ranges(nbytes, size)
+    assert sum(b - a for a, b in ranges) == nbytes
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    raw = np.arange(nbytes, dtype=np.uint8)
+    views = chunk_views(raw, size)
+    assert np.array_equal(np.concatenate(views) if views else raw, raw)
