@@ -23,7 +23,7 @@ from . import commit
 from .chunking import DEFAULT_CHUNK_BYTES
 from .errors import CheckpointError, NoCheckpoint, ObjectNotFound
 from .gc import GcReport, collect_garbage
-from .manifest import Fragment, Manifest
+from .manifest import Fragment, Manifest, loads_fragment
 from .reader import Problem, restore_part, verify_part
 from .retention import RetentionPolicy
 from .store import Store
@@ -235,6 +235,20 @@ class Checkpointer:
         commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
         commit.put_fragment(self.store, frag)
         return frag
+
+    def read_fragment(self, step: int, part: str, *, generation: int | None = None,
+                      device: str | torch.device = "cpu") -> Any:
+        """The state in a (possibly not yet committed) fragment; generation None = the live one.
+        Used by a coordinator to combine the shards of a cut before it commits it."""
+        gen = self.live_generation(part) if generation is None else generation
+        key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
+        try:
+            data = self.store.get(key)
+        except ObjectNotFound:
+            raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
+                               f"written step {step} yet") from None
+        frag = loads_fragment(data, f"{self.url}/{key}")
+        return restore_part(frag, self.store, self._pool, device=device)[0]
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
                parent: int | None = None) -> CommitInfo:
