@@ -145,7 +145,7 @@ class Checkpointer:
         for f in m.parts.values():
             for k, v in f.stats.items():
                 stats[k] = stats.get(k, 0) + v
-        return CommitInfo(m.step, m.digest, m.bytes_written if created else 0, m.logical_bytes,
+        return CommitInfo(m.step, m.digest, m.bytes_written, m.logical_bytes,
                           m.stored_bytes, m.kind, stats, created, blocked, durable)
 
     # --- reading ---------------------------------------------------------------------------------
