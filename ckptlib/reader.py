@@ -130,7 +130,20 @@ def restore_part(
 
 def verify_part(fragment: Fragment, store: Store, pool: Executor) -> list[Problem]:
     """Decode everything and check every checksum and digest; report all problems, raise none."""
-    raws = [empty_leaf(leaf.spec)[1] for leaf in fragment.leaves]
+    return inspect_part(fragment, store, pool)[1]
+
+
+def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[Problem]]:
+    """``verify_part`` that also keeps what it decoded, for validation: one pass over the chunks.
+
+    Returns (leaves, problems): the finished CPU leaf object of every intact leaf in flatten order
+    (None for a leaf with a problem) and every problem found. Raises none for corruption.
+    """
+    objects, raws = [], []
+    for leaf in fragment.leaves:
+        obj, raw = empty_leaf(leaf.spec)
+        objects.append(obj)
+        raws.append(raw)
     problems = _decode_into(fragment, store, pool, raws)
     bad_tensors = {p.tensor for p in problems}
     for leaf, raw in zip(fragment.leaves, raws):
@@ -140,4 +153,7 @@ def verify_part(fragment: Fragment, store: Store, pool: Executor) -> list[Proble
     if not problems and part_digest(fragment.skeleton, list(fragment.leaves)) != fragment.digest:
         problems.append(Problem(fragment.step, fragment.part, "/", None, None,
                                 "logical digest does not match the manifest"))
-    return problems
+    bad_tensors = {p.tensor for p in problems}
+    leaves = [None if leaf.spec.path in bad_tensors else finish_leaf(obj, leaf.spec, "cpu")
+              for obj, leaf in zip(objects, fragment.leaves)]
+    return leaves, problems
