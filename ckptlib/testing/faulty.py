@@ -1,0 +1,199 @@
+"""FaultyStore: a Store wrapper that injects faults by rule, for protocol tests.
+
+    fs = FaultyStore(Store.from_url("memory://t"))
+    fs.fail_on("put_if_absent", "manifests/*", times=1)  # InjectedFault before writing: nothing stored
+    fs.lose_reply("put_if_absent", "manifests/*")         # stored, then InjectedFault (reply lost)
+    fs.truncate_on("put_if_absent", "chunks/*")           # stores only the first half of the bytes
+    fs.drop("put", "heartbeats/*")                        # reports success, stores nothing
+    fs.delay("get", "chunks/*", 0.5)                      # sleeps before the call
+    fs.crash_after("put_if_absent", "fragments/*")        # stored, then SimulatedCrash; dead from then on
+    ...
+    assert fs.keys("put_if_absent") == ["chunks/ab/abcd", "manifests/3.json"]
+
+Rules match the operation and the key with fnmatch (``"put*"`` matches put and put_if_absent,
+``"*"`` any key; for ``list`` the key is the prefix). A rule fires on at most ``times`` matching
+calls (None: on all of them). Rules are checked in the order they were added: every matching delay
+sleeps, then the first matching other rule decides what happens. Every call is recorded in
+``calls``, with the fault it got.
+
+``InjectedFault`` is a StoreError: the code under test should handle it like any storage failure.
+``SimulatedCrash`` is a BaseException, so ``except Exception`` does not swallow it, as a dead
+process would not run its handlers; after it, every call on this store (and its children) raises
+it again until ``reset()``. Use ``fs.inner`` (or a new wrapper) for the "restarted" process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Callable
+
+from ckptlib.errors import StoreError
+from ckptlib.store import Store
+
+OPS = ("get", "put", "put_if_absent", "exists", "list", "delete", "modified")
+_WRITES = ("put", "put_if_absent", "delete")
+
+
+class InjectedFault(StoreError):
+    """A storage failure injected by FaultyStore."""
+
+
+class SimulatedCrash(BaseException):
+    """The writer "died" here (injected by FaultyStore.crash_after)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call on a FaultyStore: the operation, the key (prefix for list), the fault injected."""
+
+    op: str
+    key: str
+    fault: str | None = None  # None, "fail", "lose_reply", "truncate", "drop", "crash", "dead"
+
+
+@dataclass
+class _Rule:
+    kind: str
+    op: str
+    pattern: str
+    times: int | None
+    seconds: float = 0.0
+
+    def take(self, op: str, key: str) -> bool:
+        """Whether this rule fires for (op, key); uses up one of its ``times``."""
+        if self.times == 0 or not (fnmatchcase(op, self.op) and fnmatchcase(key, self.pattern)):
+            return False
+        if self.times is not None:
+            self.times -= 1
+        return True
+
+
+@dataclass
+class _State:  # shared by a FaultyStore and its children
+    rules: list[_Rule] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    crashed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class FaultyStore(Store):
+    """Same API as ``inner``; faults are injected by the rules added with the methods below."""
+
+    def __init__(self, inner: Store, _state: _State | None = None):
+        self.inner = inner
+        self.url = inner.url
+        self.capabilities = inner.capabilities
+        self._state = _state or _State()
+
+    # ------------------------------------------------------------------ rules
+
+    def _add(self, kind: str, op: str, pattern: str, times: int | None, allowed=OPS, seconds=0.0):
+        if not any(fnmatchcase(o, op) for o in allowed):
+            raise ValueError(f"{kind} rule for op {op!r} matches none of {allowed}")
+        with self._state.lock:
+            self._state.rules.append(_Rule(kind, op, pattern, times, seconds))
+        return self
+
+    def fail_on(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
+        """Raise InjectedFault instead of performing the call (a crash before the write)."""
+        return self._add("fail", op, pattern, times)
+
+    def lose_reply(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
+        """Perform the call, then raise InjectedFault as if its reply was lost."""
+        return self._add("lose_reply", op, pattern, times)
+
+    def truncate_on(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
+        """Writes store only the first half of the bytes; get returns only the first half."""
+        return self._add("truncate", op, pattern, times, allowed=("get", "put", "put_if_absent"))
+
+    def drop(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
+        """Writes report success (put_if_absent: True) but store or delete nothing."""
+        return self._add("drop", op, pattern, times, allowed=_WRITES)
+
+    def delay(self, op: str, pattern: str, seconds: float, times: int | None = None) -> FaultyStore:
+        """Sleep ``seconds`` before performing the call."""
+        return self._add("delay", op, pattern, times, seconds=seconds)
+
+    def crash_after(self, op: str, pattern: str = "*") -> FaultyStore:
+        """Perform the first matching call, then raise SimulatedCrash; every later call raises it too."""
+        return self._add("crash", op, pattern, times=1)
+
+    def reset(self) -> None:
+        """Remove all rules and revive a crashed store; keeps ``calls``."""
+        with self._state.lock:
+            self._state.rules.clear()
+            self._state.crashed = False
+
+    @property
+    def calls(self) -> list[Call]:
+        return self._state.calls
+
+    def keys(self, op: str) -> list[str]:
+        """Keys of the recorded calls of ``op``, in call order."""
+        return [c.key for c in self.calls if c.op == op]
+
+    # ------------------------------------------------------------------ the wrapper
+
+    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None):
+        state = self._state
+        with state.lock:
+            if state.crashed:
+                state.calls.append(Call(op, key, "dead"))
+                raise SimulatedCrash(f"{op} {key!r}: this store's writer crashed earlier")
+            pause, fault = 0.0, None
+            for rule in state.rules:
+                if (rule.kind == "delay" or fault is None) and rule.take(op, key):
+                    if rule.kind == "delay":
+                        pause += rule.seconds
+                    else:
+                        fault = rule.kind
+            state.calls.append(Call(op, key, fault))
+            if fault == "crash":
+                state.crashed = True
+        if pause:
+            time.sleep(pause)
+        if fault == "fail":
+            raise InjectedFault(f"injected failure: {op} {key!r} in {self.url} was not performed")
+        if fault == "drop" and op in _WRITES:
+            return True if op == "put_if_absent" else None
+        if fault == "truncate" and data is not None:
+            data = data[: len(data) // 2]
+        result = do(data) if data is not None else do()
+        if fault == "truncate" and op == "get":
+            result = result[: len(result) // 2]
+        if fault == "lose_reply":
+            raise InjectedFault(f"injected lost reply: {op} {key!r} in {self.url} was performed")
+        if fault == "crash":
+            raise SimulatedCrash(f"injected crash after {op} {key!r} in {self.url}")
+        return result
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key, lambda: self.inner.get(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        return self._call("put", key, lambda d: self.inner.put(key, d), data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        return self._call("put_if_absent", key, lambda d: self.inner.put_if_absent(key, d), data)
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, lambda: self.inner.exists(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        return self._call("delete", key, lambda: self.inner.delete(key))
+
+    def modified(self, key: str) -> float:
+        return self._call("modified", key, lambda: self.inner.modified(key))
+
+    def child(self, subpath: str) -> FaultyStore:
+        """The inner store's child, wrapped; shares rules, calls and crash state with this one."""
+        return FaultyStore(self.inner.child(subpath), self._state)
+
+    def __repr__(self) -> str:
+        return f"FaultyStore({self.inner!r})"

