@@ -121,8 +121,22 @@ class Checkpointer:
     def _snapshot(self, part: str, state: Any) -> Snapshot:
         return take_snapshot(state, self._pool, spare=self._spare.pop(part, None))
 
+    def _base(self, part: str) -> Base | None:
+        """The delta base of ``part``. A writer that has neither saved nor restored yet starts from
+        the blob table of the latest committed checkpoint: its unchanged chunks are then referenced
+        instead of re-encoded (deltas need the base bytes, which only a restore brings)."""
+        if part not in self._bases:
+            latest = self.latest_step()
+            if latest is None:
+                return None
+            frag = commit.read_manifest(self.store, latest).parts.get(part)
+            if frag is None:
+                return None
+            self._bases[part] = Base(frag.step, {}, dict(frag.blobs))
+        return self._bases[part]
+
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float) -> CommitInfo:
-        base = self._bases.get(SINGLE_PART)
+        base = self._base(SINGLE_PART)
         fragment = encode_part(snap, base, self.store, self._pool, self.options, step=step, part=SINGLE_PART)
         manifest = commit.build_manifest(step, base.step if base else None, {SINGLE_PART: fragment},
                                          single=True, meta=meta)
@@ -230,7 +244,7 @@ class Checkpointer:
         commit.check_part_name(part)
         commit.check_live(self.store, part, generation)
         snap = self._snapshot(part, state)
-        frag = encode_part(snap, self._bases.get(part), self.store, self._pool, self.options, step=step,
+        frag = encode_part(snap, self._base(part), self.store, self._pool, self.options, step=step,
                            part=part, generation=generation, config_hash=config_hash, meta=meta)
         commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
         commit.put_fragment(self.store, frag)

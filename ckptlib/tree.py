@@ -40,6 +40,13 @@ class LeafSpec:
     nbytes: int
     itemsize: int
 
+    @property
+    def is_float(self) -> bool:
+        """Real floating point elements (what sparse deltas may map to ordered integers)."""
+        if self.kind == "torch":
+            return self.dtype in ("float16", "bfloat16", "float32", "float64")
+        return np.dtype(self.dtype).kind == "f"
+
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "kind": self.kind, "dtype": self.dtype,
                 "shape": list(self.shape), "nbytes": self.nbytes, "itemsize": self.itemsize}

@@ -32,6 +32,8 @@ from .tree import LeafSpec, copy_into, flatten
 
 # A delta must save at least this share of the raw size, or the keyframe is tried too.
 _DELTA_PAYS = 0.95
+# An XOR delta already this many times smaller than the chunk is not worth a sparse attempt.
+_SPARSE_WORTH_TRYING = 64
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,11 @@ def encode_part(
             chosen = codecs.delta_codecs(itemsize, opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
+            sparse = codecs.sparse_codecs(itemsize, opts.zstd_level, snap.specs[i].is_float)
+            if sparse and payload.nbytes * _SPARSE_WORTH_TRYING > view.nbytes:
+                sparse_payload = codecs.encode(view, sparse, base_view)
+                if sparse_payload.nbytes < payload.nbytes:
+                    chosen, payload = sparse, sparse_payload
             if payload.nbytes >= _DELTA_PAYS * view.nbytes:  # the delta does not pay: try a keyframe
                 key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
                 key_payload = codecs.encode(view, key_codecs)

@@ -257,3 +257,12 @@ def test_gc_dry_run_deletes_nothing_and_grace_protects_fresh_chunks(tmp_path):
         fresh = ck.gc(RetentionPolicy(keep_last=1), grace_s=3600)
         assert ck.steps() == [3]
         assert not any(k.startswith("chunks/") for k in fresh.deleted_objects)  # all younger than grace
+
+
+def test_fresh_writer_references_unchanged_chunks_of_the_latest_commit(tmp_path):
+    state = {"frozen": torch.randn(1_000_000), "head": torch.randn(1000)}
+    Checkpointer(str(tmp_path), chunk_bytes=1 << 20).save(1, state)
+    state["head"] += 1
+    info = Checkpointer(str(tmp_path), chunk_bytes=1 << 20).save(2, state)  # a new process, no restore
+    assert info.chunks["unchanged"] == 4 and info.bytes_written < 10_000
+    assert_same(state, Checkpointer(str(tmp_path)).restore(2))

@@ -73,3 +73,32 @@ def test_chunks_cover_exactly_and_align(nbytes, itemsize, chunk):
     raw = np.arange(nbytes, dtype=np.uint8)
     views = chunk_views(raw, size)
     assert np.array_equal(np.concatenate(views) if views else raw, raw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=raw_bytes, itemsize=st.sampled_from([1, 2, 4, 8]), is_float=st.booleans(), flips=st.integers(0, 300))
+def test_sparse_delta_round_trips_any_bits(data, itemsize, is_float, flips):
+    data = data[: data.nbytes - data.nbytes % itemsize]
+    base = data.copy()
+    rng = np.random.default_rng(flips)
+    if base.nbytes:
+        idx = rng.integers(0, base.nbytes, size=flips)
+        base[idx] ^= rng.integers(1, 256, size=flips, dtype=np.uint8)
+    sparse = codecs.sparse_codecs(itemsize, 3, is_float)
+    enc = codecs.encode(data, sparse, base)
+    configs = [c.to_config() for c in sparse]
+    assert np.array_equal(codecs.decode(enc, codecs.from_configs(configs), data.nbytes, base), data)
+
+
+def test_sparse_delta_wins_on_ulp_steps_of_bf16():
+    import torch
+
+    w = torch.randn(1 << 20) * 0.02
+    before = w.to(torch.bfloat16)
+    w += 2e-5 * torch.randn_like(w).sign()  # about 10% of bf16 values move by one ulp
+    after = w.to(torch.bfloat16)
+    base = before.view(torch.uint8).numpy()
+    new = after.view(torch.uint8).numpy()
+    xor = codecs.encode(new, codecs.delta_codecs(2, 3), base).nbytes
+    sparse = codecs.encode(new, codecs.sparse_codecs(2, 3, True), base).nbytes
+    assert sparse < xor
