@@ -251,9 +251,11 @@ class Checkpointer:
         return frag
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
-                      device: str | torch.device = "cpu") -> Any:
+                      device: str | torch.device = "cpu", adopt: bool = False) -> Any:
         """The state in a (possibly not yet committed) fragment; generation None = the live one.
-        Used by a coordinator to combine the shards of a cut before it commits it."""
+        Used by a coordinator to combine the shards of a cut before it commits it. ``adopt=True``
+        makes the fragment the delta base of this Checkpointer's next write of ``part`` (as
+        ``restore`` does): a writer that continues from an uncommitted fragment then writes deltas."""
         gen = self.live_generation(part) if generation is None else generation
         key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
         try:
@@ -262,7 +264,10 @@ class Checkpointer:
             raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                f"written step {step} yet") from None
         frag = loads_fragment(data, f"{self.url}/{key}")
-        return restore_part(frag, self.store, self._pool, device=device)[0]
+        state, raws = restore_part(frag, self.store, self._pool, device=device)
+        if adopt:
+            self._adopt(part, frag, [raw.copy() for raw in raws])
+        return state
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
                parent: int | None = None) -> CommitInfo:
