@@ -129,13 +129,14 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
 )}
 
 
-def copy_into(obj: Any, spec: LeafSpec, out: np.ndarray) -> None:
-    """Copy a leaf's bytes into ``out`` (uint8, spec.nbytes long). One copy from any device/layout."""
+def copy_into(obj: Any, spec: LeafSpec, out: np.ndarray, non_blocking: bool = False) -> None:
+    """Copy a leaf's bytes into ``out`` (uint8, spec.nbytes long). One copy from any device/layout.
+    ``non_blocking`` (pinned ``out`` only): the caller synchronises the device before using ``out``."""
     if spec.nbytes == 0:
         return
     if spec.kind == "torch":
         dst = torch.from_numpy(out).view(obj.dtype).view(obj.shape)
-        dst.copy_(obj.detach())
+        dst.copy_(obj.detach(), non_blocking=non_blocking and obj.is_cuda)
     else:
         out[:] = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
 

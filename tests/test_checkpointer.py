@@ -266,3 +266,19 @@ def test_fresh_writer_references_unchanged_chunks_of_the_latest_commit(tmp_path)
     info = Checkpointer(str(tmp_path), chunk_bytes=1 << 20).save(2, state)  # a new process, no restore
     assert info.chunks["unchanged"] == 4 and info.bytes_written < 10_000
     assert_same(state, Checkpointer(str(tmp_path)).restore(2))
+
+
+def test_upload_bandwidth_limit_spreads_the_upload(tmp_path):
+    import time
+
+    from ckptlib.throttle import RateLimiter
+
+    limiter = RateLimiter(1_000_000)  # 1 MB/s
+    t0 = time.monotonic()
+    waited = sum(limiter.acquire(250_000) for _ in range(8))  # 2 MB: ~1 s of burst, then ~1 s of waiting
+    assert waited > 0.5 and time.monotonic() - t0 > 0.5
+    state = {"x": torch.randn(200_000).numpy()}  # ~0.8 MB, incompressible-ish
+    info = Checkpointer(str(tmp_path), max_upload_bytes_per_s=2_000_000).save(1, state)
+    assert info.bytes_written > 500_000
+    with pytest.raises(ValueError, match="max_upload_bytes_per_s"):
+        RateLimiter(-1)
