@@ -1,0 +1,258 @@
+"""Validation reports people review, written through the Store (local or S3) beside the checkpoint.
+
+    reports/<step>/index.html     overview: verdict, failed expectations and where, numbers, plot, links
+    reports/<step>/tensors.html   Great Expectations Data Docs page of the tensor suite
+    reports/<step>/parts.html     Great Expectations Data Docs page of the parts (shards) suite
+    reports/<step>/summary.json   the verdict plus the history the plot shows
+    reports/<step>/tensors.csv    the per-tensor statistics GX judged
+    reports/<step>/parts.csv      the per-part statistics GX judged
+    reports/<step>/run.png        the run so far: bytes written per checkpoint against full size,
+                                  loss, validation verdicts (1200 x 800 px)
+    reports/index.html            every checkpoint with its verdict, linking each report
+
+Called by ``ckptlib.validate`` (step reports and the index after each validation) and by
+``ckpt report`` (the index). Only ``reports/`` keys are written. matplotlib is driven through its
+object API (Figure + Agg canvas, no pyplot state), so reports may be drawn from several threads.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import logging
+from typing import Any
+
+from . import commit
+from .errors import CheckpointError
+from .store import Store
+
+log = logging.getLogger("ckptlib.report")
+
+PLOT_SIZE_PX = (1200, 800)
+_DPI = 100
+
+
+def _esc(v: Any) -> str:
+    return html.escape("" if v is None else str(v))
+
+
+def _mib(n: Any) -> str:
+    return "" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+# --- history of a run ------------------------------------------------------------------------------
+
+def run_history(store: Store, *, override: dict | None = None) -> list[dict]:
+    """One row per committed step: bytes, loss and verdict. Verdicts carry the numbers; a step
+    without one costs one manifest read. ``override`` is a fresh verdict not yet stored."""
+    from .validate import list_verdicts, manifest_loss
+
+    verdicts = list_verdicts(store)
+    if override is not None:
+        verdicts[override["step"]] = override
+    rows = []
+    for step in commit.committed_steps(store):
+        v = verdicts.get(step)
+        s = (v or {}).get("summary") or {}
+        row = {"step": step, "passed": None if v is None else bool(v.get("passed")),
+               "failed": list((v or {}).get("failed", [])),
+               "bytes_written": s.get("bytes_written"), "logical_bytes": s.get("logical_bytes"),
+               "loss": s.get("loss"), "eval_loss": s.get("eval_loss"), "kind": s.get("kind"),
+               "report": (v or {}).get("report", {}).get("html")}
+        if row["logical_bytes"] is None:
+            try:
+                m = commit.read_manifest(store, step)
+                loss, ev = manifest_loss(m)
+                row.update(bytes_written=m.bytes_written, logical_bytes=m.logical_bytes, loss=loss,
+                           eval_loss=ev, kind=m.kind)
+            except CheckpointError as e:
+                log.warning("step %d of %s: manifest unreadable for the report (%s)", step, store.url, e)
+        rows.append(row)
+    return rows
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f
+
+
+def plot_run(history: list[dict], *, title: str = "", highlight: int | None = None) -> bytes:
+    """PNG (``PLOT_SIZE_PX``) of a run: bytes written per checkpoint against its full size (top),
+    loss (middle), each checkpoint's validation verdict (bottom strip: green passed, red failed,
+    grey not validated). ``highlight`` marks the step the report is about."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(PLOT_SIZE_PX[0] / _DPI, PLOT_SIZE_PX[1] / _DPI), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 0.7]})
+    steps = [r["step"] for r in history]
+    peak = max([_num(r.get("logical_bytes")) or 0 for r in history] + [_num(r.get("bytes_written")) or 0 for r in history] + [1])
+    unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20) if peak >= 2**20 else ("KiB", 2**10)
+    nan = float("nan")
+    written = [(_num(r.get("bytes_written")) or 0) / scale for r in history]
+    full = [nan if _num(r.get("logical_bytes")) is None else _num(r.get("logical_bytes")) / scale for r in history]
+    colors = ["#2e7d32" if r["passed"] else "#c62828" if r["passed"] is False else "#9e9e9e" for r in history]
+    width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1)
+    ax1.bar(steps, written, width=width, color="#42a5f5", label="bytes written")
+    ax1.plot(steps, full, "k--", marker=".", label="full size (logical bytes)")
+    ax1.set_ylabel(unit)
+    ax1.set_ylim(bottom=0)
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_title(title or "checkpoints of the run", fontsize=10)
+    ax1.grid(alpha=0.3)
+    loss = [_num(r.get("loss")) for r in history]
+    ev = [_num(r.get("eval_loss")) for r in history]
+    if any(v is not None for v in loss):
+        ax2.plot(steps, [nan if v is None else v for v in loss], "-o", color="#1565c0", ms=3, label="loss")
+    if any(v is not None for v in ev):
+        ax2.plot(steps, [nan if v is None else v for v in ev], "-s", color="#ef6c00", ms=3, label="eval loss")
+    ax2.set_ylabel("loss")
+    ax2.grid(alpha=0.3)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(loc="upper right", fontsize=8)
+    else:
+        ax2.text(0.5, 0.5, "no loss recorded", transform=ax2.transAxes, ha="center", color="#757575")
+    ax3.scatter(steps, [0] * len(steps), c=colors, s=60, marker="s")
+    for s_, r in zip(steps, history):
+        if r["passed"] is False and len(history) <= 40:
+            ax3.annotate("failed", (s_, 0), textcoords="offset points", xytext=(0, -14), ha="center",
+                         color="#c62828", fontsize=7)
+    ax3.set_yticks([])
+    ax3.set_ylim(-1, 1)
+    ax3.set_ylabel("verdict", rotation=0, ha="right", va="center")
+    ax3.set_xlabel("checkpoint step (green: passed, red: failed, grey: not validated)")
+    ax3.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if highlight is not None and highlight in steps:
+        for ax in (ax1, ax2, ax3):
+            ax.axvline(highlight, color="#6a1b9a", alpha=0.4, lw=1)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI)
+    return buf.getvalue()
+
+
+# --- per-step report -----------------------------------------------------------------------------
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;
+font-size:14px}th{background:#f5f5f5}.pass{color:#2e7d32;font-weight:bold}.fail{color:#c62828;font-weight:bold}
+code{background:#f5f5f5;padding:1px 3px}img{max-width:100%}"""
+
+
+def _verdict_html(v: dict, links: dict[str, str]) -> str:
+    s = v.get("summary", {})
+    ok = v.get("passed")
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoint {v['step']}: "
+           f"{'PASSED' if ok else 'FAILED'}</title><style>{_CSS}</style></head><body>",
+           f"<h1>Checkpoint step {v['step']}: <span class='{'pass' if ok else 'fail'}'>"
+           f"{'PASSED' if ok else 'FAILED'}</span></h1>",
+           f"<p>Run <code>{_esc(v.get('run'))}</code>, validated {_esc(v.get('validated_at'))} in "
+           f"{_esc(v.get('seconds', {}).get('total'))} s. "
+           f"{_esc(v.get('expectations', {}).get('successful'))}/{_esc(v.get('expectations', {}).get('evaluated'))} "
+           "expectations met.</p>"]
+    if v.get("failures"):
+        out.append("<h2>Failed expectations</h2><table><tr><th>expectation</th><th>what it checks</th>"
+                   "<th>count</th><th>where</th></tr>")
+        for f in v["failures"]:
+            where = "<br>".join(_esc(w) for w in f.get("where", [])[:30])
+            if len(f.get("where", [])) > 30:
+                where += f"<br>... and {len(f['where']) - 30} more"
+            out.append(f"<tr><td class='fail'>{_esc(f['expectation'])}</td><td>{_esc(f.get('what'))}</td>"
+                       f"<td>{_esc(f.get('count'))}</td><td>{where}</td></tr>")
+        out.append("</table>")
+    out.append("<h2>Numbers</h2><table>")
+    for k in ("kind", "parent", "parts", "shards_present", "shards_expected", "tensors", "logical_bytes",
+              "bytes_written", "stored_bytes", "ratio", "loss", "eval_loss", "round", "previous_healthy_step",
+              "nan_count", "inf_count", "max_abs_value", "max_norm", "max_rel_change", "min_second_moment",
+              "data_positions", "digest"):
+        val = s.get(k)
+        if k.endswith("_bytes") and val is not None:
+            val = f"{val} ({_mib(val)})"
+        out.append(f"<tr><th>{_esc(k)}</th><td>{_esc(val)}</td></tr>")
+    out.append("</table><h2>Run so far</h2><img src='run.png' alt='run plot'>")
+    out.append("<h2>Details</h2><ul>" + "".join(f"<li><a href='{_esc(href)}'>{_esc(text)}</a></li>"
+                                                 for text, href in links.items()) + "</ul>")
+    out.append(f"<h2>Thresholds</h2><pre>{_esc(json.dumps(v.get('thresholds', {}), indent=1))}</pre>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dict) -> dict[str, str]:
+    """Write ``reports/<step>/...`` for a verdict; returns {what: key}. Updates ``verdict["seconds"]``
+    is left to the caller; raises StoreError when the store cannot be written."""
+    from .validate import render_gx_html, report_prefix
+
+    step = verdict["step"]
+    pre = report_prefix(step)
+    keys: dict[str, str] = {}
+    links: dict[str, str] = {}
+    for table, res in gx_results.items():
+        key = f"{pre}{table}.html"
+        store.put(key, render_gx_html(res).encode())
+        keys[f"gx_{table}_html"] = key
+        links[f"Great Expectations Data Docs: {table} suite"] = f"{table}.html"
+    for table, df in tables.items():
+        key = f"{pre}{table}.csv"
+        store.put(key, df.to_csv(index=False).encode())
+        keys[f"{table}_csv"] = key
+        links[f"{table} statistics (CSV)"] = f"{table}.csv"
+    history = run_history(store, override=verdict)
+    store.put(f"{pre}run.png", plot_run(history, title=f"{store.url} (step {step})", highlight=step))
+    keys["plot"] = f"{pre}run.png"
+    links["summary (JSON)"] = "summary.json"
+    links["all checkpoints of the run"] = "../index.html"
+    summary = dict(verdict)
+    summary["history"] = history
+    store.put(f"{pre}summary.json", json.dumps(summary, indent=1, default=str).encode())
+    keys["summary"] = f"{pre}summary.json"
+    store.put(f"{pre}index.html", _verdict_html(verdict, links).encode())
+    keys["html"] = f"{pre}index.html"
+    return keys
+
+
+# --- the run's index -----------------------------------------------------------------------------
+
+def index_rows(store: Store) -> list[dict]:
+    """Every committed checkpoint with its verdict and report location (for ``ckpt report``)."""
+    rows = run_history(store)
+    for r in rows:
+        r["verdict"] = "passed" if r["passed"] else "failed" if r["passed"] is False else "not validated"
+        r["ratio"] = (round(r["logical_bytes"] / max(r["bytes_written"], 1), 2)
+                      if r.get("logical_bytes") is not None and r.get("bytes_written") is not None else None)
+        r["report_url"] = f"{store.url}/{r['report']}" if r.get("report") else None
+    return rows
+
+
+def write_run_index(store: Store) -> str:
+    """Write (refresh) ``reports/index.html``: one row per checkpoint linking its report, and the
+    plot of the latest report. Returns the key."""
+    rows = index_rows(store)
+    latest = max((r["step"] for r in rows if r.get("report")), default=None)
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoints of {_esc(store.url)}</title>"
+           f"<style>{_CSS}</style></head><body><h1>Checkpoints of <code>{_esc(store.url)}</code></h1>",
+           f"<p>{len(rows)} committed, {sum(1 for r in rows if r['passed'])} healthy (committed and passed), "
+           f"{sum(1 for r in rows if r['passed'] is False)} failed, "
+           f"{sum(1 for r in rows if r['passed'] is None)} not validated.</p>",
+           "<table><tr><th>step</th><th>verdict</th><th>failed expectations</th><th>kind</th>"
+           "<th>bytes written</th><th>full size</th><th>ratio</th><th>loss</th><th>report</th></tr>"]
+    for r in rows:
+        cls = "pass" if r["passed"] else "fail" if r["passed"] is False else ""
+        link = f"<a href='{r['step']}/index.html'>report</a>" if r.get("report") else ""
+        loss = _num(r.get("loss"))
+        out.append(f"<tr><td>{r['step']}</td><td class='{cls}'>{_esc(r['verdict'])}</td>"
+                   f"<td>{_esc(', '.join(r['failed']))}</td><td>{_esc(r.get('kind'))}</td>"
+                   f"<td>{_esc(_mib(r.get('bytes_written')))}</td><td>{_esc(_mib(r.get('logical_bytes')))}</td>"
+                   f"<td>{_esc(r.get('ratio'))}</td><td>{'' if loss is None else f'{loss:.4f}'}</td>"
+                   f"<td>{link}</td></tr>")
+    out.append("</table>")
+    if latest is not None:
+        out.append(f"<h2>Run so far (as of step {latest})</h2><img src='{latest}/run.png' alt='run plot'>")
+    out.append("</body></html>")
+    store.put("reports/index.html", "\n".join(out).encode())
+    return "reports/index.html"
