@@ -1,1 +1,92 @@
-"""(being written)"""
+"""`ckpt validate` and `ckpt report`: judge checkpoints and list their verdicts and reports.
+
+Both run ckptlib.validate directly (no Prefect needed). Exit codes of `validate`: 0 passed,
+1 failed, 2 the step is not committed or the arguments are wrong, 3 the store cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from .cli import app
+
+
+def _options(storage_options: Optional[str]) -> Optional[dict]:
+    if not storage_options:
+        return None
+    try:
+        opts = json.loads(storage_options)
+    except ValueError as e:
+        raise typer.BadParameter(f"--storage-options must be a JSON object ({e})") from None
+    if not isinstance(opts, dict):
+        raise typer.BadParameter("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
+    return opts
+
+
+@app.command("validate")
+def validate(
+    url: str = typer.Argument(..., help="The run's store URL (path, file://, s3://bucket/prefix)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step; default the latest committed."),
+    storage_options: Optional[str] = typer.Option(None, "--storage-options", help="s3fs options as JSON."),
+    thresholds: Optional[str] = typer.Option(None, "--thresholds",
+                                             help='Threshold overrides as JSON, e.g. \'{"max_rel_change": 20}\'.'),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole verdict as JSON."),
+) -> None:
+    """Validate a committed checkpoint: integrity, structure, numerics, optimizer, progress.
+
+    Writes validations/<step>.json and reports/<step>/ beside it. Exit 0 when it passed, 1 when it
+    failed (the failed expectations and where are printed)."""
+    from ckptlib.errors import NoCheckpoint, StoreError
+    from ckptlib.validate import format_verdict, validate_checkpoint
+
+    opts = _options(storage_options)
+    try:
+        th = json.loads(thresholds) if thresholds else None
+        verdict = validate_checkpoint(url, step, storage_options=opts, thresholds=th)
+    except (NoCheckpoint, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    except StoreError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3)
+    typer.echo(json.dumps(verdict, indent=1, default=str) if as_json else format_verdict(verdict))
+    raise typer.Exit(0 if verdict["passed"] else 1)
+
+
+@app.command("report")
+def report(
+    url: str = typer.Argument(..., help="The run's store URL."),
+    storage_options: Optional[str] = typer.Option(None, "--storage-options", help="s3fs options as JSON."),
+) -> None:
+    """List every checkpoint with its verdict and report; write/refresh reports/index.html."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ckptlib.errors import StoreError
+    from ckptlib.report import index_rows, write_run_index
+    from ckptlib.store import Store
+
+    try:
+        store = Store.from_url(url, _options(storage_options))
+        rows = index_rows(store)
+        key = write_run_index(store)
+    except StoreError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3)
+    table = Table(title=f"checkpoints of {store.url}")
+    for col in ("step", "verdict", "failed expectations", "kind", "written MiB", "full MiB", "ratio", "loss",
+                "report"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        style = "green" if r["passed"] else "red" if r["passed"] is False else "dim"
+        mib = lambda n: "" if n is None else f"{n / 2**20:.2f}"  # noqa: E731
+        loss = r.get("loss")
+        table.add_row(str(r["step"]), f"[{style}]{r['verdict']}[/{style}]", ", ".join(r["failed"]),
+                      str(r.get("kind") or ""), mib(r.get("bytes_written")), mib(r.get("logical_bytes")),
+                      "" if r.get("ratio") is None else str(r["ratio"]),
+                      "" if not isinstance(loss, (int, float)) else f"{loss:.4f}", r.get("report_url") or "")
+    Console(width=200).print(table)
+    typer.echo(f"index: {store.url}/{key}")

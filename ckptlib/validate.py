@@ -295,25 +295,39 @@ def _stats(obj: Any) -> dict[str, Any]:
     f = _floating(t)
     if f is None:  # integers and bools hold no NaN or Inf
         return {"nan_count": 0, "inf_count": 0}
-    out: dict[str, Any] = {"nan_count": int(torch.isnan(f).sum()), "inf_count": int(torch.isinf(f).sum())}
-    if f.numel():
-        finite = f if out["nan_count"] == 0 and out["inf_count"] == 0 else f[torch.isfinite(f)]
-        if finite.numel():
-            out["min"], out["max"] = float(finite.min()), float(finite.max())
-            out["abs_max"] = max(abs(out["min"]), abs(out["max"]))
-        out["norm"] = float(torch.linalg.vector_norm(f.double() if f.dtype == torch.float64 else f))
+    out: dict[str, Any] = {"nan_count": 0, "inf_count": 0}
+    if f.numel() == 0:
+        return out
+    # one cheap pass decides the common case: min and max propagate NaN and show an Inf
+    lo, hi = (float(v) for v in torch.aminmax(f))
+    finite = f
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        out["nan_count"], out["inf_count"] = int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
+        finite = f[torch.isfinite(f)]
+        lo, hi = (float(v) for v in torch.aminmax(finite)) if finite.numel() else (None, None)
+    out["finite"] = finite is f
+    if finite.numel():
+        out["min"], out["max"] = lo, hi
+        out["abs_max"] = max(abs(lo), abs(hi))
+        # over the finite values: a NaN/Inf is no_nan's/no_inf's finding, not also a norm's
+        out["norm"] = float(torch.linalg.vector_norm(finite))
     return out
 
 
-def _rel_change(cur: Any, ref: Any, floor: float) -> float | None:
+def _rel_change(cur: Any, ref: Any, floor: float, *, cur_finite: bool = False) -> float | None:
+    """||cur - ref|| / max(||ref||, floor * sqrt(numel)) over the elements finite in both."""
     a, b = _as_torch(cur), _as_torch(ref)
     if a is None or b is None or a.shape != b.shape:
         return None
     fa, fb = _floating(a), _floating(b)
     if fa is None or fb is None or fa.numel() == 0:
         return None
-    denom = max(float(torch.linalg.vector_norm(fb)), floor * math.sqrt(fa.numel()))
-    return float(torch.linalg.vector_norm(fa - fb)) / denom if denom > 0 else None
+    if not cur_finite or not all(math.isfinite(float(v)) for v in torch.aminmax(fb)):
+        ok = torch.isfinite(fa) & torch.isfinite(fb)
+        if not bool(ok.all()):  # non-finite values are no_nan's/no_inf's finding: compare the rest
+            fa, fb = fa[ok], fb[ok]
+    denom = max(float(torch.linalg.vector_norm(fb)), floor * math.sqrt(max(fa.numel(), 1)))
+    return float(torch.dist(fa, fb)) / denom if denom > 0 else None
 
 
 class _Leaf:
@@ -498,6 +512,29 @@ def _load_reference(store: Store, step: int, pool, single: bool) -> _Reference |
     return _Reference(prev, m, models, states)
 
 
+def _spec_problem(spec) -> str | None:
+    """Why a recorded tensor spec cannot be decoded, or None."""
+    from .tree import _TORCH_DTYPES
+
+    if spec.kind == "torch":
+        if spec.dtype not in _TORCH_DTYPES:
+            return f"the manifest records unknown torch dtype {spec.dtype!r}"
+        size = torch.empty(0, dtype=_TORCH_DTYPES[spec.dtype]).element_size()
+    else:
+        try:
+            size = np.dtype(spec.dtype).itemsize
+        except TypeError:
+            return f"the manifest records unknown numpy dtype {spec.dtype!r}"
+    if spec.itemsize != size:
+        return f"the manifest records itemsize {spec.itemsize} for dtype {spec.dtype} ({size} bytes)"
+    if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
+        return f"the manifest records an invalid shape {list(spec.shape)}"
+    if spec.nbytes != math.prod(spec.shape) * spec.itemsize:
+        return (f"the manifest records shape {list(spec.shape)} x {spec.itemsize} bytes = "
+                f"{math.prod(spec.shape) * spec.itemsize} bytes, but {spec.nbytes} bytes of data")
+    return None
+
+
 def _spec_ok(obj: Any, spec) -> bool:
     shape_ok = spec.nbytes == math.prod(spec.shape) * spec.itemsize
     if isinstance(obj, torch.Tensor):
@@ -675,10 +712,28 @@ class _Validation:
         self._missing_shards(coord_config)
 
     def _inspect(self, frag: Fragment) -> tuple[list[Any], list[Problem]]:
-        try:
-            return inspect_part(frag, self.store, self.pool)
-        except CorruptCheckpoint as e:  # e.g. an unknown dtype in the manifest
-            return [None] * len(frag.leaves), [Problem(self.step, frag.part, "/", None, None, str(e))]
+        """Decode a part once: (leaves, problems). A leaf whose recorded spec cannot be decoded
+        (unknown dtype; shape x itemsize != bytes) is reported and skipped, the rest decoded."""
+        bad = {i: why for i, leaf in enumerate(frag.leaves) if (why := _spec_problem(leaf.spec))}
+        problems = [Problem(self.step, frag.part, frag.leaves[i].spec.path, None, None, why) for i, why in bad.items()]
+        if not bad:
+            try:
+                leaves, found = inspect_part(frag, self.store, self.pool)
+            except CorruptCheckpoint as e:
+                return [None] * len(frag.leaves), [Problem(self.step, frag.part, "/", None, None, str(e))]
+            return leaves, found
+        keep = [i for i in range(len(frag.leaves)) if i not in bad]
+        sub = dataclasses.replace(frag, leaves=tuple(frag.leaves[i] for i in keep),
+                                  skeleton=[{"__leaf__": j} for j in range(len(keep))])
+        sub_leaves, found = inspect_part(sub, self.store, self.pool)
+        # the sub-part's logical digest cannot match: the part-wide digest is wrong by definition here
+        problems += [p for p in found if p.tensor != "/"]
+        problems.append(Problem(self.step, frag.part, "/", None, None,
+                                "logical digest not checked: the manifest records undecodable tensors"))
+        leaves: list[Any] = [None] * len(frag.leaves)
+        for i, obj in zip(keep, sub_leaves):
+            leaves[i] = obj
+        return leaves, problems
 
     def _reference_tensor(self, part: str, path: str) -> Any:
         ref = self.ref
@@ -731,13 +786,14 @@ class _Validation:
             row["shape_matches_reference"] = all(r == tuple(spec.shape) for r in refs) if refs else None
             if obj is not None:
                 s = _stats(obj)
+                cur_finite = s.pop("finite", False)
                 row.update(s)
                 if role == "param" and "norm" in s:
                     row["param_abs_max"] = s.get("abs_max")
                     row["param_norm"] = s["norm"]
                     ref = self._reference_tensor(part, path)
                     if ref is not None:
-                        row["rel_change"] = _rel_change(obj, ref, self.th.rel_change_floor)
+                        row["rel_change"] = _rel_change(obj, ref, self.th.rel_change_floor, cur_finite=cur_finite)
                 if role == "second_moment" and "min" in s:
                     row["second_moment_min"] = s["min"]
             self.tensor_rows.append(row)
@@ -846,7 +902,10 @@ class _Validation:
                     if "tensor" in row:
                         label += f", tensor '{row.get('tensor')}'"
                     if col in row:
-                        label += f" ({col}={_clean(row[col])})"
+                        val = _clean(row[col])
+                        if isinstance(val, float) and val.is_integer():
+                            val = int(val)  # an int column with nulls became float in pandas
+                        label += f" ({col}={val})"
                     where.append(label)
                 if name == "checkpoint_integrity" and problem_text:
                     where = problem_text

@@ -1,0 +1,460 @@
+"""Checkpoint validation (ckptlib.validate, tasks/validate.py, flows/validate.py, `ckpt validate`).
+
+Real checkpoints in the run layout (docs/run-layout.md): a small torch MLP trained with AdamW by 2
+shards, averaged by a coordinator, committed as cuts ``coordinator`` + ``shard-0`` + ``shard-1``.
+Real Great Expectations runs. Each bad input is made on a copy of one clean run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from ckptlib import Checkpointer
+from ckptlib import commit as ckcommit
+from ckptlib.manifest import combined_digest, dumps, loads_manifest, part_digest
+from ckptlib.report import PLOT_SIZE_PX
+from ckptlib.store import Store
+from ckptlib.validate import CHECK_NAMES, Thresholds, read_verdict, validate_checkpoint
+
+SHARDS, H, DIM, ROUNDS = 2, 3, 32, 3
+CONFIG = {"num_shards": SHARDS, "inner_steps": H, "dim": DIM, "workload": "mlp"}
+CONFIG_HASH = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:16]
+PARTS = ["coordinator"] + [f"shard-{i}" for i in range(SHARDS)]
+
+
+# --- building runs -------------------------------------------------------------------------------
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ReLU(), torch.nn.Linear(DIM, 4))
+
+
+def _rng_states(shard: int, rnd: int) -> dict:
+    return {"torch": torch.Generator().manual_seed(1000 * shard + rnd).get_state(),
+            "numpy": np.random.RandomState(shard + rnd).get_state(),
+            "python": random.Random(shard + rnd).getstate()}
+
+
+def make_run(url: str, storage_options: dict | None = None, rounds: int = ROUNDS) -> None:
+    """Commit steps 0..rounds of a 2-shard local-SGD run (step r = the cut after round r)."""
+    torch.manual_seed(0)
+    glob = _model()
+    models = [_model() for _ in range(SHARDS)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    gens = [torch.Generator().manual_seed(100 + i) for i in range(SHARDS)]
+    pos = [0] * SHARDS
+    writers = [Checkpointer(url, storage_options) for _ in range(SHARDS)]
+    coord = Checkpointer(url, storage_options)
+    try:
+        for r in range(rounds + 1):
+            losses = []
+            for i in range(SHARDS):
+                models[i].load_state_dict(glob.state_dict())
+                loss = torch.tensor(0.0)
+                for _ in range(H if r else 0):
+                    x = torch.randn(16, DIM, generator=gens[i])
+                    y = torch.randint(0, 4, (16,), generator=gens[i])
+                    loss = torch.nn.functional.cross_entropy(models[i](x), y)
+                    opts[i].zero_grad()
+                    loss.backward()
+                    opts[i].step()
+                    pos[i] += 1
+                losses.append(float(loss.detach()))
+                writers[i].write_fragment(r, f"shard-{i}", {
+                    "model": models[i].state_dict(), "optimizer": opts[i].state_dict(), "scheduler": None,
+                    "data_position": pos[i], "rng": _rng_states(i, r), "round": r, "loss": losses[-1],
+                }, config_hash=CONFIG_HASH, meta={"loss": losses[-1]})
+            if r:
+                with torch.no_grad():
+                    for k, v in glob.state_dict().items():
+                        v.copy_(torch.stack([m.state_dict()[k] for m in models]).mean(0))
+            coord.write_fragment(r, "coordinator", {
+                "model": glob.state_dict(), "outer_optimizer": {}, "round": r, "global_step": r * H,
+                "config": json.dumps(CONFIG), "metrics": {"loss": sum(losses) / SHARDS, "eval_loss": None},
+            }, config_hash=CONFIG_HASH)
+            coord.commit(r, PARTS, timeout=30)
+    finally:
+        for ck in writers + [coord]:
+            ck.close()
+
+
+def commit_variant(url: str, new_step: int, modify=None, *, drop=(), storage_options=None, src: int | None = None):
+    """Commit ``new_step`` from the state of ``src`` (default: the latest step) with rounds and data
+    positions advanced, after ``modify(part, state)``; parts in ``drop`` are left out of the cut."""
+    with Checkpointer(url, storage_options) as ck:
+        src = ck.steps()[-1] if src is None else src
+        m = ck.manifest(src)
+        state = ck.restore(src)
+        parts = [p for p in state if p not in drop]
+        for part in parts:
+            st = state[part]
+            st["round"] = new_step
+            if "data_position" in st:
+                st["data_position"] += H
+            if modify:
+                modify(part, st)
+            ck.write_fragment(new_step, part, st, config_hash=m.parts[part].config_hash)
+        ck.commit(new_step, parts, timeout=30)
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every checkpoint file (everything but validations/ and reports/), by relative path."""
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if not rel.startswith(("validations", "reports")):
+                with open(os.path.join(dirpath, n), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def _validate_unchanged(root, step, **kw) -> dict:
+    """Validate and assert that no checkpoint file changed (validation writes only its own keys)."""
+    before = _files(root)
+    verdict = validate_checkpoint(str(root), step, **kw)
+    assert _files(root) == before
+    assert read_verdict(Store.from_url(str(root)), step) == json.loads(json.dumps(verdict, default=str))
+    return verdict
+
+
+def _failure(verdict: dict, name: str) -> dict:
+    found = [f for f in verdict["failures"] if f["expectation"] == name]
+    assert found, f"{name} not among the failures {verdict['failed']}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """A clean run, steps 0..3, all validated (module-wide template; tests copy it)."""
+    root = tmp_path_factory.mktemp("template") / "run"
+    make_run(str(root))
+    verdicts = [validate_checkpoint(str(root), s) for s in range(ROUNDS + 1)]
+    return root, verdicts
+
+
+@pytest.fixture
+def run(clean_run, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(clean_run[0], root)
+    return root
+
+
+# --- clean checkpoints ---------------------------------------------------------------------------
+
+def test_clean_run_passes_every_expectation(clean_run):
+    root, verdicts = clean_run
+    for step, v in enumerate(verdicts):
+        assert v["passed"], (step, v["failures"])
+        assert v["failed"] == [] and v["problems"] == []
+        assert v["expectations"]["evaluated"] == len(CHECK_NAMES) == v["expectations"]["successful"]
+    last = verdicts[-1]["summary"]
+    assert last["parts"] == PARTS and last["shards_present"] == last["shards_expected"] == SHARDS
+    assert last["previous_healthy_step"] == ROUNDS - 1 and last["round"] == ROUNDS
+    assert last["nan_count"] == 0 and 0 < last["max_rel_change"] < Thresholds().max_rel_change
+    assert last["data_positions"] == {"shard-0": ROUNDS * H, "shard-1": ROUNDS * H}
+    assert last["logical_bytes"] > 0 and last["bytes_written"] > 0 and last["ratio"] > 0
+    assert Checkpointer(str(root)).healthy_steps() == list(range(ROUNDS + 1))
+
+
+def test_report_files_are_real(clean_run):
+    root, verdicts = clean_run
+    rep = root / "reports" / str(ROUNDS)
+    for name in ("index.html", "tensors.html", "parts.html", "summary.json", "run.png", "tensors.csv", "parts.csv"):
+        assert (rep / name).stat().st_size > 500, name
+    from PIL import Image
+
+    with Image.open(rep / "run.png") as img:
+        assert img.format == "PNG" and img.size == PLOT_SIZE_PX
+        assert len(np.unique(np.asarray(img.convert("RGB")).reshape(-1, 3), axis=0)) > 20  # a drawing, not a blank canvas
+    gx_html = (rep / "tensors.html").read_text()
+    assert "no_nan" in gx_html and "checkpoint_integrity" in gx_html  # GX Data Docs name the expectations
+    summary = json.loads((rep / "summary.json").read_text())
+    assert [h["step"] for h in summary["history"]] == list(range(ROUNDS + 1))
+    index = (root / "reports" / "index.html").read_text()
+    assert all(f"{s}/index.html" in index for s in range(ROUNDS + 1))
+
+
+# --- bad input: each a FAILED verdict naming what and where; files untouched ------------------------
+
+def _chunk_file(root, step: int, part: str, tensor: str) -> tuple[str, str]:
+    m = Checkpointer(str(root)).manifest(step)
+    frag = m.parts[part]
+    leaf = next(leaf for leaf in frag.leaves if leaf.spec.path == "/" + tensor)
+    key = frag.blobs[leaf.chunks[0]].key
+    return str(root / key), key
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_chunk_fails_integrity_naming_the_chunk(run, damage):
+    path, key = _chunk_file(run, ROUNDS, "shard-1", "optimizer/state/0/exp_avg_sq")
+    if damage == "flip":
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x10
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    else:
+        os.remove(path)
+    v = _validate_unchanged(run, ROUNDS)
+    assert not v["passed"] and "checkpoint_integrity" in v["failed"]
+    where = _failure(v, "checkpoint_integrity")["where"]
+    assert any("shard-1" in w and "optimizer/state/0/exp_avg_sq" in w and "chunk 0" in w and key in w
+               for w in where), where
+    reason = {"flip": "decode", "truncate": "truncated", "delete": "missing"}[damage]
+    assert any(reason in w for w in where), where
+    # the intact parts were still judged: the damaged tensor alone is not intact
+    bad = [p for p in v["integrity"] if p["part"] == "shard-1"]
+    assert bad and all(p["tensor"] == "/optimizer/state/0/exp_avg_sq" for p in bad)
+    assert (run / "reports" / str(ROUNDS) / "index.html").read_text().count("checkpoint_integrity") >= 1
+
+
+def test_nans_in_one_shard_fail_no_nan_naming_the_shard(run):
+    def poison(part, st):
+        if part == "shard-1":
+            st["model"]["0.weight"][3, :5] = float("nan")
+
+    commit_variant(str(run), ROUNDS + 1, poison)
+    v = _validate_unchanged(run, ROUNDS + 1)
+    assert not v["passed"] and "no_nan" in v["failed"]
+    assert _failure(v, "no_nan")["where"] == ["part 'shard-1', tensor 'model/0.weight' (nan_count=5)"]
+    assert "checkpoint_integrity" not in v["failed"]  # the bytes are intact; the values are not
+    assert v["summary"]["nan_count"] == 5
+    html = (run / "reports" / str(ROUNDS + 1) / "index.html").read_text()
+    assert "no_nan" in html and "shard-1" in html
+    assert "no_nan" in (run / "reports" / str(ROUNDS + 1) / "tensors.html").read_text()
+
+
+def _rewrite_manifest(root, step: int, edit, *, fix_digests: bool) -> None:
+    """Write manifests/<step>.json again after ``edit(dict)`` (a forged or damaged manifest)."""
+    store = Store.from_url(str(root))
+    d = json.loads(store.get(ckcommit.manifest_key(step)))
+    edit(d)
+    if fix_digests:  # a consistent forgery: only the structure checks can catch it
+        m = loads_manifest(json.dumps(d).encode(), "edited")
+        for name, frag in m.parts.items():
+            d["parts"][name]["digest"] = part_digest(frag.skeleton, list(frag.leaves))
+        m = loads_manifest(json.dumps(d).encode(), "edited")
+        d["digest"] = combined_digest(m.parts, m.single)
+    with open(root / ckcommit.manifest_key(step), "wb") as f:
+        f.write(json.dumps(d).encode())
+
+
+def _leaf(d: dict, part: str, tensor: str) -> dict:
+    return next(leaf for leaf in d["parts"][part]["leaves"] if leaf["path"] == "/" + tensor)
+
+
+@pytest.mark.parametrize("fix_digests", [True, False], ids=["forged", "damaged"])
+def test_wrong_shape_in_manifest_fails_naming_the_tensor(run, fix_digests):
+    def transpose(d):
+        _leaf(d, "coordinator", "model/0.weight")["shape"] = [DIM // 2, DIM * 2]  # same byte count
+
+    _rewrite_manifest(run, ROUNDS, transpose, fix_digests=fix_digests)
+    v = _validate_unchanged(run, ROUNDS)
+    assert not v["passed"] and "shape_matches_reference" in v["failed"]
+    where = _failure(v, "shape_matches_reference")["where"]
+    assert "part 'coordinator', tensor 'model/0.weight' (shape_matches_reference=False)" in where
+    # shard models no longer match the coordinator's shape either... they are named too
+    assert ("checkpoint_integrity" in v["failed"]) == (not fix_digests)  # the digest covers shapes
+
+
+def test_inconsistent_shape_fails_dtype_shape_as_recorded(run):
+    def grow(d):
+        _leaf(d, "shard-0", "model/2.weight")["shape"] = [4, DIM + 1]  # more elements than bytes
+
+    _rewrite_manifest(run, ROUNDS, grow, fix_digests=True)
+    v = _validate_unchanged(run, ROUNDS)
+    assert {"dtype_shape_as_recorded", "checkpoint_integrity"} <= set(v["failed"])
+    assert any("shard-0" in w and "model/2.weight" in w for w in _failure(v, "dtype_shape_as_recorded")["where"])
+
+
+def test_unreadable_manifest_still_gets_a_verdict_and_report(run):
+    with open(run / ckcommit.manifest_key(ROUNDS), "wb") as f:
+        f.write(b'{"format": 1, "step": 3, "parts": {"coordinator": ')  # torn
+    v = _validate_unchanged(run, ROUNDS)
+    assert v["failed"] == ["checkpoint_integrity"] and not v["passed"]
+    assert "manifests/3.json" in _failure(v, "checkpoint_integrity")["where"][0]
+    assert (run / "reports" / str(ROUNDS) / "index.html").exists()
+    assert (run / "reports" / str(ROUNDS) / "run.png").stat().st_size > 1000
+
+
+def test_exploding_update_fails_relative_change(run):
+    def explode(part, st):
+        if part == "shard-0":
+            st["model"]["2.weight"].mul_(500.0)
+
+    commit_variant(str(run), ROUNDS + 1, explode)
+    v = _validate_unchanged(run, ROUNDS + 1)
+    assert "relative_change_within_bounds" in v["failed"]
+    assert [w.split(" (")[0] for w in _failure(v, "relative_change_within_bounds")["where"]] == [
+        "part 'shard-0', tensor 'model/2.weight'"]
+    strict = validate_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_change": 1e6, "max_abs_value": 1e6})
+    assert strict["passed"], strict["failures"]  # thresholds are per run
+    with pytest.raises(ValueError, match="unknown validation thresholds"):
+        validate_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_chnge": 1})
+
+
+def test_missing_shard_and_stalled_progress_fail(run):
+    commit_variant(str(run), ROUNDS + 1, drop=("shard-1",))
+    v = validate_checkpoint(str(run), ROUNDS + 1)
+    assert _failure(v, "all_shards_present")["where"] == ["part 'shard-1' (present=False)"]
+
+    def stall(part, st):
+        if part == "shard-0":
+            st["data_position"] -= H  # did not advance
+            del st["rng"]["numpy"]
+        if part == "shard-1":
+            for s in st["optimizer"]["state"].values():
+                s["exp_avg_sq"].view(-1)[0] = -1.0
+            st["optimizer"]["state"][0]["step"] += 1
+
+    commit_variant(str(run), ROUNDS + 2, stall, src=ROUNDS)
+    v = validate_checkpoint(str(run), ROUNDS + 2)
+    assert _failure(v, "data_position_advanced")["where"] == ["part 'shard-0' (data_advance=0)"]
+    assert _failure(v, "rng_states_present")["where"] == ["part 'shard-0' (rng_present=False)"]
+    assert _failure(v, "optimizer_steps_consistent")["where"] == ["part 'shard-1' (opt_step_spread=1)"]
+    assert all("shard-1" in w for w in _failure(v, "adam_second_moments_nonnegative")["where"])
+    assert _failure(v, "adam_second_moments_nonnegative")["count"] == 4
+
+
+# --- health and recovery -------------------------------------------------------------------------
+
+def test_recovery_skips_a_failed_checkpoint(run, caplog):
+    def poison(part, st):
+        if part == "shard-0":
+            st["model"]["0.bias"][0] = float("inf")
+
+    commit_variant(str(run), ROUNDS + 1, poison)
+    v = validate_checkpoint(str(run), ROUNDS + 1)
+    assert v["failed"] == ["no_inf"]  # one cause, named once: norms and changes skip non-finite values
+    ck = Checkpointer(str(run))
+    with caplog.at_level(logging.WARNING, logger="ckptlib"):
+        state = ck.restore(healthy=True)
+    assert ck.latest_step() == ROUNDS + 1 and ck.latest_step(healthy=True) == ROUNDS
+    assert state["coordinator"]["round"] == ROUNDS
+    assert any(f"skipping checkpoint step {ROUNDS + 1}" in r.getMessage() and "no_inf" in r.getMessage()
+               for r in caplog.records)
+    # the next checkpoint is judged against the last healthy one, not the failed one
+    commit_variant(str(run), ROUNDS + 2, src=ROUNDS)
+    v2 = validate_checkpoint(str(run), ROUNDS + 2)
+    assert v2["passed"], v2["failures"]
+    assert v2["summary"]["previous_healthy_step"] == ROUNDS
+    index = (run / "reports" / "index.html").read_text()
+    assert "failed" in index and f"{ROUNDS + 2}/index.html" in index
+
+
+def test_single_part_checkpoints_get_the_generic_checks(tmp_path):
+    url = str(tmp_path / "single")
+    torch.manual_seed(1)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(url) as ck:
+        for step in range(3):
+            loss = model(torch.randn(8, DIM)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ck.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                    meta={"loss": float(loss.detach())})
+        for step in range(3):
+            v = validate_checkpoint(url, step)
+            assert v["passed"], v["failures"]
+        bad = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}
+        bad["model"]["2.bias"] = torch.tensor([1.0, float("nan"), 0.0, 0.0])
+        ck.save(3, bad)
+    v = validate_checkpoint(url, 3)
+    assert v["failed"] == ["no_nan"] and _failure(v, "no_nan")["where"] == ["part 'state', tensor 'model/2.bias' (nan_count=1)"]
+    assert v["summary"]["single"] is True and v["summary"]["loss"] is None
+    assert validate_checkpoint(url, 2)["summary"]["loss"] is not None
+
+
+# --- Prefect, CLI, S3 ----------------------------------------------------------------------------
+
+def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.validate import validate_checkpoint_flow
+    from tasks.validate import artifact_keys
+
+    root = tmp_path / "run"
+    shutil.copytree(clean_run[0], root)
+    commit_variant(str(root), ROUNDS + 1, lambda part, st: part == "shard-1" and st["model"]["0.bias"].fill_(float("nan")))
+    assert validate_checkpoint_flow(str(root), ROUNDS)["passed"]
+    failed = validate_checkpoint_flow(str(root), ROUNDS + 1)
+    assert failed["failed"] == ["no_nan"]
+    keys = artifact_keys(str(root))
+    assert all(re.fullmatch(r"[a-z0-9-]+", k) for k in keys.values())
+    with get_client(sync_client=True) as client:
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[keys["table"]])))
+        mds = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[keys["markdown"]])))
+    assert {a.type for a in tables} == {"table"} and {a.type for a in mds} == {"markdown"}
+    latest_md = max(mds, key=lambda a: a.created).data
+    assert "FAILED" in latest_md and "no_nan" in latest_md and "shard-1" in latest_md and "index.html" in latest_md
+    latest_table = max(tables, key=lambda a: a.created).data
+    table = json.loads(latest_table) if isinstance(latest_table, str) else latest_table
+    assert table[0]["verdict"] == "FAILED" and table[0]["failed_expectations"] == "no_nan"
+    assert table[0]["bytes_written"] > 0 and table[0]["report"].endswith(f"reports/{ROUNDS + 1}/index.html")
+
+
+def test_cli_validate_and_report(run):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["validate", str(run), "--step", str(ROUNDS)])
+    assert ok.exit_code == 0, ok.output
+    assert "PASSED" in ok.output
+    commit_variant(str(run), ROUNDS + 1, lambda part, st: part == "shard-0" and st["model"]["2.bias"].fill_(float("nan")))
+    bad = runner.invoke(app, ["validate", str(run)])  # the latest step
+    assert bad.exit_code == 1, bad.output
+    assert "no_nan" in bad.output and "shard-0" in bad.output and "model/2.bias" in bad.output
+    missing = runner.invoke(app, ["validate", str(run), "--step", "99"])
+    assert missing.exit_code == 2 and "not committed" in missing.output
+    rep = runner.invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0, rep.output
+    assert "reports/index.html" in rep.output and "no_nan" in rep.output
+    index = (run / "reports" / "index.html").read_text()
+    assert f"{ROUNDS + 1}/index.html" in index
+
+
+def test_validation_on_s3(s3_url):
+    url, opts = s3_url
+    make_run(url, opts, rounds=1)
+    store = Store.from_url(url, opts)
+    for step in (0, 1):
+        v = validate_checkpoint(url, step, storage_options=opts)
+        assert v["passed"], v["failures"]
+    for name in ("index.html", "tensors.html", "run.png", "summary.json"):
+        assert len(store.get(f"reports/1/{name}")) > 500
+    assert store.exists("reports/index.html")
+    assert Checkpointer(url, opts).healthy_steps() == [0, 1]
+    m = Checkpointer(url, opts).manifest(1)
+    leaf = m.parts["shard-0"].leaves[0]
+    store.delete(m.parts["shard-0"].blobs[leaf.chunks[0]].key)
+    v = validate_checkpoint(url, 1, storage_options=opts)
+    assert v["failed"] == ["checkpoint_integrity"]
+    assert "missing" in _failure(v, "checkpoint_integrity")["where"][0]
+
+
+
+
+
+def test_concurrent_validations_in_threads(run):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as ex:
+        verdicts = list(ex.map(lambda s: validate_checkpoint(str(run), s), [1, 2, 3]))
+    assert [v["passed"] for v in verdicts] == [True, True, True], [v["failures"] for v in verdicts]
+    assert all((run / "reports" / str(s) / "tensors.html").stat().st_size > 1000 for s in (1, 2, 3))
