@@ -152,8 +152,8 @@ def _verdict_html(v: dict, links: dict[str, str]) -> str:
            f"{'PASSED' if ok else 'FAILED'}</title><style>{_CSS}</style></head><body>",
            f"<h1>Checkpoint step {v['step']}: <span class='{'pass' if ok else 'fail'}'>"
            f"{'PASSED' if ok else 'FAILED'}</span></h1>",
-           f"<p>Run <code>{_esc(v.get('run'))}</code>, validated {_esc(v.get('validated_at'))} in "
-           f"{_esc(v.get('seconds', {}).get('total'))} s. "
+           f"<p>Run <code>{_esc(v.get('run'))}</code>, validated {_esc(v.get('validated_at'))}; the checks took "
+           f"{sum(x for k, x in v.get('seconds', {}).items() if k not in ('report', 'total')):.2f} s. "
            f"{_esc(v.get('expectations', {}).get('successful'))}/{_esc(v.get('expectations', {}).get('evaluated'))} "
            "expectations met.</p>"]
     if v.get("failures"):
@@ -183,9 +183,9 @@ def _verdict_html(v: dict, links: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dict) -> dict[str, str]:
-    """Write ``reports/<step>/...`` for a verdict; returns {what: key}. Updates ``verdict["seconds"]``
-    is left to the caller; raises StoreError when the store cannot be written."""
+def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dict) -> list[dict]:
+    """Write ``reports/<step>/...`` for a verdict (not yet stored: it is the history's newest word on
+    its step); returns the run history it drew. Raises StoreError when the store cannot be written."""
     from .validate import render_gx_html, report_prefix
 
     step = verdict["step"]
@@ -213,14 +213,14 @@ def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dic
     keys["summary"] = f"{pre}summary.json"
     store.put(f"{pre}index.html", _verdict_html(verdict, links).encode())
     keys["html"] = f"{pre}index.html"
-    return keys
+    return history
 
 
 # --- the run's index -----------------------------------------------------------------------------
 
-def index_rows(store: Store) -> list[dict]:
+def index_rows(store: Store, history: list[dict] | None = None) -> list[dict]:
     """Every committed checkpoint with its verdict and report location (for ``ckpt report``)."""
-    rows = run_history(store)
+    rows = [dict(r) for r in (run_history(store) if history is None else history)]
     for r in rows:
         r["verdict"] = "passed" if r["passed"] else "failed" if r["passed"] is False else "not validated"
         r["ratio"] = (round(r["logical_bytes"] / max(r["bytes_written"], 1), 2)
@@ -229,10 +229,10 @@ def index_rows(store: Store) -> list[dict]:
     return rows
 
 
-def write_run_index(store: Store) -> str:
+def write_run_index(store: Store, history: list[dict] | None = None) -> str:
     """Write (refresh) ``reports/index.html``: one row per checkpoint linking its report, and the
-    plot of the latest report. Returns the key."""
-    rows = index_rows(store)
+    plot of the latest report. ``history``: from ``run_history`` when the caller has it. Returns the key."""
+    rows = index_rows(store, history)
     latest = max((r["step"] for r in rows if r.get("report")), default=None)
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoints of {_esc(store.url)}</title>"
            f"<style>{_CSS}</style></head><body><h1>Checkpoints of <code>{_esc(store.url)}</code></h1>",

@@ -591,12 +591,13 @@ def validate_checkpoint(url: str | Store, step: int | None = None, *, storage_op
         v = _Validation(store, step, th, pool)
         v.run()
     verdict = v.verdict
+    history = None
     if report:
         t0 = time.perf_counter()
         try:
             from . import report as _report
 
-            _report.write_step_report(store, verdict, v.tables, v.gx_results)
+            history = _report.write_step_report(store, verdict, v.tables, v.gx_results)
         except StoreError:
             raise
         except Exception as e:  # a broken report must not hide the verdict
@@ -609,7 +610,7 @@ def validate_checkpoint(url: str | Store, step: int | None = None, *, storage_op
         try:
             from . import report as _report
 
-            _report.write_run_index(store)
+            _report.write_run_index(store, history)
         except StoreError:
             raise
         except Exception:

@@ -405,6 +405,12 @@ def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
     table = json.loads(latest_table) if isinstance(latest_table, str) else latest_table
     assert table[0]["verdict"] == "FAILED" and table[0]["failed_expectations"] == "no_nan"
     assert table[0]["bytes_written"] > 0 and table[0]["report"].endswith(f"reports/{ROUNDS + 1}/index.html")
+    # deployable, with described parameters (the UI shows them when re-validating)
+    props = validate_checkpoint_flow.parameters.model_dump()["properties"]
+    assert all(props[p].get("description") for p in ("run_url", "step", "storage_options", "thresholds"))
+    assert validate_checkpoint_flow.name == "validate-checkpoint"
+    dep = validate_checkpoint_flow.to_deployment(name="validate-checkpoint")
+    assert dep.entrypoint == "flows/validate.py:validate_checkpoint_flow"
 
 
 def test_cli_validate_and_report(run):
