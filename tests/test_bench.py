@@ -1,0 +1,87 @@
+"""`ckpt bench` produces complete, correct records. No timing is asserted: speed is the benchmark's
+business (docs/benchmark.md), not the tests'. Byte ratios that follow from the workloads' structure are."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from typer.testing import CliRunner
+
+from ckpt import bench
+from ckpt.cli import app
+
+runner = CliRunner()
+
+
+def test_bench_cli_writes_records_for_all_five_systems(tmp_path):
+    out = tmp_path / "out.json"
+    result = runner.invoke(app, ["bench", "--size", "small", "--saves", "6", "--workloads", "tinylm",
+                                 "--steps-between", "1", "--json", str(out), "--store", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert [r["system"] for r in records] == list(bench.SYSTEMS)
+    for r in records:
+        for key in bench.RECORD_KEYS:
+            assert key in r and r[key] is not None, (r["system"], key)
+        assert r["workload"] == "tinylm" and r["device"] == "cpu"
+        assert r["restore_exact"], (r["system"], r.get("restore_difference"))
+        assert len(r["per_save"]["blocked_s"]) == 6
+        assert r["blocked_s"] > 0 and r["durable_s"] >= r["blocked_s"] and r["restore_s"] > 0
+        assert r["peak_rss_bytes"] > 0
+    by = {r["system"]: r for r in records}
+    assert by["memcpy"]["bytes_written"] == 0
+    assert by["torch.save"]["bytes_written"] >= by["torch.save"]["state_bytes"]  # a full copy every time
+    assert by["ckptlib"]["bytes_written"] < by["torch.save"]["bytes_written"]
+    assert by["ckptlib"]["ckptlib_kinds"] == ["keyframe"] + ["delta"] * 5
+    assert "ckptlib" in result.stdout and "torch.save" in result.stdout  # the table
+    assert list(tmp_path.iterdir()) == [out]  # every per-system temporary store was removed
+
+
+def test_frozen_backbone_checkpoints_are_much_smaller_than_torch_save(tmp_path):
+    cfg = bench.BenchConfig(workloads=("finetune",), saves=2, steps_between=1, size="small", store=str(tmp_path),
+                            systems=("ckptlib", "torch.save"))
+    records = bench.run_benchmark(cfg)
+    ours, theirs = records
+    assert ours["system"] == "ckptlib" and ours["restore_exact"] and theirs["restore_exact"]
+    assert ours["bytes_written"] * 3 < theirs["bytes_written"]  # only LoRA + head + moments change
+
+
+def test_bench_rejects_unknown_workloads_and_systems():
+    result = runner.invoke(app, ["bench", "--workloads", "nope"])
+    assert result.exit_code == 2 and "unknown workload" in result.stderr and "Traceback" not in result.output
+    result = runner.invoke(app, ["bench", "--systems", "ckptlib,tape"])
+    assert result.exit_code == 2 and "unknown system" in result.stderr
+
+
+def test_first_difference_is_bit_exact():
+    a = {"t": torch.tensor([0.0, float("nan")]), "l": [1, (2, "x")], "n": np.arange(3), "f": float("nan")}
+    b = {"t": torch.tensor([0.0, float("nan")]), "l": [1, (2, "x")], "n": np.arange(3), "f": float("nan")}
+    assert bench.first_difference(a, b) is None
+    b["t"] = torch.tensor([-0.0, float("nan")])  # equal as floats, different bits
+    assert "/t" in bench.first_difference(a, b)
+    assert "list vs tuple" in bench.first_difference({"x": [1]}, {"x": (1,)})
+    assert "keys differ" in bench.first_difference({0: 1}, {"0": 1})
+
+
+def test_peak_rss_sees_an_allocation():
+    with bench.PeakRss() as quiet:
+        pass
+    with bench.PeakRss() as busy:
+        block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
+        del block
+    assert busy.peak - quiet.peak > 48 << 20
+
+
+def test_targets_and_ratios_from_records():
+    def rec(system, nbytes, blocked, restore):
+        return {"workload": "recsys", "device": "cpu", "system": system, "bytes_written": nbytes,
+                "blocked_s": blocked, "durable_s": blocked, "restore_s": restore, "peak_rss_bytes": 1}
+
+    records = [rec("ckptlib", 1e6, 0.012, 0.2), rec("torch.save", 30e6, 1.0, 0.1), rec("memcpy", 0, 0.01, 0.05)]
+    targets = {t.name.split(":")[1].strip(): t for t in bench.check_targets(records)}
+    assert targets["ckptlib bytes x smaller than torch.save (>=)"].passed  # 30x >= 25x
+    assert not targets["ckptlib restore / torch.load (<=)"].passed  # 2x > 1.5x
+    assert targets["ckptlib CPU blocked / memcpy (<=)"].passed  # 1.2x <= 1.5x
+    assert "| recsys | ckptlib | 1.0 | 30.0x |" in bench.markdown_table(records)

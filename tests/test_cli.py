@@ -1,0 +1,253 @@
+"""The `ckpt` store commands on real local stores, through the real CLI (typer's CliRunner).
+
+Every expected failure must be one ``error: ...`` line on stderr with exit code 2 (verify damage: 1)
+and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpt.bench import first_difference
+from ckpt.cli import app
+from ckpt.cmd_store import to_weights_only
+from ckptlib import Checkpointer
+
+runner = CliRunner()
+
+
+def ckpt(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def assert_clean_error(result, code: int, *fragments: str) -> None:
+    """Exit ``code``, exactly one ``error:`` line on stderr naming every fragment, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def make_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 64, generator=g)  # 16 KiB: 4 chunks of 4 KiB
+    w[: step % 64] += 0.5  # a few rows change per step
+    return {
+        "model": {"w": w, "b": torch.zeros(64, dtype=torch.bfloat16) + step, "frozen": torch.ones(2048)},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": w * 0.1}},
+                      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0]}]},
+        "rng": {"numpy": np.random.RandomState(step).get_state(), "python": random.Random(step).getstate()},
+        "np_scalar": np.float32(step), "array": np.arange(5, dtype=np.int16), "note": "hello", "nan": float("nan"),
+        "data_position": step,
+    }
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A local store with committed steps 1, 2, 3 (a keyframe and two deltas), 4 KiB chunks."""
+    path = tmp_path / "run"
+    with Checkpointer(str(path), chunk_bytes=4096) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, make_state(step), meta={"loss": 1.0 / step})
+    return str(path)
+
+
+# --- ls / show -----------------------------------------------------------------------------------
+
+def test_ls_lists_every_step_with_kind_and_digest(store):
+    result = ckpt("ls", store)
+    assert result.exit_code == 0, result.output
+    with Checkpointer(store) as ck:
+        digests = {s: ck.manifest(s).digest for s in ck.steps()}
+    for step, digest in digests.items():
+        assert digest[:12] in result.stdout
+    assert "keyframe" in result.stdout and "delta" in result.stdout
+
+
+def test_ls_shows_validation_verdicts(store):
+    with Checkpointer(store) as ck:
+        ck.store.put("validations/2.json", json.dumps({"passed": True}).encode())
+        ck.store.put("validations/3.json", json.dumps({"passed": False, "failed": ["nan"]}).encode())
+    out = ckpt("ls", store).stdout
+    assert "passed" in out and "failed" in out
+
+
+def test_ls_empty_store_is_a_message_not_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = ckpt("ls", str(tmp_path / "empty"))
+    assert result.exit_code == 0
+    assert "no committed checkpoints" in result.stdout
+
+
+def test_ls_nonexistent_local_path_is_a_clear_error(tmp_path):
+    assert_clean_error(ckpt("ls", str(tmp_path / "nope")), 2, "does not exist", str(tmp_path / "nope"))
+
+
+def test_show_prints_the_exact_digest_line(store):
+    with Checkpointer(store) as ck:
+        latest, second = ck.manifest(), ck.manifest(2)
+    result = ckpt("show", store)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert f"digest: {latest.digest}" in lines
+    assert "step: 3" in lines and "parent: 2" in lines
+    assert any(line.startswith("chunks: ") for line in lines)
+    assert any(line.startswith("  state: generation 0") for line in lines)
+    assert 'meta: {"loss": 0.3333333333333333}' in lines
+    assert f"digest: {second.digest}" in ckpt("show", store, "--step", "2").stdout.splitlines()
+
+
+def test_show_multi_part_checkpoint_lists_parts(tmp_path):
+    url = str(tmp_path / "multi")
+    with Checkpointer(url, chunk_bytes=4096) as ck:
+        ck.write_fragment(5, "shard-0", make_state(5), generation=0)
+        ck.write_fragment(5, "coordinator", {"round": 5, "w": torch.ones(10)})
+        ck.commit(5, ["shard-0", "coordinator"])
+    out = ckpt("show", url).stdout
+    assert "multi-part (2 parts)" in out and "  shard-0: generation 0" in out and "  coordinator:" in out
+
+
+def test_show_missing_step_is_a_clear_error(store):
+    assert_clean_error(ckpt("show", store, "--step", "99"), 2, "step 99 is not committed")
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+def test_verify_intact(store):
+    result = ckpt("verify", store)
+    assert result.exit_code == 0, result.output
+    assert "intact" in result.stdout
+    result = ckpt("verify", store, "--all")
+    assert result.exit_code == 0 and result.stdout.count(": intact") == 3
+
+
+def test_verify_names_the_damaged_tensor_and_chunk(store, tmp_path):
+    with Checkpointer(store) as ck:
+        frag = ck.manifest(3).parts["state"]
+    leaf = next(leaf for leaf in frag.leaves if leaf.spec.path == "/model/w")
+    index = 2
+    blob = frag.blobs[leaf.chunks[index]]
+    path = tmp_path / "run" / blob.key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    result = ckpt("verify", store, "--step", "3")
+    assert result.exit_code == 1, result.output
+    problems = [line for line in result.stdout.splitlines() if line.startswith("step 3")]
+    assert problems, result.stdout
+    assert "tensor '/model/w'" in problems[0] and f"chunk {index}" in problems[0] and blob.key in problems[0]
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.output
+    # restoring it fails cleanly too
+    assert_clean_error(ckpt("export", store, "--out", str(tmp_path / "x.pt")), 2, "/model/w")
+
+
+def test_verify_step_and_all_together_is_an_error(store):
+    assert_clean_error(ckpt("verify", store, "--step", "1", "--all"), 2, "--all")
+
+
+# --- gc ------------------------------------------------------------------------------------------
+
+def test_gc_dry_run_then_real(store):
+    result = ckpt("gc", store, "--keep-last", "1", "--grace-seconds", "0", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "would drop 2 step(s): 1, 2" in result.stdout and "nothing was deleted" in result.stdout
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [1, 2, 3]
+
+    result = ckpt("gc", store, "--keep-last", "1", "--keep", "1", "--grace-seconds", "0")
+    assert result.exit_code == 0, result.output
+    assert "kept 2 step(s): 1, 3" in result.stdout and "drop 1 step(s): 2" in result.stdout
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [1, 3]
+        assert ck.verify(3) == [] and ck.verify(1) == []
+
+
+def test_gc_rejects_a_bad_policy(store):
+    assert_clean_error(ckpt("gc", store, "--keep-last", "0"), 2, "keep_last must be >= 1")
+
+
+# --- export --------------------------------------------------------------------------------------
+
+def test_export_pt_loads_with_weights_only_and_equals_the_restore(store, tmp_path):
+    out = tmp_path / "state.pt"
+    result = ckpt("export", store, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    loaded = torch.load(out, weights_only=True)
+    with Checkpointer(store) as ck:
+        restored = ck.restore()
+    assert first_difference(to_weights_only(restored), loaded) is None
+    assert loaded["rng"]["numpy"][1].dtype == torch.uint32  # numpy arrays became tensors
+    assert isinstance(loaded["rng"]["python"], tuple) and loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert torch.equal(loaded["model"]["w"], make_state(3)["model"]["w"])
+
+
+def test_export_safetensors_flattens_to_dotted_names(store, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tmp_path / "state.safetensors"
+    result = ckpt("export", store, "--step", "2", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    tensors = load_file(str(out))
+    expected = make_state(2)
+    assert torch.equal(tensors["model.w"], expected["model"]["w"])
+    assert torch.equal(tensors["model.b"], expected["model"]["b"]) and tensors["model.b"].dtype == torch.bfloat16
+    assert torch.equal(tensors["optimizer.state.0.exp_avg"], expected["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(tensors["array"], torch.arange(5, dtype=torch.int16))
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["data_position"]) == 2 and json.loads(meta["note"]) == "hello"
+    assert json.loads(meta["optimizer.param_groups"])[0]["lr"] == 0.01
+    assert json.loads(meta["__ckpt__"])["step"] == 2
+
+
+def test_export_other_suffix_is_a_clear_error(store, tmp_path):
+    assert_clean_error(ckpt("export", store, "--out", str(tmp_path / "x.bin")), 2, ".pt", ".safetensors")
+
+
+# --- bad inputs ----------------------------------------------------------------------------------
+
+def test_unknown_scheme_is_a_clear_error():
+    assert_clean_error(ckpt("ls", "ftp://host/run"), 2, "unsupported store URL scheme")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
+def test_malformed_storage_options_name_the_option_and_an_example(store, text):
+    assert_clean_error(ckpt("ls", store, "--storage-options", text), 2, "--storage-options", "endpoint_url")
+
+
+def test_storage_options_on_a_local_store_are_refused(store):
+    assert_clean_error(ckpt("show", store, "--storage-options", '{"key": "k"}'), 2, "s3://")
+
+
+def test_memory_store_without_checkpoints(tmp_path):
+    result = ckpt("ls", "memory://ckpt-cli-test-empty")
+    assert result.exit_code == 0 and "no committed checkpoints" in result.stdout
+    assert_clean_error(ckpt("show", "memory://ckpt-cli-test-empty"), 2, "no committed checkpoint")
+
+
+# --- demo ----------------------------------------------------------------------------------------
+
+def test_demo_trains_saves_verifies_and_restores_bit_exactly(tmp_path):
+    url = str(tmp_path / "demo")
+    result = ckpt("demo", "--store", url, "--saves", "2", "--steps-between", "1")
+    assert result.exit_code == 0, result.output
+    assert "sync" in result.stdout and "async" in result.stdout
+    assert "verify: all 2 checkpoints intact" in result.stdout and "bit-exact" in result.stdout
+    with Checkpointer(url) as ck:
+        assert ck.steps() == [1, 2]
+    result = ckpt("demo", "--store", url, "--saves", "2", "--steps-between", "1")  # resumes
+    assert result.exit_code == 0, result.output
+    assert "resumed from step 2" in result.stdout
+    with Checkpointer(url) as ck:
+        assert ck.steps() == [1, 2, 3, 4]
