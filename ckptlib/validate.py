@@ -753,10 +753,11 @@ class _Validation:
             name = next(iter(ref.manifest.parts))
         if name is None:
             return None
-        for leaf in ref.manifest.parts[name].leaves:
-            if _norm_path(leaf.spec.path) == path:
-                return tuple(leaf.spec.shape)
-        return None
+        cache = self.__dict__.setdefault("_ref_shapes", {})
+        if name not in cache:
+            cache[name] = {_norm_path(leaf.spec.path): tuple(leaf.spec.shape)
+                           for leaf in ref.manifest.parts[name].leaves}
+        return cache[name].get(path)
 
     def _tensor_rows(self, part: str, frag: Fragment, leaves: list[Any], problems: list[Problem],
                      coord_model: dict[str, Any]) -> None:
