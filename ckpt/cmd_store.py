@@ -21,7 +21,6 @@ import tempfile
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
 
-import click
 import typer
 
 from .cli import app
@@ -54,7 +53,7 @@ def command_errors() -> Iterator[None]:
     """The command boundary: expected errors become one stderr line and exit code 2."""
     try:
         yield
-    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+    except (typer.Exit, typer.Abort):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised below unless it is an expected error
         from ckptlib import CheckpointError

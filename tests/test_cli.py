@@ -251,3 +251,22 @@ def test_demo_trains_saves_verifies_and_restores_bit_exactly(tmp_path):
     assert "resumed from step 2" in result.stdout
     with Checkpointer(url) as ck:
         assert ck.steps() == [1, 2, 3, 4]
+
+
+# --- S3 (a real SeaweedFS server on loopback) -------------------------------------------------------
+
+def test_s3_store_with_storage_options(s3_url, tmp_path):
+    with Checkpointer(s3_url.url, s3_url.storage_options, chunk_bytes=4096) as ck:
+        ck.save(7, make_state(7))
+        digest = ck.manifest(7).digest
+    options = json.dumps(s3_url.storage_options)
+    result = ckpt("ls", s3_url.url, "--storage-options", options)
+    assert result.exit_code == 0, result.output
+    assert digest[:12] in result.stdout
+    assert f"digest: {digest}" in ckpt("show", s3_url.url, "--storage-options", options).stdout.splitlines()
+    assert ckpt("verify", s3_url.url, "--storage-options", options).exit_code == 0
+    out = tmp_path / "s3.pt"
+    assert ckpt("export", s3_url.url, "--storage-options", options, "--out", str(out)).exit_code == 0
+    assert torch.load(out, weights_only=True)["data_position"] == 7
+    wrong = json.dumps({**s3_url.storage_options, "secret": "wrong-secret"})
+    assert_clean_error(ckpt("ls", s3_url.url, "--storage-options", wrong), 2, "credentials")
