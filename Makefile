@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/ckpt demo
+	$(VENV)/bin/ckpt train
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,185 @@
+"""Heartbeats of a shard attempt: liveness and progress, written from inside the training loop.
+
+Who calls what
+--------------
+The training loop of one shard attempt (DESIGN.md section 6)::
+
+    hb = Heartbeat(store, "shard-1", generation=g, round=3, steps_per_round=200, every_s=2.0)
+    hb.start(step=data_position)          # first beat; FencedError if generation g is not live
+    for _ in range(h):
+        loss = workload.train_step()
+        hb.beat(step=workload.data_position, loss=loss)   # writes at most every `every_s` seconds
+    hb.finish("finished")                 # final beat with a status (also "failed", "fenced")
+
+A watchdog (or a progress display) reads them with ``read_heartbeats(store)``. Nothing here knows
+Prefect; an ``on_beat`` callback may forward each beat elsewhere (e.g. a Prefect event).
+
+Guarantees
+----------
+* Beats come from the caller's thread: a loop that hangs stops beating even if its process lives.
+  There is deliberately no timer thread.
+* Every written beat (not every ``beat`` call) checks the fence: when a newer generation of the
+  part exists, ``beat`` raises ``FencedError`` and the attempt must stop. Between two writes a
+  fenced attempt keeps training for at most ``every_s`` seconds; its fragment is never taken by the
+  coordinator anyway (``commit.gather`` takes the live generation only).
+* A beat that cannot be written (a transient store error) is logged and skipped: missing beats
+  make the watchdog suspicious, which is the right reaction to a store we cannot reach.
+
+Document ``heartbeats/<part>.json`` (JSON, replaced on every beat)::
+
+    {"format": 1, "part": "shard-1", "generation": 0, "round": 3, "step": 612, "round_step": 12,
+     "steps_per_round": 200, "status": "running", "time": 1764466000.12, "started": 1764465990.0,
+     "beats": 5, "host": "node-7", "pid": 4242, "attempt": 1, "loss": 2.31, "meta": {...}}
+
+``time``/``started`` are Unix wall times (seconds); ``step`` is the shard's inner step count (its data
+position), ``round_step`` the steps done in this round (both null while the attempt still loads its state);
+``status`` is running | finished | failed | fenced; ``loss`` the running mean loss of the round
+(or null). A final beat may add fields (``error`` for failed/fenced, ``loss``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from . import commit
+from .errors import FencedError, ObjectNotFound, StoreError
+from .store import Store
+
+log = logging.getLogger("ckptlib.heartbeat")
+
+HEARTBEAT_FORMAT = 1
+STATUSES = ("running", "finished", "failed", "fenced")
+
+
+def heartbeat_key(part: str) -> str:
+    return f"heartbeats/{commit.check_part_name(part)}.json"
+
+
+class Heartbeat:
+    """Writes ``heartbeats/<part>.json`` every ``every_s`` seconds of a training loop; checks the fence."""
+
+    def __init__(self, store: Store, part: str, *, generation: int, round: int, steps_per_round: int | None = None,
+                 every_s: float = 2.0, attempt: int | None = None, meta: dict[str, Any] | None = None,
+                 on_beat: Callable[[dict[str, Any]], None] | None = None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
+        if every_s <= 0:
+            raise ValueError(f"every_s must be > 0, got {every_s}: a beat every few seconds suits most runs")
+        self.store = store
+        self.part = commit.check_part_name(part)
+        self.key = heartbeat_key(part)
+        self.generation = int(generation)
+        self.round = int(round)
+        self.steps_per_round = steps_per_round
+        self.every_s = float(every_s)
+        self.attempt = attempt
+        self.meta = dict(meta or {})
+        self.on_beat = on_beat
+        self._clock, self._monotonic = clock, monotonic
+        self._host, self._pid = socket.gethostname(), os.getpid()
+        self._started = clock()
+        self._last_write: float | None = None
+        self._first_step: int | None = None
+        self._step: int | None = None
+        self._beats = 0
+        self._loss_sum = 0.0
+        self._loss_n = 0
+
+    # --- the loop's calls ----------------------------------------------------------------------
+
+    def start(self, step: int | None = None) -> dict[str, Any]:
+        """The first beat of the attempt (always written); raises FencedError when already fenced.
+        ``step`` may be None while the attempt is still loading its state (the first ``beat`` sets it)."""
+        if step is not None:
+            self._first_step = self._step = int(step)
+        return self._write("running")
+
+    def beat(self, step: int, loss: float | None = None) -> dict[str, Any] | None:
+        """Record progress; write (and check the fence) if ``every_s`` passed since the last write.
+
+        Returns the document when one was written, else None. Raises FencedError when fenced.
+        """
+        self._step = int(step)
+        if self._first_step is None:
+            self._first_step = int(step)
+        if loss is not None:
+            self._loss_sum += float(loss)
+            self._loss_n += 1
+        if self._last_write is not None and self._monotonic() - self._last_write < self.every_s:
+            return None
+        return self._write("running")
+
+    def finish(self, status: str = "finished", **extra: Any) -> dict[str, Any]:
+        """The last beat of the attempt, with its final status. Never raises FencedError."""
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        return self._write(status, check_fence=False, extra=extra)
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def document(self, status: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        round_step = None if self._step is None or self._first_step is None else self._step - self._first_step
+        doc = {
+            "format": HEARTBEAT_FORMAT, "part": self.part, "generation": self.generation, "round": self.round,
+            "step": self._step, "round_step": round_step, "steps_per_round": self.steps_per_round,
+            "status": status, "time": self._clock(), "started": self._started, "beats": self._beats + 1,
+            "host": self._host, "pid": self._pid, "attempt": self.attempt,
+            "loss": self._loss_sum / self._loss_n if self._loss_n else None, "meta": self.meta,
+        }
+        if extra:
+            doc.update(extra)
+        return doc
+
+    def _write(self, status: str, *, check_fence: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        doc = self.document(status, extra)
+        self._last_write = self._monotonic()
+        self._beats += 1
+        try:
+            self.store.put(self.key, json.dumps(doc).encode())
+        except StoreError as e:
+            log.warning("heartbeat of %s could not be written to %s (%s); training goes on", self.part,
+                        self.store.url, e)
+        if self.on_beat is not None:
+            try:
+                self.on_beat(doc)
+            except Exception as e:  # a forwarder must never stop training
+                log.warning("heartbeat forwarder failed for %s: %s", self.part, e)
+        if check_fence:
+            self.check_fence()
+        return doc
+
+    def check_fence(self) -> None:
+        """Raise FencedError if a newer generation of this part exists (a transient error is not a fence)."""
+        try:
+            commit.check_live(self.store, self.part, self.generation)
+        except FencedError:
+            raise
+        except StoreError as e:
+            log.warning("could not read the fences of %s (%s); assuming still live", self.part, e)
+
+
+def read_heartbeat(store: Store, part: str) -> dict[str, Any] | None:
+    """The latest beat of ``part``, or None if it never beat (or the document is unreadable)."""
+    try:
+        return json.loads(store.get(heartbeat_key(part)))
+    except ObjectNotFound:
+        return None
+    except (ValueError, StoreError) as e:
+        log.warning("unreadable heartbeat of %s in %s: %s", part, store.url, e)
+        return None
+
+
+def read_heartbeats(store: Store) -> dict[str, dict[str, Any]]:
+    """Every part's latest beat: ``{part: document}``."""
+    out = {}
+    for key in store.list("heartbeats/"):
+        name = key.rsplit("/", 1)[1]
+        if name.endswith(".json"):
+            doc = read_heartbeat(store, name[: -len(".json")])
+            if doc is not None:
+                out[doc.get("part", name[: -len(".json")])] = doc
+    return out

@@ -1,0 +1,152 @@
+"""Bookkeeping of a ``train-run``: what each round cost and where, and the run's summary (plain Python).
+
+Time is attributed along the critical path: a round lasts from submitting its shards until its cut
+returns; inside it the slowest shard's task body and the cut's task body are work (training,
+restore, save, combine), everything else is Prefect overhead (task submission, state tracking,
+result passing). Setup (planning, step 0, starting runners) is accounted the same way.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+
+class Ledger:
+    def __init__(self, params: Any, run_id: str, url: str):
+        import torch
+
+        self.t0 = time.perf_counter()
+        self.params, self.run_id, self.url = params, run_id, url
+        self.marks: dict[str, float] = {}
+        self.plan: dict[str, Any] = {}
+        self.start = 0
+        self.cuts: list[dict[str, Any]] = []  # committed ones, step 0 included
+        self.rounds: list[dict[str, Any]] = []
+        self.run_meta = {"run_id": run_id, "params": {**params.public_dict(), "run_id": run_id},
+                         "torch": torch.__version__}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def add_cut(self, cut: dict[str, Any]) -> None:
+        self.cuts.append(cut)
+
+    def start_rounds(self, plan: dict[str, Any], start: int) -> None:
+        self.plan, self.start = plan, start
+        self.mark("rounds")
+
+    def rounds_done(self) -> None:
+        self.mark("rounds_done")
+
+    def add_round(self, r: int, shards: list[dict], cut: dict, t0: float, t1: float, t2: float) -> None:
+        """Record round ``r``: shards submitted at t0, all returned at t1, the cut returned at t2."""
+        finished = [s for s in shards if s.get("status") == "finished"]
+        slowest = max(finished, key=lambda s: s["seconds"]["total"])["seconds"] if finished else {}
+        cs = cut["seconds"]
+        wall = t2 - t0
+        self.rounds.append({
+            "round": r, "committed": cut["committed"], "loss": cut["loss"], "eval_loss": cut["eval_loss"],
+            "digest": cut.get("digest"),
+            "shards": [{k: s.get(k) for k in ("shard", "status", "loss", "attempt", "generation", "bytes_written",
+                                              "logical_bytes")} for s in shards],
+            "bytes_written": sum(s.get("bytes_written", 0) for s in finished) + cut["coordinator_bytes_written"],
+            "logical_bytes": cut["logical_bytes"],
+            "seconds": {
+                "wall": wall, "shards_wall": t1 - t0, "cut_wall": t2 - t1,
+                "train": slowest.get("train", 0.0), "build": slowest.get("build", 0.0),
+                "restore": slowest.get("load", 0.0) + cs["load"] + cs["read"],
+                "save": slowest.get("write", 0.0) + cs["write"] + cs["commit"],
+                "combine_eval": cs["combine"], "cut_wait": cs["wait"],
+                "prefect": max(0.0, wall - slowest.get("total", 0.0) - cs["total"]),
+            },
+        })
+        if cut["committed"]:
+            self.cuts.append(cut)
+
+    # --- the summary -----------------------------------------------------------------------------
+
+    def summary(self, verdicts: dict[int, dict]) -> dict[str, Any]:
+        t_end = time.perf_counter()
+        p = self.params
+        by_round = {x["round"]: x for x in self.rounds}
+        checkpoints = []
+        for c in self.cuts:
+            step = c["step"]
+            v = verdicts.get(step)
+            checkpoints.append({
+                "step": step, "digest": c["digest"], "created": c["created"], "kind": c.get("kind"),
+                "bytes_written": by_round[step]["bytes_written"] if step in by_round else c["bytes_written"],
+                "logical_bytes": c["logical_bytes"], "stored_bytes": c.get("stored_bytes"),
+                "loss": c["loss"], "eval_loss": c["eval_loss"],
+                "validation": None if v is None else {"passed": bool(v.get("passed")), "failed": v.get("failed", [])},
+            })
+        final = checkpoints[-1] if checkpoints else self._existing_final()
+        step0 = next((c for c in self.cuts if c["step"] == 0), None)
+        sec = {k: sum(x["seconds"][k] for x in self.rounds)
+               for k in ("wall", "train", "build", "restore", "save", "combine_eval", "cut_wait", "prefect")}
+        rounds_at = self.marks.get("rounds", t_end)
+        setup = rounds_at - self.t0
+        setup_work = self.plan.get("seconds", 0.0) + (step0["seconds"]["total"] if step0 else 0.0)
+        sec["setup"] = setup
+        sec["save"] += step0["seconds"]["save"] if step0 else 0.0
+        sec["prefect"] += max(0.0, setup - setup_work)
+        sec["validation_wait"] = t_end - self.marks.get("rounds_done", t_end)
+        sec["flow"] = t_end - self.t0
+        flow_s = sec["flow"] or 1.0
+        bytes_written = sum(x["bytes_written"] for x in self.rounds) + (step0["bytes_written"] if step0 else 0)
+        return {
+            "run_id": self.run_id, "run_url": self.url, "store": p.store, "workload": p.workload,
+            "shards": p.shards, "rounds": p.rounds, "steps_per_round": p.steps_per_round,
+            "task_runner": p.task_runner, "start_step": self.start, "rounds_done": len(self.rounds),
+            "resumed": self.plan.get("start_step") is not None, "note": self.plan.get("note", ""),
+            "final_step": final["step"] if final else None, "final_digest": final["digest"] if final else None,
+            "final_loss": final["loss"] if final else None, "final_eval_loss": final["eval_loss"] if final else None,
+            "checkpoints": checkpoints, "rounds_log": self.rounds, "committed": [c["step"] for c in checkpoints],
+            "validated": sorted(s for s, v in verdicts.items() if v.get("passed")),
+            "failed_validation": sorted(s for s, v in verdicts.items() if not v.get("passed")),
+            "bytes_written": bytes_written, "full_copy_bytes": sum(c["logical_bytes"] for c in checkpoints),
+            "reports": f"{self.url}/reports/<step>/", "validations": f"{self.url}/validations/<step>.json",
+            "seconds": {k: round(v, 3) for k, v in sec.items()},
+            "shares_of_flow": {"train": (sec["train"] + sec["build"]) / flow_s, "checkpoint_save": sec["save"] / flow_s,
+                               "checkpoint_restore": sec["restore"] / flow_s, "prefect_overhead": sec["prefect"] / flow_s,
+                               "validation_wait": sec["validation_wait"] / flow_s},
+        }
+
+    def _existing_final(self) -> dict[str, Any] | None:
+        """Nothing committed in this session (the run was already complete): its latest step."""
+        from ckptlib import Checkpointer
+
+        ck = Checkpointer(self.url, self.params.storage_options_dict())
+        try:
+            m = ck.manifest(self.start)
+        finally:
+            ck.close()
+        return {"step": m.step, "digest": m.digest, "loss": m.meta.get("loss"), "eval_loss": m.meta.get("eval_loss")}
+
+
+def publish_artifacts(summary: dict[str, Any]) -> None:
+    """A table of the checkpoints and a markdown verdict, keyed by run, for the Prefect UI."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = ("train-" + re.sub(r"[^a-z0-9-]+", "-", summary["run_id"].lower())).strip("-")[:90]
+    rows = [{"step": c["step"], "loss": c["loss"], "eval_loss": c["eval_loss"], "bytes_written": c["bytes_written"],
+             "full_copy_bytes": c["logical_bytes"], "kind": c["kind"],
+             "validated": None if c["validation"] is None else c["validation"]["passed"], "digest": c["digest"]}
+            for c in summary["checkpoints"]]
+    ratio = summary["full_copy_bytes"] / max(summary["bytes_written"], 1)
+    try:
+        create_table_artifact(rows, key=key, description=f"Checkpoints of run {summary['run_id']}")
+        create_markdown_artifact(
+            f"### Run `{summary['run_id']}`\n\n"
+            f"* rounds this session: {summary['rounds_done']} (step {summary['start_step']} -> {summary['final_step']})\n"
+            f"* final loss {summary['final_loss']}, eval loss {summary['final_eval_loss']}\n"
+            f"* written {summary['bytes_written']:,} B against {summary['full_copy_bytes']:,} B of full copies "
+            f"({ratio:.2f}x smaller)\n* final digest `{summary['final_digest']}`\n"
+            f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
+            f"* checkpoints: `{summary['run_url']}`, reports: `{summary['reports']}`\n",
+            key=key + "-summary", description="Training run summary")
+    except Exception as e:  # artifacts are a convenience; never fail a finished run over them
+        get_run_logger().warning("could not create artifacts: %s", e)

@@ -1,0 +1,164 @@
+"""The ``train-run`` flow for real: Prefect (one test server per session), real training (a tiny
+tinylm), stores both local and on SeaweedFS S3, ``ckpt train`` subprocesses killed with SIGKILL.
+
+Every run here uses the same tiny settings (``TINY``), so the clean run's digests (computed once per
+session) are the reference for every other way of reaching the same steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptlib import Checkpointer
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=4, seed=0,
+            heartbeat_every_s=0.2, retry_delay_s=0.2, validation_runner="threads")
+
+
+def params(**kw):
+    from flows.params import TrainParams
+
+    return TrainParams(**{**TINY, **kw})
+
+
+def digests(url: str, storage_options: dict | None = None) -> dict[int, str]:
+    with Checkpointer(url, storage_options) as ck:
+        return {s: ck.manifest(s).digest for s in ck.steps()}
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """Environment of a `ckpt train` subprocess: the session's Prefect server, a throwaway home."""
+    from prefect.settings import PREFECT_API_URL
+
+    home = tmp_path / "prefect-home"
+    home.mkdir(exist_ok=True)
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def cli_args(store: str, run_id: str, *more: str) -> list[str]:
+    return [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", run_id, "--shards", "2",
+            "--rounds", str(TINY["rounds"]), "--steps-per-round", str(TINY["steps_per_round"]),
+            "--workload-extra", json.dumps(EXTRA), *more]
+
+
+@pytest.fixture(scope="session")
+def clean(prefect_harness, tmp_path_factory):
+    """The reference: one clean run on a local store."""
+    from flows.train import train_run
+
+    store = str(tmp_path_factory.mktemp("train-store"))
+    summary = train_run(params(store=store, run_id="clean"))
+    return {"store": store, "summary": summary, "digests": digests(summary["run_url"])}
+
+
+def test_clean_run_commits_and_validates_every_round(clean):
+    s = clean["summary"]
+    url = s["run_url"]
+    assert s["committed"] == [0, 1, 2, 3] == s["validated"] and s["failed_validation"] == []
+    assert s["final_step"] == 3 and s["final_digest"] == clean["digests"][3]
+    assert s["bytes_written"] > 0 and s["full_copy_bytes"] > 0
+    assert all(c["validation"]["passed"] for c in s["checkpoints"])
+    with Checkpointer(url) as ck:
+        assert ck.healthy_steps() == [0, 1, 2, 3]
+        assert ck.manifest(3).meta["run_id"] == "clean" and ck.manifest(3).meta["params"]["rounds"] == 3
+    for i in range(2):
+        beat = json.loads(Path(url, "heartbeats", f"shard-{i}.json").read_text())
+        assert beat["status"] == "finished" and beat["round"] == 3 and beat["step"] == 12
+        assert {"time", "host", "pid", "generation", "round_step"} <= set(beat)
+    assert s["seconds"]["train"] > 0 and s["rounds_log"][0]["seconds"]["save"] > 0
+
+
+def test_identical_run_on_s3_reaches_the_same_digest_at_every_step(clean, s3_url):
+    from flows.train import train_run
+
+    store, so = s3_url
+    s = train_run(params(store=store, run_id="again", storage_options=so))
+    assert digests(s["run_url"], so) == clean["digests"]
+    with Checkpointer(s["run_url"], so) as ck:
+        assert ck.healthy_steps() == [0, 1, 2, 3]
+
+
+def test_crash_chaos_is_retried_and_reaches_the_clean_digest(clean, tmp_path):
+    from flows.train import train_run
+
+    s = train_run(params(store=str(tmp_path), run_id="chaos", chaos=["crash:shard=1,round=2"]))
+    assert s["final_digest"] == clean["digests"][3]
+    round2 = {x["shard"]: x for x in s["rounds_log"][1]["shards"]}
+    assert round2[1]["attempt"] == 2 and round2[0]["attempt"] == 1
+
+
+def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+    from flows.train import train_run
+    from tasks.rounds import RunRefused
+
+    base = ["train", "--store", clean["store"], "--run-id", "clean", "--rounds", "3",
+            "--workload-extra", json.dumps(EXTRA)]
+    r = CliRunner().invoke(app, base + ["--resume", "--steps-per-round", "5", "--seed", "1"])
+    assert r.exit_code == 2, r.output
+    assert "seed: 0 -> 1" in r.output and "steps_per_round: 4 -> 5" in r.output
+    r = CliRunner().invoke(app, base + ["--steps-per-round", "4"])
+    assert r.exit_code == 2 and "already has committed checkpoints" in r.output and "--resume" in r.output
+    with pytest.raises(RunRefused, match="shards: 2 -> 3"):  # the flow itself refuses too (deployments)
+        train_run(params(store=clean["store"], run_id="clean", resume=True, shards=3))
+    assert digests(clean["summary"]["run_url"]) == clean["digests"]  # nothing was written
+
+
+def test_kill_9_mid_run_then_resume_reaches_the_clean_digest(clean, tmp_path):
+    store, env = str(tmp_path / "store"), cli_env(tmp_path)
+    url = Path(store, "killed")
+    proc = subprocess.Popen(cli_args(store, "killed"), env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not (url / "manifests" / "1.json").exists():
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint committed in 180 s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: CLI, validation worker, ...
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (url / "manifests" / "3.json").exists(), "the run finished before it could be killed"
+    out = subprocess.run(cli_args(store, "killed", "--resume"), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"digest: {clean['digests'][3]}" in out.stdout.splitlines()
+    assert digests(str(url)) == clean["digests"]
+    with Checkpointer(str(url)) as ck:
+        assert ck.healthy_steps() == [0, 1, 2, 3]
+
+
+def test_user_supplied_workload_trains(prefect_harness, tmp_path):
+    from flows.train import train_run
+
+    s = train_run(params(store=str(tmp_path), run_id="mine", workload="workloads.example_user:build",
+                         workload_extra={"hidden": 16}, rounds=2))
+    assert s["committed"] == [0, 1, 2] == s["validated"]
+    assert s["final_loss"] < s["rounds_log"][0]["loss"] * 1.5  # it trained (and nothing blew up)
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.restore(2, part="coordinator")["config"]["workload"] == "workloads.example_user:build"
+
+
+def test_dask_runner_with_two_processes_reaches_the_clean_digest(clean, tmp_path):
+    from flows.train import train_run
+
+    s = train_run(params(store=str(tmp_path), run_id="dask", task_runner="dask"))
+    assert s["final_digest"] == clean["digests"][3]
+    assert digests(s["run_url"]) == clean["digests"]
+    pids = {json.loads(Path(s["run_url"], "heartbeats", f"shard-{i}.json").read_text())["pid"] for i in range(2)}
+    assert os.getpid() not in pids  # the shards ran in Dask worker processes
