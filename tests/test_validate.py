@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -405,6 +406,20 @@ def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
     table = json.loads(latest_table) if isinstance(latest_table, str) else latest_table
     assert table[0]["verdict"] == "FAILED" and table[0]["failed_expectations"] == "no_nan"
     assert table[0]["bytes_written"] > 0 and table[0]["report"].endswith(f"reports/{ROUNDS + 1}/index.html")
+    # the event an automation can react to (written by the events worker: poll briefly)
+    from tasks.validate import run_key
+
+    events = []
+    with get_client(sync_client=True) as client:
+        for _ in range(40):
+            resp = client._client.post("/events/filter", json={
+                "filter": {"event": {"prefix": ["ckpt.validation."]},
+                           "resource": {"id": [f"ckpt.run.{run_key(str(root))}"]}}, "limit": 50})
+            events = [(e["event"], e["payload"]["step"]) for e in resp.json().get("events", [])]
+            if len(events) >= 2:
+                break
+            time.sleep(0.25)
+    assert sorted(events) == [("ckpt.validation.failed", ROUNDS + 1), ("ckpt.validation.passed", ROUNDS)]
     # deployable, with described parameters (the UI shows them when re-validating)
     props = validate_checkpoint_flow.parameters.model_dump()["properties"]
     assert all(props[p].get("description") for p in ("run_url", "step", "storage_options", "thresholds"))
