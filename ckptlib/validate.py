@@ -40,7 +40,6 @@ Great Expectations is imported lazily (about 2 s): importing this module is chea
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import math

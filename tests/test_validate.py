@@ -22,7 +22,7 @@ import torch
 
 from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
-from ckptlib.manifest import combined_digest, dumps, loads_manifest, part_digest
+from ckptlib.manifest import combined_digest, loads_manifest, part_digest
 from ckptlib.report import PLOT_SIZE_PX
 from ckptlib.store import Store
 from ckptlib.validate import CHECK_NAMES, Thresholds, read_verdict, validate_checkpoint
