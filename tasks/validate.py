@@ -21,6 +21,7 @@ checkpoint stays unvalidated, hence not healthy, until it is validated again (th
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 
@@ -122,7 +123,10 @@ def validate_step(run_url: str, step: int, storage_options: dict | None = None,
     from ckptlib.errors import NoCheckpoint, StoreError
     from ckptlib.validate import Thresholds, format_verdict, validate_checkpoint
 
-    logger = get_run_logger()
+    try:
+        logger = get_run_logger()
+    except Exception:  # called as validate_step.fn(...) outside a run
+        logger = logging.getLogger("tasks.validate")
     th = Thresholds.from_dict(thresholds)  # bad thresholds: the caller's error, raised
     verdict = None
     for attempt in range(1, ATTEMPTS + 1):
