@@ -148,12 +148,16 @@ class Checkpointer:
             log.info("step %d was already committed with the same digest: nothing new published", step)
         return self._info(manifest, created, snap.seconds, time.perf_counter() - t0)
 
-    def _adopt(self, part: str, fragment: Fragment, buffers) -> None:
+    def _adopt(self, part: str, fragment: Fragment, buffers, *, prepare_spare: bool = True) -> None:
         """Make a committed fragment the delta base of ``part``; keep the old buffers for reuse."""
         old = self._bases.get(part)
-        self._bases[part] = Base.of(fragment, buffers)
-        if old is not None:
+        self._bases[part] = new = Base.of(fragment, buffers)
+        # Old buffers are reused by the next snapshot; after the first save there are none yet, so
+        # make them now (this runs in the background half of a save, not while the caller waits).
+        if old is not None and old.leaves:
             self._spare[part] = old.spare_buffers()
+        elif prepare_spare:
+            self._spare[part] = new.fresh_buffers()
 
     @staticmethod
     def _info(m: Manifest, created: bool, blocked: float, durable: float) -> CommitInfo:
@@ -178,13 +182,14 @@ class Checkpointer:
         return commit.read_manifest(self.store, self._resolve(step, healthy=False))
 
     def restore(self, step: int | None = None, *, healthy: bool = False, part: str | None = None,
-                device: str | torch.device = "cpu") -> Any:
+                device: str | torch.device = "cpu", keep_base: bool = True) -> Any:
         """The state of ``step`` (None = the latest committed; ``healthy=True``: the latest that
         passed validation). Tensors land on ``device`` (CPU by default), bit-exact.
 
         A single-writer checkpoint returns its state; a multi-part one returns ``{part: state}``,
-        or one part's state when ``part`` is given. The restored parts become the delta bases of
-        this Checkpointer's next saves.
+        or one part's state when ``part`` is given. With ``keep_base`` (default) the restored parts
+        are also copied to become the delta bases of this Checkpointer's next saves; readers that
+        will not save pass False and skip that copy.
         """
         self._drain()
         m = commit.read_manifest(self.store, self._resolve(step, healthy=healthy))
@@ -195,8 +200,8 @@ class Checkpointer:
                 raise NoCheckpoint(f"step {m.step} has no part '{name}'; it has {sorted(m.parts)}")
             frag = m.parts[name]
             state, raws = restore_part(frag, self.store, self._pool, device=device)
-            # The caller owns (and will mutate) the restored tensors: the base keeps its own copy.
-            self._adopt(name, frag, [raw.copy() for raw in raws])
+            if keep_base:  # the caller owns (and will mutate) the restored tensors: copy them
+                self._adopt(name, frag, [raw.copy() for raw in raws], prepare_spare=False)
             out[name] = state
         if part is not None:
             return out[part]
@@ -268,7 +273,7 @@ class Checkpointer:
         frag = loads_fragment(data, f"{self.url}/{key}")
         state, raws = restore_part(frag, self.store, self._pool, device=device)
         if adopt:
-            self._adopt(part, frag, [raw.copy() for raw in raws])
+            self._adopt(part, frag, [raw.copy() for raw in raws], prepare_spare=False)
         return state
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,

@@ -16,21 +16,23 @@ GIL on large buffers, so callers run many chunks in a thread pool.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
+import xxhash
 import zstandard
 
 from .errors import CorruptCheckpoint
 
-_DIGEST_SIZE = 16  # 128-bit blake2b: content addresses and checksums
-
-
 def checksum(data: np.ndarray | bytes | memoryview) -> str:
-    """Hex blake2b-128 of the bytes (hashlib releases the GIL for large buffers)."""
-    return hashlib.blake2b(memoryview(data), digest_size=_DIGEST_SIZE).hexdigest()
+    """Hex XXH3-128 of the bytes: the identity of a chunk and the integrity check of every decode.
+
+    XXH3 hashes at memory speed (7.5 GiB/s on one core here, against 0.4 GiB/s for blake2b), which
+    matters because every byte of a save and a restore is hashed. It detects corruption, not
+    tampering: a store writable by an adversary could plant colliding chunks (see docs/format.md).
+    """
+    return xxhash.xxh3_128_hexdigest(memoryview(data))
 
 
 class Codec(Protocol):
@@ -88,15 +90,24 @@ class BytePlane:
     def _usable(self, n: int) -> bool:
         return self.itemsize > 1 and n % self.itemsize == 0
 
+    # One strided copy per plane: 3-6x faster than numpy's general transpose for small itemsizes.
     def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
         if not self._usable(data.nbytes):
             return data
-        return np.ascontiguousarray(data.reshape(-1, self.itemsize).T).reshape(-1)
+        elements = data.reshape(-1, self.itemsize)
+        planes = np.empty((self.itemsize, elements.shape[0]), dtype=np.uint8)
+        for k in range(self.itemsize):
+            planes[k] = elements[:, k]
+        return planes.reshape(-1)
 
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         if not self._usable(data.nbytes):
             return data
-        return np.ascontiguousarray(data.reshape(self.itemsize, -1).T).reshape(-1)
+        planes = data.reshape(self.itemsize, -1)
+        elements = np.empty((planes.shape[1], self.itemsize), dtype=np.uint8)
+        for k in range(self.itemsize):
+            elements[:, k] = planes[k]
+        return elements.reshape(-1)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize}}
@@ -136,53 +147,96 @@ class Zstd:
         return {"name": self.name, "configuration": {"level": self.level}}
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _ordered(x: np.ndarray, is_float: bool) -> np.ndarray:
+    """Float bit patterns -> unsigned ints that order like the floats (offset binary)."""
+    if not is_float:
+        return x
+    top = x.dtype.type(1 << (8 * x.itemsize - 1))
+    return np.where(x & top, ~x, x | top)
+
+
+def _unordered(u: np.ndarray, is_float: bool) -> np.ndarray:
+    if not is_float:
+        return u
+    top = u.dtype.type(1 << (8 * u.itemsize - 1))
+    return np.where(u & top, u & ~top, ~u)
+
+
+def _zigzag(d: np.ndarray) -> np.ndarray:
+    """Wrap-around difference -> small unsigned (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...)."""
+    signed = d.view(np.dtype(f"i{d.itemsize}"))
+    return (d << d.dtype.type(1)) ^ (signed >> signed.dtype.type(8 * d.itemsize - 1)).view(d.dtype)
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    one = z.dtype.type(1)
+    return (z >> one) ^ (np.zeros_like(z) - (z & one))
+
+
+def _check_itemsize(name: str, itemsize: int) -> int:
+    if itemsize not in _UINT:
+        raise ValueError(f"{name} supports element sizes 1, 2, 4, 8, not {itemsize}")
+    return int(itemsize)
+
+
+class ArithDelta:
+    """Element-wise integer difference against the base chunk, zigzag-encoded.
+
+    Floats are mapped to integers that order like their values (sign-magnitude -> offset binary),
+    so a small update is a small difference even across zero, with fewer significant bits than
+    an XOR of the patterns. Differences wrap modulo 2**bits: any bit pattern round-trips exactly.
+    Followed by byteplane + zstd; meant for updates that touch most elements.
+    """
+
+    name: ClassVar[str] = "arith_delta"
+
+    def __init__(self, itemsize: int, ordered_float: bool = False):
+        self.itemsize, self.ordered_float = _check_itemsize(self.name, itemsize), bool(ordered_float)
+
+    def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+        if base is None or base.nbytes != data.nbytes or data.nbytes % self.itemsize:
+            raise ValueError("arith_delta needs a base chunk of the same size, whole elements")
+        uint = _UINT[self.itemsize]
+        f = self.ordered_float
+        return _zigzag(_ordered(data.view(uint), f) - _ordered(base.view(uint), f)).view(np.uint8)
+
+    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
+        if base is None or base.nbytes != data.nbytes or data.nbytes % self.itemsize:
+            raise CorruptCheckpoint("arith_delta chunk has no base of the right size")
+        uint = _UINT[self.itemsize]
+        f = self.ordered_float
+        return _unordered(_ordered(base.view(uint), f) + _unzigzag(data.view(uint)), f).view(np.uint8)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "configuration": {"itemsize": self.itemsize, "ordered_float": self.ordered_float}}
+
+
 class SparseDelta:
     """A delta as (bitmap of changed elements, their integer differences), each zstd-compressed.
 
     For updates that touch a minority of elements by small amounts (bf16 weights at small learning
-    rates change ~10% of elements, mostly by one unit in the last place) this is far smaller than
-    an XOR delta: the bitmap costs about its entropy and each difference a few bits. Floats are
-    mapped to integers that order like the float values (sign-magnitude -> offset binary), so a
-    one-ulp step is a difference of +-1 even across zero. Differences wrap modulo 2**bits, so any
-    bit pattern (NaN payloads included) round-trips exactly. A complete codec: no zstd after it.
+    rates change ~10% of elements, mostly by one unit in the last place) this is far smaller than a
+    dense delta: the bitmap costs about its entropy and each difference a few bits. Differences
+    are those of ``arith_delta``. A complete codec: no zstd after it.
     """
 
     name: ClassVar[str] = "sparse_delta"
-    _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
     def __init__(self, itemsize: int, ordered_float: bool = False, level: int = 3):
-        if itemsize not in self._UINT:
-            raise ValueError(f"sparse_delta supports element sizes 1, 2, 4, 8, not {itemsize}")
-        self.itemsize, self.ordered_float, self.level = int(itemsize), bool(ordered_float), int(level)
-
-    def _ordered(self, x: np.ndarray) -> np.ndarray:
-        if not self.ordered_float:
-            return x
-        top = x.dtype.type(1 << (8 * self.itemsize - 1))
-        return np.where(x & top, ~x, x | top)
-
-    def _unordered(self, u: np.ndarray) -> np.ndarray:
-        if not self.ordered_float:
-            return u
-        top = u.dtype.type(1 << (8 * self.itemsize - 1))
-        return np.where(u & top, u & ~top, ~u)
-
-    def _zigzag(self, d: np.ndarray) -> np.ndarray:  # uint wrap-around diff -> small unsigned
-        shift = d.dtype.type(8 * self.itemsize - 1)
-        signed = d.view(np.dtype(f"i{self.itemsize}"))
-        return ((d << d.dtype.type(1)) ^ (signed >> signed.dtype.type(shift)).view(d.dtype))
-
-    def _unzigzag(self, z: np.ndarray) -> np.ndarray:
-        one = z.dtype.type(1)
-        return (z >> one) ^ (np.zeros_like(z) - (z & one))
+        self.itemsize = _check_itemsize(self.name, itemsize)
+        self.ordered_float, self.level = bool(ordered_float), int(level)
 
     def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
         if base is None or base.nbytes != data.nbytes or data.nbytes % self.itemsize:
             raise ValueError("sparse_delta needs a base chunk of the same size, whole elements")
-        uint = self._UINT[self.itemsize]
+        uint = _UINT[self.itemsize]
         new, old = data.view(uint), base.view(uint)
         changed = new != old
-        diffs = self._zigzag(self._ordered(new[changed]) - self._ordered(old[changed]))
+        f = self.ordered_float
+        diffs = _zigzag(_ordered(new[changed], f) - _ordered(old[changed], f))
         planes = BytePlane(self.itemsize).encode(diffs.view(np.uint8), None)
         z = Zstd(self.level)
         bitmap = z.encode(np.packbits(changed), None)
@@ -194,7 +248,6 @@ class SparseDelta:
             raise CorruptCheckpoint("sparse_delta chunk has no base of the right size")
         try:
             bitmap_len, count = (int(v) for v in data[:16].view("<u8"))
-            uint = self._UINT[self.itemsize]
             n = nbytes // self.itemsize
             z = Zstd(self.level)
             changed = np.unpackbits(z.decode(data[16:16 + bitmap_len], None, (n + 7) // 8), count=n).view(bool)
@@ -203,9 +256,11 @@ class SparseDelta:
             raise CorruptCheckpoint(f"sparse_delta chunk is malformed ({e})") from None
         if int(changed.sum()) != count:
             raise CorruptCheckpoint("sparse_delta bitmap does not match its count of changes")
+        uint = _UINT[self.itemsize]
         diffs = BytePlane(self.itemsize).decode(planes, None, count * self.itemsize).view(uint)
         out = base.view(uint).copy()
-        out[changed] = self._unordered(self._ordered(out[changed]) + self._unzigzag(diffs))
+        f = self.ordered_float
+        out[changed] = _unordered(_ordered(out[changed], f) + _unzigzag(diffs), f)
         return out.view(np.uint8)
 
     def to_config(self) -> dict[str, Any]:
@@ -213,7 +268,7 @@ class SparseDelta:
                                                      "ordered_float": self.ordered_float, "level": self.level}}
 
 
-REGISTRY: dict[str, type] = {c.name: c for c in (XorDelta, BytePlane, Zstd, SparseDelta)}
+REGISTRY: dict[str, type] = {c.name: c for c in (XorDelta, BytePlane, Zstd, ArithDelta, SparseDelta)}
 
 
 def from_configs(configs: list[dict[str, Any]]) -> list[Codec]:
@@ -244,7 +299,7 @@ def decode(data: np.ndarray, codecs: list[Codec], nbytes: int, base: np.ndarray 
 
 
 def uses_base(configs: list[dict[str, Any]]) -> bool:
-    return any(c["name"] in (XorDelta.name, SparseDelta.name) for c in configs)
+    return any(c["name"] in (XorDelta.name, ArithDelta.name, SparseDelta.name) for c in configs)
 
 
 def keyframe_codecs(itemsize: int, level: int) -> list[Codec]:
@@ -255,8 +310,14 @@ def delta_codecs(itemsize: int, level: int) -> list[Codec]:
     return [XorDelta(), BytePlane(itemsize), Zstd(level)]
 
 
-def sparse_codecs(itemsize: int, level: int, is_float: bool) -> list[Codec] | None:
-    """The sparse delta for this element size, or None where it does not apply."""
-    if itemsize not in SparseDelta._UINT:
-        return None
+def arith_codecs(itemsize: int, level: int, is_float: bool) -> list[Codec]:
+    return [ArithDelta(itemsize, ordered_float=is_float), BytePlane(itemsize), Zstd(level)]
+
+
+def sparse_codecs(itemsize: int, level: int, is_float: bool) -> list[Codec]:
     return [SparseDelta(itemsize, ordered_float=is_float, level=level)]
+
+
+def integer_deltas_apply(itemsize: int) -> bool:
+    """arith_delta and sparse_delta work on 1, 2, 4 and 8 byte elements."""
+    return itemsize in _UINT

@@ -31,6 +31,7 @@ from .errors import CorruptCheckpoint, FormatVersionError
 from .tree import LeafSpec
 
 FORMAT_VERSION = 1
+CHECKSUM = "xxh3-128"  # the hash of chunk checksums and leaf digests, recorded in every fragment
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Fragment:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "step": self.step, "part": self.part,
+        return {"format": FORMAT_VERSION, "checksum": CHECKSUM, "step": self.step, "part": self.part,
                 "generation": self.generation, "config_hash": self.config_hash,
                 "skeleton": self.skeleton, "leaves": [leaf.to_json() for leaf in self.leaves],
                 "blobs": {k: b.to_json() for k, b in self.blobs.items()}, "digest": self.digest,
@@ -95,6 +96,11 @@ class Fragment:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Fragment":
         _check_format(d)
+        if d.get("checksum") != CHECKSUM:
+            raise FormatVersionError(
+                f"fragment of part {d.get('part')!r} uses checksum {d.get('checksum')!r}; this ckptlib verifies "
+                f"{CHECKSUM!r}. It was written by another ckptlib version: read it with that version."
+            )
         return cls(int(d["step"]), d["part"], int(d["generation"]), d.get("config_hash"), d["skeleton"],
                    tuple(Leaf.from_json(x) for x in d["leaves"]),
                    {k: Blob.from_json(b) for k, b in d["blobs"].items()}, d["digest"],

@@ -47,8 +47,20 @@ class Problem:
         return f"{where}: {self.reason}"
 
 
+class _Damaged(CorruptCheckpoint):
+    """A stored object is missing or does not decode to its checksum; ``key`` names it."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"object {key} {reason}")
+        self.key = key
+
+
 class _ChainDecoder:
-    """Decodes raw chunks by checksum, following delta bases; caches chunks used more than once."""
+    """Decodes raw chunks by checksum, following delta bases; caches chunks used more than once.
+
+    Only the top of a chain is checked against its checksum (it covers every link below it);
+    when it does not match, the chain is walked again link by link to name the damaged object.
+    """
 
     def __init__(self, fragment: Fragment, store: Store):
         self.fragment, self.store = fragment, store
@@ -63,27 +75,54 @@ class _ChainDecoder:
         self._cache: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def raw(self, digest: str) -> np.ndarray:
-        if digest in self._cache:
-            return self._cache[digest]
-        blob: Blob | None = self.fragment.blobs.get(digest)
+    def _blob(self, digest: str) -> Blob:
+        blob = self.fragment.blobs.get(digest)
         if blob is None:
             raise CorruptCheckpoint(f"chunk {digest} is not in the blob table")
-        base = self.raw(blob.base) if blob.base is not None else None
+        return blob
+
+    def _decode_one(self, blob: Blob, base: np.ndarray | None) -> np.ndarray:
         try:
             payload = np.frombuffer(self.store.get(blob.key), dtype=np.uint8)
         except ObjectNotFound:
-            raise CorruptCheckpoint(f"object {blob.key} is missing from the store") from None
+            raise _Damaged(blob.key, "is missing from the store") from None
         if payload.nbytes != blob.size:
-            raise CorruptCheckpoint(
-                f"object {blob.key} has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
-        out = codecs.decode(payload, codecs.from_configs(list(blob.codecs)), blob.nbytes, base)
-        if codecs.checksum(out) != digest:
-            raise CorruptCheckpoint(f"object {blob.key} decodes to bytes whose checksum does not match")
+            raise _Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
+        try:
+            return codecs.decode(payload, codecs.from_configs(list(blob.codecs)), blob.nbytes, base)
+        except _Damaged:
+            raise
+        except CorruptCheckpoint as e:
+            raise _Damaged(blob.key, f"does not decode: {e}") from None
+
+    def _decode(self, digest: str) -> np.ndarray:
+        if digest in self._cache:
+            return self._cache[digest]
+        blob = self._blob(digest)
+        out = self._decode_one(blob, self._decode(blob.base) if blob.base is not None else None)
         if digest in self._shared:
             with self._lock:
                 self._cache[digest] = out
         return out
+
+    def raw(self, digest: str) -> np.ndarray:
+        out = self._decode(digest)
+        if codecs.checksum(out) != digest:
+            self._locate(digest)
+        return out
+
+    def _locate(self, digest: str) -> None:
+        chain: list[tuple[str, Blob]] = []
+        d: str | None = digest
+        while d is not None:
+            chain.append((d, self._blob(d)))
+            d = chain[-1][1].base
+        base = None
+        for d, blob in reversed(chain):
+            base = self._decode_one(blob, base)
+            if codecs.checksum(base) != d:
+                raise _Damaged(blob.key, "decodes to bytes whose checksum does not match")
+        raise CorruptCheckpoint(f"chunk {digest} does not match its checksum")  # not reproducible: flaky storage
 
 
 def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np.ndarray]) -> list[Problem]:
@@ -105,7 +144,9 @@ def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np
             raws[li][start:stop] = chunk
         except CorruptCheckpoint as e:
             blob = fragment.blobs.get(digest) if digest else None
-            return Problem(fragment.step, fragment.part, leaf.spec.path, ci, blob.key if blob else None, str(e))
+            key = getattr(e, "key", None) or (blob.key if blob else None)
+            reason = str(e).removeprefix(f"object {key} ") if key else str(e)
+            return Problem(fragment.step, fragment.part, leaf.spec.path, ci, key, reason)
         return None
 
     return [p for p in pool.map(fill, jobs) if p is not None]

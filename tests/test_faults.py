@@ -103,3 +103,22 @@ def test_torn_chunk_is_detected_and_named_previous_step_still_restores(store):
         Checkpointer(store).restore(2)
     restored = Checkpointer(store).restore(1)
     assert torch.equal(restored["w"], first["w"])
+
+
+def test_damaged_delta_base_is_the_object_named(tmp_path):
+    w = torch.randn(1024)
+    with Checkpointer(str(tmp_path), chunk_bytes=4096) as ck:
+        ck.save(1, {"w": w.clone()})
+        w[:10] += 1
+        ck.save(2, {"w": w.clone()})
+        frag = ck.manifest(2).parts["state"]
+        top = frag.blobs[frag.leaves[0].chunks[0]]
+        damaged = frag.blobs[top.base].key
+        path = tmp_path / damaged
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        (problem,) = ck.verify(2)
+        assert problem.key == damaged and damaged in str(problem)
+        with pytest.raises(CorruptCheckpoint, match=damaged):
+            Checkpointer(str(tmp_path)).restore(2)
