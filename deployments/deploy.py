@@ -1,0 +1,315 @@
+"""Register the project's deployments on a process work pool (``make deploy``).
+
+    python -m deployments.deploy [--stack-dir .stack] [--pool local-pool] [--store s3://checkpoints/runs]
+                                 [--only train,gc] [--schedules-inactive] [--list]
+
+What gets registered (``DEPLOYMENTS`` below; flow name / deployment name):
+
+================================  ========================================  =============================
+``train-run/train``               flows.train.train_run                     on demand (UI form, API, CLI)
+``validate-checkpoint/validate``  flows.validate.validate_checkpoint_flow   on demand
+``gc-store/gc``                   flows.gc.gc_store                         daily 03:30 UTC (inactive
+                                                                            until switched on in the UI)
+``<watchdog>/watchdog``           flows.watchdog (the flow in it)           every 2 min, plus an
+                                                                            automation when shard
+                                                                            heartbeats stop
+================================  ========================================  =============================
+
+Every deployment's store URL parameter defaults to the stack's bucket (``s3://checkpoints/runs``,
+from ``<stack-dir>/stack.json``; ``--store`` or ``CKPT_STORE`` override it), so the UI's run form
+starts from the stack's store. Parameters are typed (pydantic) with descriptions, so the UI shows
+a form; the training run's whole ``TrainParams`` is the default, because the server merges run
+parameters into deployment parameters only at the top level.
+
+Where Prefect is: ``PREFECT_API_URL`` if set, else the stack's (``stack.json``). The code is taken
+from this checkout (``flow.from_source(<repo dir>, entrypoint)``; the worker's pull step changes
+into that directory), so workers on other machines need the same checkout at the same path, with
+the project installed (``pip install -e .``), or pass ``--source`` with a git URL.
+
+Entrypoints are *module paths* (``flows.train.train_run``), not file paths
+(``flows/train.py:train_run``): the flows are modules of the project's packages (relative imports,
+tasks pickled by module name into process pools), and loading ``flows/train.py`` as a loose script
+breaks both (a validation in a process pool fails with "attempted relative import with no known
+parent package").
+
+Why a Python script rather than ``prefect.yaml`` + ``prefect deploy --all``: the defaults are
+computed (the stack's store URL and pool, the absolute checkout path for the pull step, the full
+``TrainParams`` default), a flow that does not exist yet (the watchdog, while it is being written)
+is skipped with a message instead of failing the whole command, the watchdog's automation is
+created (or replaced) idempotently in the same command, and one Python process registers
+everything (``prefect deploy`` builds each deployment by importing the flow anyway, and needs the
+current directory to be the repo root and non-interactive flags to be safe in CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import io
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_STORE = "s3://checkpoints/runs"
+DEFAULT_POOL = "local-pool"
+TAGS = ["ckpt"]
+# Names of flow parameters that hold a store or run URL (the watchdog's may be any of them).
+STORE_PARAMS = ("store", "store_url", "store_root", "root", "url")
+
+
+@dataclass
+class Spec:
+    """One deployment: which flow (entrypoint), its deployment name, schedule, defaults."""
+
+    key: str  # --only name
+    entrypoint: str  # "flows.x.func" (module path); func "*" = the only flow in the module
+    name: str
+    description: str
+    interval_s: float | None = None
+    cron: str | None = None
+    schedule_active: bool = True
+    concurrency_limit: int | None = None
+    extra_defaults: dict[str, Any] = field(default_factory=dict)  # top-level parameters
+    model_defaults: dict[str, Any] = field(default_factory=dict)  # fields of a pydantic-model parameter
+
+
+DEPLOYMENTS = [
+    Spec("train", "flows.train.train_run", "train",
+         "A training run (rounds of shard tasks, consistent cuts, validated incremental checkpoints) "
+         "with its checkpoints in the stack's S3 bucket.",
+         # shard heartbeats also as Prefect events: the watchdog automation reacts when they stop
+         model_defaults={"heartbeat_events": True}),
+    Spec("validate", "flows.validate.validate_checkpoint_flow", "validate",
+         "Validate one committed checkpoint of a run (verdict, Data Docs report, artifacts)."),
+    Spec("gc", "flows.gc.gc_store", "gc",
+         "Garbage-collect every run under the store root (retention policy + sweep). The daily "
+         "schedule starts inactive: switch it on in the UI.",
+         cron="30 3 * * *", schedule_active=False, concurrency_limit=1),
+    Spec("watchdog", "flows.watchdog.*", "watchdog",
+         "Watch every run under the store root: fence silent or stuck shards and rerun them from the "
+         "last healthy checkpoint.", interval_s=120, concurrency_limit=1),
+]
+
+
+# --------------------------------------------------------------------------- configuration
+
+def stack_info(stack_dir: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(stack_dir) / "stack.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def configure(stack_dir: str | os.PathLike) -> dict[str, Any]:
+    """Point this process at the Prefect API (before prefect is imported); return the stack's info."""
+    info = stack_info(stack_dir) or {}
+    if not os.environ.get("PREFECT_API_URL"):
+        if not info:
+            raise SystemExit(
+                f"error: no Prefect API to deploy to: start the local stack (`make stack`, {stack_dir}/stack.json) "
+                "or export PREFECT_API_URL=http://HOST:4200/api")
+        os.environ["PREFECT_API_URL"] = info["api_url"]
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    return info
+
+
+# --------------------------------------------------------------------------- flows and defaults
+
+def load_flow(spec: Spec, source: str):
+    """The flow object of ``spec`` (from ``source``), or None when its file does not exist yet."""
+    from prefect import Flow
+
+    module, func = spec.entrypoint.rsplit(".", 1)
+    path = module_file(spec)
+    if "://" not in source and not (Path(source) / path).exists():
+        return None
+    if func == "*":
+        import ast
+
+        tree = ast.parse((Path(source) / path).read_text())
+        flows = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and any(_is_flow_decorator(d) for d in n.decorator_list)]
+        if len(flows) != 1:
+            raise RuntimeError(f"{path} defines {len(flows)} flows ({flows}): name one in DEPLOYMENTS")
+        spec.entrypoint = f"{module}.{flows[0]}"
+    return Flow.from_source(source=source, entrypoint=spec.entrypoint)
+
+
+def module_file(spec: Spec) -> str:
+    """``flows/train.py`` for ``flows.train.train_run``."""
+    return spec.entrypoint.rsplit(".", 1)[0].replace(".", "/") + ".py"
+
+
+def _is_flow_decorator(node) -> bool:
+    import ast
+
+    target = node.func if isinstance(node, ast.Call) else node
+    return (isinstance(target, ast.Name) and target.id == "flow") or (
+        isinstance(target, ast.Attribute) and target.attr == "flow")
+
+
+def store_defaults(flow, store: str, model_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Deployment parameters that point ``flow`` at ``store``.
+
+    A string parameter named like a store (``STORE_PARAMS``) gets ``store``; ``run_url`` gets
+    ``<store>/`` (the run id is to be appended); a pydantic-model parameter with a ``store`` field
+    gets the model's full default with that field (and ``model_defaults``) replaced (the server
+    merges run parameters into deployment parameters at the top level only, so a partial object
+    would lose fields)."""
+    import pydantic
+
+    out: dict[str, Any] = {}
+    for name, p in inspect.signature(flow.fn).parameters.items():
+        ann = p.annotation
+        default = p.default
+        model = type(default) if isinstance(default, pydantic.BaseModel) else ann
+        if inspect.isclass(model) and issubclass(model, pydantic.BaseModel) and "store" in model.model_fields:
+            try:
+                base = default if isinstance(default, pydantic.BaseModel) else model()
+            except pydantic.ValidationError:
+                continue  # required fields: leave the form to the user
+            extra = {k: v for k, v in (model_defaults or {}).items() if k in model.model_fields}
+            # validated, so a renamed or retyped field fails here and not in the UI
+            out[name] = model.model_validate({**base.model_dump(mode="json"), "store": store, **extra}
+                                             ).model_dump(mode="json")
+        elif name in STORE_PARAMS:
+            out[name] = store
+        elif name == "run_url":
+            out[name] = store.rstrip("/") + "/"
+    return out
+
+
+# --------------------------------------------------------------------------- deploy
+
+def deploy(spec: Spec, *, source: str, pool: str, store: str,
+           schedules_active: bool | None) -> tuple[str, str] | None:
+    """Register one deployment; return (flow name, deployment id), or None when its flow does not exist yet."""
+    from prefect.schedules import Cron, Interval
+
+    flow = load_flow(spec, source)
+    if flow is None:
+        return None
+    active = spec.schedule_active if schedules_active is None else schedules_active
+    schedules = []
+    if spec.interval_s:
+        schedules.append(Interval(timedelta(seconds=spec.interval_s), active=active))
+    if spec.cron:
+        schedules.append(Cron(spec.cron, timezone="UTC", active=active))
+    parameters = {**store_defaults(flow, store, spec.model_defaults), **spec.extra_defaults}
+    quiet = io.StringIO()  # .deploy() prints a table per deployment; main() prints one line instead
+    with contextlib.redirect_stdout(quiet):
+        dep_id = flow.deploy(
+            name=spec.name, work_pool_name=pool, parameters=parameters, description=spec.description,
+            tags=TAGS, schedules=schedules or None, concurrency_limit=spec.concurrency_limit,
+            print_next_steps=False, ignore_warnings=True,
+        )
+    return flow.name, str(dep_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deployments.deploy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stack-dir", default=os.environ.get("CKPT_STACK_DIR", ".stack"),
+                    help="the local stack whose API, pool and store to use (default .stack)")
+    ap.add_argument("--pool", default=None, help="work pool (default: the stack's, else local-pool)")
+    ap.add_argument("--store", default=None,
+                    help="default store root of the deployments (default: CKPT_STORE, the stack's, s3://checkpoints/runs)")
+    ap.add_argument("--source", default=str(REPO),
+                    help="where workers get the code: this checkout (default) or a git URL")
+    ap.add_argument("--only", default=None, help=f"comma-separated subset of {[d.key for d in DEPLOYMENTS]}")
+    ap.add_argument("--schedules-inactive", action="store_true",
+                    help="register every schedule inactive (tests, or to switch them on in the UI)")
+    ap.add_argument("--list", action="store_true", help="list what would be registered and exit")
+    a = ap.parse_args(argv)
+
+    specs = DEPLOYMENTS
+    if a.only:
+        wanted = {s.strip() for s in a.only.split(",") if s.strip()}
+        unknown = wanted - {d.key for d in DEPLOYMENTS}
+        if unknown:
+            print(f"error: unknown deployment(s) {sorted(unknown)}: choose from {[d.key for d in DEPLOYMENTS]}",
+                  file=sys.stderr)
+            return 2
+        specs = [d for d in DEPLOYMENTS if d.key in wanted]
+    if a.list:
+        for d in specs:
+            print(f"{d.key:9s} {d.entrypoint:45s} {d.description}")
+        return 0
+
+    info = configure(a.stack_dir)
+    pool = a.pool or info.get("pool") or os.environ.get("CKPT_WORK_POOL") or DEFAULT_POOL
+    store = a.store or os.environ.get("CKPT_STORE") or info.get("store") or DEFAULT_STORE
+    schedules_active = False if a.schedules_inactive else None
+    print(f"Registering deployments on work pool {pool!r} of {os.environ['PREFECT_API_URL']} "
+          f"(code: {a.source}; default store: {store})", flush=True)
+    failed = 0
+    for spec in specs:
+        try:
+            done = deploy(spec, source=a.source, pool=pool, store=store, schedules_active=schedules_active)
+        except Exception as e:  # one broken flow does not keep the others from registering
+            failed += 1
+            print(f"  FAILED  {spec.key}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        if done is None:
+            print(f"  skipped {spec.key}: {module_file(spec)} does not exist yet", flush=True)
+            continue
+        flow_name, dep_id = done
+        print(f"  ok      {flow_name}/{spec.name}  ({spec.entrypoint})  id {dep_id}", flush=True)
+        if spec.key == "watchdog":
+            try:
+                aid = watchdog_automation(dep_id)
+                print(f"  ok      automation {AUTOMATION} (no heartbeat for {HEARTBEAT_SILENCE_S} s -> "
+                      f"watchdog)  id {aid}", flush=True)
+            except Exception as e:
+                failed += 1
+                print(f"  FAILED  automation {AUTOMATION}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    ui = info.get("ui_url") or os.environ.get("PREFECT_UI_URL")
+    if ui:
+        print(f"Open {ui} (Deployments) to run them.")
+    return 1 if failed else 0
+
+
+AUTOMATION = "ckpt-shard-heartbeats-stopped"
+HEARTBEAT_SILENCE_S = 60
+
+
+def watchdog_automation(deployment_id: str, *, within_s: float = HEARTBEAT_SILENCE_S) -> str:
+    """Create (or replace) the automation that starts the watchdog deployment when a shard's
+    heartbeat events stop: a proactive trigger per shard resource (``ckpt.shard.<run>.<part>``):
+    after a ``ckpt.shard.heartbeat``, expect another beat or the attempt's final status
+    (finished / failed / fenced) within ``within_s`` seconds; if none comes, run the watchdog with
+    its deployment defaults (every run under the store root). Heartbeats become events when the
+    training run has ``heartbeat_events`` on (the train deployment's default). Returns its id."""
+    from datetime import timedelta
+    from uuid import UUID
+
+    from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    with get_client(sync_client=True) as client:
+        for old in client.read_automations_by_name(AUTOMATION):
+            client.delete_automation(old.id)
+    automation = Automation(
+        name=AUTOMATION,
+        description=f"A shard stopped beating for {within_s:.0f} s: start the watchdog deployment "
+                    "(registered by deployments/deploy.py).",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "ckpt.shard.*"},
+            after={"ckpt.shard.heartbeat"},
+            expect={"ckpt.shard.heartbeat", "ckpt.shard.finished", "ckpt.shard.failed", "ckpt.shard.fenced"},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive, threshold=1, within=timedelta(seconds=within_s)),
+        actions=[RunDeployment(source="selected", deployment_id=UUID(deployment_id), parameters={})],
+    ).create()
+    return str(automation.id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,602 @@
+"""The local stack: a Prefect server, a SeaweedFS S3 server, a process work pool and its worker.
+
+    python -m deployments.stack up     [--dir .stack] [--api-port 4200] [--s3-port 8333] ...
+    python -m deployments.stack status [--dir .stack] [--json]
+    python -m deployments.stack down   [--dir .stack] [--purge]
+
+(``make stack`` / ``make stack-down`` call these.) Contract:
+
+* ``up`` starts, on loopback and in the background, each service as its own process (own session,
+  so a Ctrl-C in the terminal does not reach them), and returns only when every one answers:
+  the Prefect API (``GET /api/health``), S3 (a signed ListBuckets), the worker (ONLINE in its pool
+  through the API). It creates the bucket (``checkpoints``) and the process work pool
+  (``local-pool``), writes ``<dir>/stack.json`` (everything below, machine-readable) and
+  ``<dir>/env`` (``. .stack/env`` exports what a client needs), and prints where everything is.
+  If any service fails to start, ``up`` stops what it started, prints the log tail, exits 1.
+  ``up`` on a stack that is already running prints its status and exits 0.
+* Database: SQLite at ``<dir>/prefect/prefect.db``, unless ``PREFECT_SERVER_DATABASE_CONNECTION_URL``
+  or ``DATABASE_URL`` is set (``postgresql://...`` becomes ``postgresql+asyncpg://...``).
+* Ports: the API on ``PREFECT_SERVER_API_HOST``:``PREFECT_SERVER_API_PORT`` (default 127.0.0.1:4200)
+  or ``--host``/``--api-port``; the server gets them as *environment* settings, not only CLI
+  flags, so the UI (``/ui-settings``) calls the port it is served from. S3 on ``--s3-port``
+  (default 8333; 0 picks a free port). A port in use is an error naming the fix.
+* Telemetry is off everywhere (``PREFECT_SERVER_ANALYTICS_ENABLED=false``, ``DO_NOT_TRACK=1``,
+  weed ``-master.telemetry=false``). Inherited ``PREFECT_*`` and ``AWS_*`` variables of the calling
+  shell are not passed to the services: the stack is self-contained.
+* The worker (and every flow run it starts) sees ``PREFECT_API_URL`` and the S3 variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), so flows reach the bucket
+  with plain ``s3://checkpoints/...`` URLs.
+* Every process of the stack carries ``CKPT_STACK_ID=<uuid of this stack>`` in its environment,
+  and so does everything they start (flow-run processes run in sessions of their own). ``down``
+  stops the services (pid files ``<dir>/*.pid``; a pid is trusted only if its process carries the
+  marker, so a recycled pid is never signalled), then every remaining process with the marker:
+  SIGTERM, ``--grace`` seconds, SIGKILL. It exits 0 only when no process of the stack is left.
+  Data (database, bucket) stays for the next ``up``; ``--purge`` deletes ``<dir>``.
+* Logs, all in ``<dir>/logs/``: ``prefect-server.log``, ``worker.log``, ``seaweedfs.log``.
+
+Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
+``distributed``), so ``down`` also works from a bare ``python3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DIR = ".stack"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_API_PORT = 4200
+DEFAULT_S3_PORT = 8333
+DEFAULT_BUCKET = "checkpoints"
+DEFAULT_PREFIX = "runs"
+DEFAULT_POOL = "local-pool"
+MARKER = "CKPT_STACK_ID"
+SERVICES = ("worker", "server", "seaweedfs")  # stop order
+
+
+# --------------------------------------------------------------------------- small helpers
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw else None
+
+
+def _prefect_cli() -> list[str]:
+    beside = Path(sys.executable).parent / "prefect"  # a venv's bin/ (not resolved: python is a symlink)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    return [sys.executable, "-m", "prefect"]
+
+
+def database_url(env: dict[str, str] | None = None, sqlite_path: Path | None = None) -> str:
+    """The server's database: the configured URL (Postgres via asyncpg) or SQLite under the stack."""
+    env = os.environ if env is None else env
+    url = env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or env.get("DATABASE_URL")
+    if not url:
+        if sqlite_path is None:
+            raise ValueError("no database URL configured and no SQLite path given")
+        return f"sqlite+aiosqlite:///{sqlite_path}"
+    for plain in ("postgres://", "postgresql://"):
+        if url.startswith(plain):  # Prefect's server needs the async driver
+            return "postgresql+asyncpg://" + url[len(plain):]
+    return url
+
+
+def _masked(url: str) -> str:
+    """``scheme://user:***@host/db``: never print a database password."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+
+
+# --------------------------------------------------------------------------- processes
+
+def _environ_of(pid: int) -> dict[str, str] | None:
+    """Environment of process ``pid`` (None if gone or unreadable)."""
+    try:
+        import psutil
+
+        try:
+            return psutil.Process(pid).environ()
+        except (psutil.Error, OSError):
+            return None
+    except ImportError:
+        pass
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        if b"=" in item:
+            k, v = item.split(b"=", 1)
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+def _all_pids() -> list[int]:
+    try:
+        import psutil
+
+        return psutil.pids()
+    except ImportError:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _ancestors() -> set[int]:
+    """This process and its ancestors: never signalled, even if they carry the marker."""
+    pids = {os.getpid()}
+    try:
+        import psutil
+
+        pids |= {p.pid for p in psutil.Process().parents()}
+    except ImportError:
+        pids.add(os.getppid())
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours is gone for our purposes
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except ImportError:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+    except Exception:
+        return False
+
+
+def stack_processes(stack_id: str) -> list[int]:
+    """Pids of every live process carrying ``CKPT_STACK_ID=<stack_id>`` (not this one or its parents)."""
+    mine = _ancestors()
+    found = []
+    for pid in _all_pids():
+        if pid in mine:
+            continue
+        env = _environ_of(pid)
+        if env and env.get(MARKER) == stack_id and _alive(pid):
+            found.append(pid)
+    return sorted(found)
+
+
+def _owned(pid: int, stack_id: str) -> bool:
+    env = _environ_of(pid)
+    return bool(env) and env.get(MARKER) == stack_id and _alive(pid)
+
+
+def _terminate(pids: list[int], grace: float) -> list[int]:
+    """SIGTERM ``pids``, wait up to ``grace`` s, SIGKILL the rest; return those still alive after that."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+# --------------------------------------------------------------------------- the stack
+
+class Stack:
+    """One stack folder: its config (``stack.json``), pid files, logs and data."""
+
+    def __init__(self, directory: str | os.PathLike = DEFAULT_DIR):
+        self.dir = Path(directory).absolute()
+        self.logs = self.dir / "logs"
+        self.info_path = self.dir / "stack.json"
+        self.env_path = self.dir / "env"
+
+    # ----------------------------------------------------------- state
+
+    def info(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.info_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def pid_path(self, service: str) -> Path:
+        return self.dir / f"{service}.pid"
+
+    def pid(self, service: str) -> int | None:
+        try:
+            return int(self.pid_path(service).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def status(self) -> dict[str, Any]:
+        """Per service: pid, whether it runs, whether it answers; plus the URLs from stack.json."""
+        info = self.info()
+        if info is None:
+            return {"dir": str(self.dir), "running": False, "services": {}}
+        sid = info["stack_id"]
+        services: dict[str, dict[str, Any]] = {}
+        for name in SERVICES:
+            pid = self.pid(name)
+            services[name] = {"pid": pid, "running": bool(pid) and _owned(pid, sid)}
+        services["server"]["answers"] = services["server"]["running"] and _api_healthy(info["api_url"])
+        services["seaweedfs"]["answers"] = services["seaweedfs"]["running"] and _tcp_open(
+            info["host"], info["s3_port"])
+        services["worker"]["answers"] = services["server"]["answers"] and _worker_online(
+            info["api_url"], info["pool"], info["worker_name"])
+        running = all(s["running"] and s["answers"] for s in services.values())
+        return {**info, "dir": str(self.dir), "running": running, "services": services,
+                "processes": stack_processes(sid)}
+
+    # ----------------------------------------------------------- up
+
+    def up(self, *, host: str = DEFAULT_HOST, api_port: int = DEFAULT_API_PORT, s3_port: int = DEFAULT_S3_PORT,
+           bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL,
+           worker_limit: int | None = None, poll_seconds: float = 5.0, timeout: float = 120.0) -> dict[str, Any]:
+        """Start everything; return the stack's info (as in stack.json). See the module docstring."""
+        current = self.status()
+        if current["running"]:
+            _log(f"stack in {self.dir} is already running")
+            return current
+        if current.get("processes"):
+            raise RuntimeError(
+                f"stack in {self.dir} is partly running (pids {current['processes']}): "
+                f"stop it first with `make stack-down` (python -m deployments.stack down --dir {self.dir})")
+        if s3_port == 0:
+            s3_port = free_port(host)
+        for what, port, flag in (("Prefect API", api_port, "--api-port / PREFECT_SERVER_API_PORT"),
+                                 ("S3", s3_port, "--s3-port")):
+            if not _port_free(host, port):
+                raise RuntimeError(
+                    f"{what} port {host}:{port} is already in use (another stack or Prefect server?): stop it "
+                    f"(`make stack-down`, `prefect server stop`) or choose another port with {flag}")
+
+        for sub in ("logs", "prefect", "seaweedfs"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        (self.dir / ".gitignore").write_text("*\n")  # the stack folder never shows up in git status
+        stack_id = uuid.uuid4().hex
+        api_url = f"http://{host}:{api_port}/api"
+        ui_url = f"http://{host}:{api_port}"
+        db_url = database_url(sqlite_path=self.dir / "prefect" / "prefect.db")
+        worker_name = f"{pool}-worker"
+
+        from deployments.local_services import ADMIN_KEY, ADMIN_SECRET, SeaweedFS
+
+        s3_endpoint = f"http://{host}:{s3_port}"
+        client_env = {  # what a client (a shell, the worker, a flow run) needs; written to <dir>/env
+            "PREFECT_API_URL": api_url,
+            "PREFECT_UI_URL": ui_url,
+            "AWS_ENDPOINT_URL": s3_endpoint,
+            "AWS_ACCESS_KEY_ID": ADMIN_KEY,
+            "AWS_SECRET_ACCESS_KEY": ADMIN_SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "CKPT_STORE": f"s3://{bucket}/{prefix}",
+            "CKPT_WORK_POOL": pool,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+        }
+        info: dict[str, Any] = {
+            "stack_id": stack_id, "dir": str(self.dir), "host": host,
+            "api_port": api_port, "api_url": api_url, "ui_url": ui_url,
+            "database": _masked(db_url), "s3_port": s3_port, "s3_endpoint": s3_endpoint,
+            "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name,
+            "logs": str(self.logs), "env_file": str(self.env_path), "env": client_env,
+        }
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_"))}
+        base_env.update({MARKER: stack_id, "DO_NOT_TRACK": "1", "PREFECT_HOME": str(self.dir / "prefect"),
+                         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                         "PYTHONUNBUFFERED": "1"})  # logs reach the files as they happen
+        started: list[str] = []
+        try:
+            # 1. Prefect server (starts in the background while SeaweedFS comes up).
+            server_env = {**base_env,
+                          "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(api_port),
+                          "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url,
+                          "PREFECT_UI_API_URL": api_url}
+            self._spawn("server", [*_prefect_cli(), "server", "start", "--host", host, "--port", str(api_port)],
+                        server_env, self.logs / "prefect-server.log")
+            started.append("server")
+
+            # 2. SeaweedFS S3 with the bucket (its process inherits our environment: mark it).
+            os.environ[MARKER] = stack_id
+            try:
+                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=s3_port, timeout=timeout)
+            finally:
+                os.environ.pop(MARKER, None)
+            self.pid_path("seaweedfs").write_text(str(s3.detach()))
+            started.append("seaweedfs")
+            info["seaweedfs_ports"] = s3.ports
+            link = self.logs / "seaweedfs.log"
+            if not link.is_symlink():
+                link.unlink(missing_ok=True)
+                link.symlink_to(os.path.relpath(s3.log_path, self.logs))
+            s3.create_bucket(bucket)
+
+            # 3. Wait for the API, create the pool, start the worker.
+            self._wait("Prefect API", lambda: _api_healthy(api_url), timeout, "server", self.logs / "prefect-server.log")
+            cli_env = {**base_env, **client_env}
+            if not _pool_exists(api_url, pool):
+                out = subprocess.run([*_prefect_cli(), "work-pool", "create", pool, "--type", "process"],
+                                     env=cli_env, capture_output=True, text=True, timeout=120)
+                if out.returncode != 0 and not _pool_exists(api_url, pool):
+                    raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
+            worker_cmd = [*_prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
+                          "--name", worker_name, "--install-policy", "never"]
+            if worker_limit:
+                worker_cmd += ["--limit", str(worker_limit)]
+            worker_env = {**cli_env, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds)}
+            self._spawn("worker", worker_cmd, worker_env, self.logs / "worker.log", cwd=Path.cwd())
+            started.append("worker")
+            self._wait("worker", lambda: _worker_online(api_url, pool, worker_name), timeout, "worker",
+                       self.logs / "worker.log")
+        except BaseException:
+            if started:
+                self._write_info(info)  # so that down finds everything by its marker
+                self.down(grace=3.0, quiet=True)
+            raise
+
+        self._write_info(info)
+        return info
+
+    def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None) -> None:
+        with open(log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=cwd or self.dir, start_new_session=True)
+        self.pid_path(service).write_text(str(proc.pid))
+        self._procs = getattr(self, "_procs", {})
+        self._procs[service] = proc
+
+    def _wait(self, what: str, ready, timeout: float, service: str, log_path: Path) -> None:
+        proc = getattr(self, "_procs", {}).get(service)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode} while starting; "
+                                   f"log {log_path}:\n{_tail(log_path)}")
+            try:
+                if ready():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{what} did not answer within {timeout:.0f} s; log {log_path}:\n{_tail(log_path)}")
+
+    def _write_info(self, info: dict[str, Any]) -> None:
+        self.info_path.write_text(json.dumps(info, indent=2) + "\n")
+        lines = ["# The local stack's client settings. Use them in a shell with:  . " + str(self.env_path),
+                 f"# (written by `python -m deployments.stack up` for the stack in {self.dir})"]
+        lines += [f"export {k}={_shell_quote(v)}" for k, v in info["env"].items()]
+        self.env_path.write_text("\n".join(lines) + "\n")
+
+    # ----------------------------------------------------------- down
+
+    def down(self, *, grace: float = 10.0, purge: bool = False, quiet: bool = False) -> list[int]:
+        """Stop every process of the stack; return the pids still alive (empty on success)."""
+        info = self.info()
+        left: list[int] = []
+        if info is not None:
+            sid = info["stack_id"]
+            for service in SERVICES:  # worker first (no new runs), then its runs, the server, S3
+                pid = self.pid(service)
+                if pid and _owned(pid, sid):
+                    if not quiet:
+                        _log(f"stopping {service} (pid {pid})")
+                    # weed's graceful stop idles ~10 s; what S3 acknowledged is on disk already
+                    left += _terminate([pid], min(grace, 3.0) if service == "seaweedfs" else grace)
+                if service == "worker":
+                    runs = stack_processes(sid)
+                    runs = [p for p in runs if p not in {self.pid("server"), self.pid("seaweedfs")}]
+                    if runs:
+                        if not quiet:
+                            _log(f"stopping flow-run processes {runs}")
+                        left += _terminate(runs, grace)
+            stray = stack_processes(sid)  # anything else that carries the marker
+            if stray:
+                if not quiet:
+                    _log(f"stopping leftover processes {stray}")
+                left += _terminate(stray, grace)
+            left = sorted(set(left) | set(stack_processes(sid)))
+            for port in (info.get("seaweedfs_ports") or {}).values():  # weed's sockets, as SeaweedFS.stop does
+                for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                    sock.unlink(missing_ok=True)
+        for service in SERVICES:
+            self.pid_path(service).unlink(missing_ok=True)
+        if purge and not left and self.dir.exists():
+            shutil.rmtree(self.dir)
+        return left
+
+
+def _shell_quote(value: str) -> str:
+    import shlex
+
+    return shlex.quote(value)
+
+
+def _api_healthy(api_url: str) -> bool:
+    try:
+        return _http("GET", f"{api_url}/health", timeout=2) is True
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _pool_exists(api_url: str, pool: str) -> bool:
+    try:
+        _http("GET", f"{api_url}/work_pools/{pool}")
+        return True
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        raise
+
+
+def _worker_online(api_url: str, pool: str, name: str) -> bool:
+    try:
+        workers = _http("POST", f"{api_url}/work_pools/{pool}/workers/filter", {})
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+    return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers or [])
+
+
+# --------------------------------------------------------------------------- CLI
+
+def _print_up(info: dict[str, Any]) -> None:
+    rel = os.path.relpath(info["dir"]) if not os.path.relpath(info["dir"]).startswith("..") else info["dir"]
+    env = info["env"]
+    _log(f"""
+Local stack is up ({rel}):
+  Prefect UI     {info['ui_url']}
+  Prefect API    {info['api_url']}   database: {info['database']}
+  S3 endpoint    {info['s3_endpoint']}   bucket: {info['bucket']}   store root: {info['store']}
+  Work pool      {info['pool']} (process), worker {info['worker_name']}
+  Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log)
+  Settings       {info['env_file']}
+
+Use it from a shell (source the file, or export these):
+  . {os.path.join(rel, 'env')}
+  export PREFECT_API_URL={env['PREFECT_API_URL']}
+  export AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']}
+  export AWS_ACCESS_KEY_ID={env['AWS_ACCESS_KEY_ID']}
+  export AWS_SECRET_ACCESS_KEY={env['AWS_SECRET_ACCESS_KEY']}
+
+Next: `make deploy` registers the deployments; open {info['ui_url']} to run them.
+Stop: `make stack-down`.""")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    env = os.environ
+
+    def add_dir(p):
+        p.add_argument("--dir", default=env.get("CKPT_STACK_DIR", DEFAULT_DIR),
+                       help="stack folder: pid files, logs, data, stack.json, env (default .stack)")
+
+    p_up = sub.add_parser("up", help="start the stack in the background and wait until it answers")
+    add_dir(p_up)
+    p_up.add_argument("--host", default=env.get("PREFECT_SERVER_API_HOST", DEFAULT_HOST))
+    p_up.add_argument("--api-port", type=int, default=int(env.get("PREFECT_SERVER_API_PORT", DEFAULT_API_PORT)))
+    p_up.add_argument("--s3-port", type=int, default=int(env.get("CKPT_STACK_S3_PORT", DEFAULT_S3_PORT)),
+                      help="S3 port (default 8333; 0 = any free port)")
+    p_up.add_argument("--bucket", default=DEFAULT_BUCKET)
+    p_up.add_argument("--prefix", default=DEFAULT_PREFIX, help="folder of runs in the bucket (default runs)")
+    p_up.add_argument("--pool", default=DEFAULT_POOL, help="process work pool name (default local-pool)")
+    p_up.add_argument("--worker-limit", type=int, default=None, help="most flow runs the worker runs at once")
+    p_up.add_argument("--poll-seconds", type=float, default=5.0, help="how often the worker asks for runs")
+    p_up.add_argument("--timeout", type=float, default=120.0, help="seconds each service may take to answer")
+
+    p_down = sub.add_parser("down", help="stop every process of the stack (data stays)")
+    add_dir(p_down)
+    p_down.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p_down.add_argument("--purge", action="store_true", help="also delete the stack folder (database, bucket data)")
+
+    p_status = sub.add_parser("status", help="what runs, what answers")
+    add_dir(p_status)
+    p_status.add_argument("--json", action="store_true")
+
+    args = parser.parse_args(argv)
+    stack = Stack(args.dir)
+    if args.command == "up":
+        try:
+            info = stack.up(host=args.host, api_port=args.api_port, s3_port=args.s3_port, bucket=args.bucket,
+                            prefix=args.prefix.strip("/"), pool=args.pool, worker_limit=args.worker_limit,
+                            poll_seconds=args.poll_seconds, timeout=args.timeout)
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        _print_up(info)
+        return 0
+    if args.command == "down":
+        if stack.info() is None:
+            _log(f"no stack in {stack.dir} (nothing to stop)")
+            return 0
+        left = stack.down(grace=args.grace, purge=args.purge)
+        if left:
+            print(f"error: processes of the stack still alive: {left}", file=sys.stderr)
+            return 1
+        _log(f"stack in {stack.dir} stopped; no process of it is left" + (" (folder deleted)" if args.purge else ""))
+        return 0
+    st = stack.status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+    elif not st.get("services"):
+        _log(f"no stack in {stack.dir}")
+    else:
+        for name, s in st["services"].items():
+            state = "answers" if s.get("answers") else ("running, not answering" if s["running"] else "stopped")
+            _log(f"{name:10s} pid {s['pid'] or '-':>8}  {state}")
+        _log(f"UI {st['ui_url']}   API {st['api_url']}   S3 {st['s3_endpoint']} ({st['store']})")
+    return 0 if st["running"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

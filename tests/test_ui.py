@@ -1,0 +1,181 @@
+"""The Prefect UI in a real browser: headless Chromium (Debian's ``chromium``, driven by Playwright)
+against a local stack (Prefect server + SeaweedFS + process worker, as ``make stack`` starts it).
+
+What a user does, click by click: open the UI (3.9 serves the V2 UI at ``/v2``), go to Deployments,
+open ``train``, Run > Custom run, check the typed form (descriptions, the store defaulting to the
+stack's bucket), set a small run, submit, follow "View run", wait until the run page says
+Completed, open its Artifacts tab, find the validation artifact and open it (verdict "passed").
+Every SPA path answers 200 with the same index.html, so every check is on rendered text.
+
+Screenshots of each step go to ``test-output/ui/`` (``failure.png`` and the page text when a step
+fails). Needs ``/usr/bin/chromium`` (``.ci/run`` installs it: ``apt-get install -y chromium``) and
+the ``playwright`` package (test extras); never ``playwright install`` (no downloads here).
+About 1.5 minutes on 2 cores. Marks: slow, prefect, s3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from deployments.client import PrefectAPI
+from deployments.stack import Stack, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "test-output" / "ui"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage"]
+RUN_TIMEOUT_MS = 300_000
+
+
+def _need_browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Chromium is not installed (/usr/bin/chromium): `apt-get update && apt-get install -y "
+                    "chromium` (.ci/run does this); Playwright's own browser download is not used")
+    return pytest.importorskip("playwright.sync_api", reason="playwright is missing: pip install -e '.[test]'")
+
+
+@pytest.fixture(scope="module")
+def ui_stack(tmp_path_factory):
+    _need_browser()
+    stack = Stack(tmp_path_factory.mktemp("ui-stack"))
+    try:
+        info = stack.up(api_port=free_port(), s3_port=0, poll_seconds=1.0, timeout=150)
+        env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CKPT_STORE", "CKPT_WORK_POOL")}
+        res = subprocess.run([sys.executable, "-m", "deployments.deploy", "--stack-dir", str(stack.dir),
+                              "--schedules-inactive", "--only", "train"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        yield info
+    finally:
+        left = stack.down(grace=3.0, quiet=True)
+        assert not left, f"processes of the UI test's stack still alive: {left}"
+
+
+@pytest.fixture
+def page(ui_stack, tmp_path):
+    sync_api = _need_browser()
+    OUT.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        # A fresh profile each time (launch_persistent_context's user_data_dir = --user-data-dir).
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1400, "height": 1000})
+        ctx.set_default_timeout(30_000)
+        pg = ctx.pages[0] if ctx.pages else ctx.new_page()
+        try:
+            yield pg
+        except BaseException:
+            raise
+        finally:
+            ctx.close()
+
+
+def shot(page, name: str, full_page: bool = True) -> Path:
+    path = OUT / f"{name}.png"
+    page.screenshot(path=str(path), full_page=full_page)
+    return path
+
+
+def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page):
+    sync_api = _need_browser()
+    expect = sync_api.expect
+    run_id = f"ui-{uuid.uuid4().hex[:8]}"
+    run_name = f"ui-test-{run_id}"
+    try:
+        # 1. The UI's front door redirects to the V2 app; Deployments lists the training deployment.
+        page.goto(ui_stack["ui_url"] + "/")
+        page.wait_for_url(re.compile(r".*/v2/.*"))
+        page.get_by_role("link", name="Deployments", exact=True).first.click()
+        train_link = page.get_by_role("link", name="train", exact=True)
+        expect(train_link).to_be_visible()
+        expect(page.get_by_text("train-run", exact=True).first).to_be_visible()
+        shot(page, "01-deployments")
+
+        # 2. The deployment page: flow, pool; Run > Custom run opens the typed form.
+        train_link.click()
+        expect(page.get_by_text("local-pool").first).to_be_visible()
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Custom run").click()
+        store = page.get_by_label("Store (Optional)", exact=True)
+        expect(store).to_have_value(ui_stack["store"])  # the stack's bucket is the default
+        expect(page.get_by_text("Where runs live:").first).to_be_visible()  # field descriptions render
+        expect(page.get_by_label("Rounds (Optional)", exact=True)).to_have_value("8")
+        page.get_by_label("Run Name", exact=True).fill(run_name)
+        page.get_by_label("Shards (Optional)", exact=True).fill("1")
+        page.get_by_label("Steps Per Round (Optional)", exact=True).fill("2")
+        page.get_by_label("Rounds (Optional)", exact=True).fill("1")
+        run_id_field = page.locator("xpath=//label[normalize-space()='Run Id (Optional)']"
+                                    "/ancestor::div[contains(concat(' ', @class, ' '), ' group ')][1]")
+        run_id_field.get_by_role("tab", name="str", exact=True).click()  # the str | None field: choose str
+        run_id_field.locator("fieldset input, fieldset textarea").first.fill(run_id)
+        shot(page, "02-run-form")
+        page.get_by_role("button", name="Submit", exact=True).click()
+
+        # 3. The toast links to the new run; its page shows the run until it is Completed.
+        expect(page.get_by_text(f"{run_name} scheduled to start now")).to_be_visible()
+        page.get_by_role("link", name="View run").first.click()
+        page.wait_for_url(re.compile(r".*/runs/flow-run/[0-9a-f-]{36}.*"))
+        flow_run_id = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
+        expect(page.get_by_text(run_name, exact=True).first).to_be_visible()
+        final = page.get_by_text(re.compile(r"^(Completed|Failed|Crashed|Cancelled)$")).first
+        final.wait_for(timeout=RUN_TIMEOUT_MS)
+        if final.inner_text() != "Completed":
+            with PrefectAPI(ui_stack["api_url"]) as api:
+                fr = api.flow_run(flow_run_id)
+            log = (Path(ui_stack["logs"]) / "worker.log").read_text(errors="replace")[-4000:]
+            pytest.fail(f"the UI shows the run {final.inner_text()}: {fr['state']['message']}\n{log}")
+        page.reload()  # a fresh load draws the whole graph (and drops the toast)
+        expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        shot(page, "03-run-completed")
+        # Its task runs (the graph is a canvas: read the Task Runs tab): shards, cut, validations.
+        page.get_by_role("tab", name="Task Runs").click()
+        for name in ("shard-0-round-1", "validate-step-0", "validate-step-1"):
+            expect(page.get_by_text(name, exact=True).first).to_be_visible(timeout=30_000)
+
+        # 4. Artifacts tab: the validation verdict of each checkpoint, keyed per run.
+        page.get_by_role("tab", name="Artifacts").click()
+        cards = page.get_by_role("link").filter(has_text="ckpt-validation-").filter(has_text="TABLE")
+        expect(cards.first).to_be_visible()
+        expect(page.get_by_text(re.compile(r"Validation of checkpoint step 1 of s3://checkpoints/runs/" + run_id))
+               .first).to_be_visible()
+        shot(page, "04-run-artifacts")
+
+        # 5. The validation artifact itself: a table whose verdict is "passed".
+        cards.filter(has_text="step 1").first.click()
+        page.wait_for_url(re.compile(r".*/artifacts/artifact/.*"))
+        expect(page.get_by_text("verdict", exact=True).first).to_be_visible()
+        expect(page.get_by_role("cell", name="passed", exact=True).first).to_be_visible()
+        expect(page.get_by_text(run_name, exact=True).first).to_be_visible()  # linked to our flow run
+        expect(page.get_by_text("validate-step-1", exact=True).first).to_be_visible()  # ... and its task run
+        shot(page, "05-validation-artifact")
+    except BaseException:
+        OUT.mkdir(parents=True, exist_ok=True)
+        try:
+            shot(page, "failure")
+            (OUT / "failure.txt").write_text(page.url + "\n\n" + page.inner_text("body"))
+        except Exception:
+            pass
+        raise
+
+    # The same run through the API: the UI did start it, on the stack's pool, and it wrote to S3.
+    with PrefectAPI(ui_stack["api_url"]) as api:
+        fr = api.flow_run(flow_run_id)
+        assert fr["name"] == run_name and fr["state_type"] == "COMPLETED"
+        assert fr["parameters"]["params"]["run_id"] == run_id and fr["parameters"]["params"]["rounds"] == 1
+        keys = {a["key"] for a in api.artifacts(flow_run_id)}
+        assert any(k and k.startswith("ckpt-validation-") for k in keys), keys
+    (OUT / "run.json").write_text(json.dumps({"flow_run_id": flow_run_id, "run_id": run_id}, indent=2))
