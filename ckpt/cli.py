@@ -21,6 +21,7 @@ from . import cmd_store  # noqa: E402,F401  ls, show, verify, gc, export, demo
 from . import cmd_bench  # noqa: E402,F401  bench
 from . import cmd_train  # noqa: E402,F401  train
 from . import cmd_validate  # noqa: E402,F401  validate, report
+from . import cmd_watchdog  # noqa: E402,F401  watchdog, status
 
 
 def main() -> None:
