@@ -1,14 +1,22 @@
 """A few calls of the Prefect REST API, for scripts and tests that drive the stack from outside.
 
     api = PrefectAPI("http://127.0.0.1:4200/api")
-    dep = api.deployment("train-run/train")
-    run = api.run_deployment(dep, {"params": {**dep["parameters"]["params"], "rounds": 2}}, name="try-1")
+    run = api.run_deployment("train-run/train", {"params": {"rounds": 2}}, name="try-1")
     run = api.wait(run["id"], timeout=600)          # a terminal state, or TimeoutError
     api.artifacts(run["id"])                        # [{key, type, data, ...}]
 
+or from a shell (``PREFECT_API_URL`` as exported by ``. .stack/env``)::
+
+    python -m deployments.client run train-run/train --set params.rounds=2 --set params.shards=1 --wait
+
 Plain HTTP (``httpx``, a Prefect dependency), so a caller needs no Prefect settings or profile:
-what it talks to is the URL it passes. Note: the server merges a run's parameters into the
-deployment's at the top level only; pass whole objects (as above), not a partial ``params``.
+what it talks to is the URL it passes.
+
+Why ``run_deployment`` merges: the server merges a run's parameters into the deployment's at the
+top level only, so ``prefect deployment run train-run/train --param params='{"rounds": 2}'`` would
+replace the whole ``params`` object and silently fall back to the flow's own defaults (a local
+``./runs`` store instead of the stack's bucket). ``run_deployment`` deep-merges the given values
+into the deployment's parameters first (``merge=False`` sends them as they are).
 """
 
 from __future__ import annotations
@@ -47,10 +55,14 @@ class PrefectAPI:
         return self._call("POST", "/deployments/filter", {"limit": 200})
 
     def run_deployment(self, deployment: dict[str, Any] | str, parameters: dict[str, Any] | None = None,
-                       name: str | None = None, tags: list[str] | None = None) -> dict[str, Any]:
-        """Create a flow run of ``deployment`` (a dict or ``flow/deployment`` name); a worker runs it."""
+                       name: str | None = None, tags: list[str] | None = None, merge: bool = True) -> dict[str, Any]:
+        """Create a flow run of ``deployment`` (a dict or ``flow/deployment`` name); a worker runs it.
+
+        ``parameters`` are deep-merged into the deployment's (see the module docstring) unless
+        ``merge`` is False."""
         dep = self.deployment(deployment) if isinstance(deployment, str) else deployment
-        body: dict[str, Any] = {"parameters": parameters or {}}
+        params = deep_merge(dep.get("parameters") or {}, parameters or {}) if merge else (parameters or {})
+        body: dict[str, Any] = {"parameters": params}
         if name:
             body["name"] = name
         if tags:
@@ -102,3 +114,70 @@ class PrefectAPI:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` applied; nested dicts are merged key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """``["params.rounds=2", "dry_run=true"]`` -> ``{"params": {"rounds": 2}, "dry_run": True}`` (values as JSON
+    when they parse, else strings)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"error: --set {item!r}: write NAME=VALUE, e.g. params.rounds=2")
+        path, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(prog="python -m deployments.client",
+                                 description="Start a deployment's run with some parameters changed.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a deployment (its parameters, deep-merged with --set values)")
+    run.add_argument("deployment", help="flow/deployment, e.g. train-run/train")
+    run.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=VALUE",
+                     help="a parameter, dotted into objects: params.rounds=2 (repeatable; values are JSON)")
+    run.add_argument("--name", default=None, help="the flow run's name")
+    run.add_argument("--wait", action="store_true", help="wait until the run ends; exit 1 unless it completed")
+    run.add_argument("--timeout", type=float, default=3600)
+    run.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"),
+                     help="default: PREFECT_API_URL (`. .stack/env` sets it)")
+    a = ap.parse_args(argv)
+    if not a.api_url:
+        raise SystemExit("error: no Prefect API: export PREFECT_API_URL (`. .stack/env`) or pass --api-url")
+    with PrefectAPI(a.api_url) as api:
+        fr = api.run_deployment(a.deployment, _parse_sets(a.sets), name=a.name)
+        ui = os.environ.get("PREFECT_UI_URL") or a.api_url.rsplit("/api", 1)[0]
+        print(f"flow run {fr['name']} ({fr['id']}) scheduled: {ui}/runs/flow-run/{fr['id']}", flush=True)
+        if not a.wait:
+            return 0
+        fr = api.wait(fr["id"], timeout=a.timeout)
+        print(f"{fr['name']}: {fr['state_name']}" + (f" ({fr['state']['message']})" if fr["state"].get("message") else ""))
+        return 0 if fr["state_type"] == "COMPLETED" else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -108,17 +108,23 @@ class SeaweedFS:
         s3_port: int | None = None,
         *,
         timeout: float = 60.0,
+        filer_port: int | None = None,
     ) -> SeaweedFS:
         """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
 
-        ``s3_port`` None picks a free port. Raises RuntimeError (with the log tail) if the server
-        exits or does not answer within ``timeout`` seconds.
+        ``s3_port`` None picks a free port; so does ``filer_port`` (the filer's HTTP port, which
+        serves bucket objects as ``/buckets/<bucket>/<key>`` without S3 credentials: the local
+        stack gives it a fixed port so that report links stay valid across restarts). Raises
+        RuntimeError (with the log tail) if the server exits or does not answer within ``timeout``
+        seconds.
         """
         data_dir = Path(data_dir).absolute()
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
         weed = find_weed()
         if s3_port is not None and not _port_is_free(host, s3_port):
             raise RuntimeError(f"S3 port {host}:{s3_port} is already in use: stop what holds it or pick another")
+        if filer_port is not None and not _port_is_free(host, filer_port):
+            raise RuntimeError(f"filer port {host}:{filer_port} is already in use: stop what holds it or pick another")
         identities = {"identities": [
             {"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
              "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
@@ -129,7 +135,7 @@ class SeaweedFS:
 
         # A picked port can be taken by someone else before weed binds it: try again on new ports.
         for attempt in range(3):
-            server = cls._launch(weed, data_dir, host, s3_port)
+            server = cls._launch(weed, data_dir, host, s3_port, filer_port)
             try:
                 server._wait_ready(timeout)
                 return server
@@ -141,11 +147,14 @@ class SeaweedFS:
         raise AssertionError("not reached")
 
     @classmethod
-    def _launch(cls, weed: str, data_dir: Path, host: str, s3_port: int | None) -> SeaweedFS:
+    def _launch(cls, weed: str, data_dir: Path, host: str, s3_port: int | None,
+                filer_port: int | None = None) -> SeaweedFS:
         names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc"]
         ports = dict(zip(names, _free_ports(host, len(names))))
         if s3_port is not None:
             ports["s3"] = s3_port
+        if filer_port is not None:
+            ports["filer"] = filer_port
         cmd = [
             weed, "server",
             f"-ip={host}", f"-ip.bind={host}", f"-dir={data_dir / 'data'}",

@@ -33,6 +33,11 @@
   SIGTERM, ``--grace`` seconds, SIGKILL. It exits 0 only when no process of the stack is left.
   Data (database, bucket) stays for the next ``up``; ``--purge`` deletes ``<dir>``.
 * Logs, all in ``<dir>/logs/``: ``prefect-server.log``, ``worker.log``, ``seaweedfs.log``.
+* Reports over HTTP: SeaweedFS's filer (``--filer-port``, default 8888, loopback only) serves every
+  object of the bucket as ``http://127.0.0.1:8888/buckets/<bucket>/<key>`` without credentials, so
+  a browser can open the validation reports (``s3://checkpoints/runs/<run>/reports/<step>/index.html``).
+  ``CKPT_S3_HTTP_BASE`` (in ``env``) is that base: ``s3://X/Y`` is at ``$CKPT_S3_HTTP_BASE/X/Y``.
+  It also accepts writes without credentials: it is a loopback development convenience.
 
 Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
 ``distributed``), so ``down`` also works from a bare ``python3``.
@@ -59,6 +64,7 @@ DEFAULT_DIR = ".stack"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 4200
 DEFAULT_S3_PORT = 8333
+DEFAULT_FILER_PORT = 8888
 DEFAULT_BUCKET = "checkpoints"
 DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
@@ -290,7 +296,7 @@ class Stack:
     # ----------------------------------------------------------- up
 
     def up(self, *, host: str = DEFAULT_HOST, api_port: int = DEFAULT_API_PORT, s3_port: int = DEFAULT_S3_PORT,
-           bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL,
+           filer_port: int = DEFAULT_FILER_PORT, bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL,
            worker_limit: int | None = None, poll_seconds: float = 5.0, timeout: float = 120.0) -> dict[str, Any]:
         """Start everything; return the stack's info (as in stack.json). See the module docstring."""
         current = self.status()
@@ -303,8 +309,10 @@ class Stack:
                 f"stop it first with `make stack-down` (python -m deployments.stack down --dir {self.dir})")
         if s3_port == 0:
             s3_port = free_port(host)
+        if filer_port == 0:
+            filer_port = free_port(host)
         for what, port, flag in (("Prefect API", api_port, "--api-port / PREFECT_SERVER_API_PORT"),
-                                 ("S3", s3_port, "--s3-port")):
+                                 ("S3", s3_port, "--s3-port"), ("SeaweedFS filer", filer_port, "--filer-port")):
             if not _port_free(host, port):
                 raise RuntimeError(
                     f"{what} port {host}:{port} is already in use (another stack or Prefect server?): stop it "
@@ -331,6 +339,7 @@ class Stack:
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
             "CKPT_STORE": f"s3://{bucket}/{prefix}",
+            "CKPT_S3_HTTP_BASE": f"http://{host}:{filer_port}/buckets",
             "CKPT_WORK_POOL": pool,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",
@@ -339,6 +348,7 @@ class Stack:
             "stack_id": stack_id, "dir": str(self.dir), "host": host,
             "api_port": api_port, "api_url": api_url, "ui_url": ui_url,
             "database": _masked(db_url), "s3_port": s3_port, "s3_endpoint": s3_endpoint,
+            "filer_port": filer_port, "s3_http_base": f"http://{host}:{filer_port}/buckets",
             "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name,
             "logs": str(self.logs), "env_file": str(self.env_path), "env": client_env,
         }
@@ -360,7 +370,8 @@ class Stack:
             # 2. SeaweedFS S3 with the bucket (its process inherits our environment: mark it).
             os.environ[MARKER] = stack_id
             try:
-                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=s3_port, timeout=timeout)
+                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=s3_port, timeout=timeout,
+                                     filer_port=filer_port)
             finally:
                 os.environ.pop(MARKER, None)
             self.pid_path("seaweedfs").write_text(str(s3.detach()))
@@ -517,6 +528,7 @@ Local stack is up ({rel}):
   Prefect UI     {info['ui_url']}
   Prefect API    {info['api_url']}   database: {info['database']}
   S3 endpoint    {info['s3_endpoint']}   bucket: {info['bucket']}   store root: {info['store']}
+  Reports (HTTP) {info['s3_http_base']}/{info['store'][len('s3://'):]}/<run>/reports/<step>/index.html
   Work pool      {info['pool']} (process), worker {info['worker_name']}
   Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log)
   Settings       {info['env_file']}
@@ -547,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--api-port", type=int, default=int(env.get("PREFECT_SERVER_API_PORT", DEFAULT_API_PORT)))
     p_up.add_argument("--s3-port", type=int, default=int(env.get("CKPT_STACK_S3_PORT", DEFAULT_S3_PORT)),
                       help="S3 port (default 8333; 0 = any free port)")
+    p_up.add_argument("--filer-port", type=int, default=int(env.get("CKPT_STACK_FILER_PORT", DEFAULT_FILER_PORT)),
+                      help="SeaweedFS filer HTTP port: bucket objects (reports) over plain HTTP (default 8888; 0 = free)")
     p_up.add_argument("--bucket", default=DEFAULT_BUCKET)
     p_up.add_argument("--prefix", default=DEFAULT_PREFIX, help="folder of runs in the bucket (default runs)")
     p_up.add_argument("--pool", default=DEFAULT_POOL, help="process work pool name (default local-pool)")
@@ -567,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(args.dir)
     if args.command == "up":
         try:
-            info = stack.up(host=args.host, api_port=args.api_port, s3_port=args.s3_port, bucket=args.bucket,
+            info = stack.up(host=args.host, api_port=args.api_port, s3_port=args.s3_port,
+                            filer_port=args.filer_port, bucket=args.bucket,
                             prefix=args.prefix.strip("/"), pool=args.pool, worker_limit=args.worker_limit,
                             poll_seconds=args.poll_seconds, timeout=args.timeout)
         except (RuntimeError, OSError, ValueError) as e:

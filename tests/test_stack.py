@@ -127,7 +127,7 @@ def test_gc_flow_collects_every_run_under_a_root(tmp_path, prefect_harness):
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("stack")
     t0 = time.monotonic()
-    up = stack_cli("up", "--dir", str(d), "--api-port", str(free_port()), "--s3-port", "0",
+    up = stack_cli("up", "--dir", str(d), "--api-port", str(free_port()), "--s3-port", "0", "--filer-port", "0",
                    "--poll-seconds", "1", "--timeout", "150")
     info = Stack(d).info()
     try:
@@ -209,6 +209,10 @@ def test_training_run_on_the_worker(stack):
         assert any(k.startswith(f"runs/{run_id}/chunks/") for k in keys)
         verdict = json.loads(s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/validations/1.json")["Body"].read())
         assert verdict["passed"], verdict
+        # ... and its HTML report opens in a browser, over the filer's plain HTTP (no S3 signature).
+        with urllib.request.urlopen(f"{stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/1/index.html",
+                                    timeout=10) as r:
+            assert "PASSED" in r.read().decode()
 
         # Artifacts in Prefect: the validation verdict table and the run's checkpoint table.
         arts = api.artifacts(fr["id"])
@@ -291,7 +295,7 @@ def test_down_leaves_nothing_running(stack):
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
     assert stack["dir"] not in ps, ps
     assert not any(f":{stack['api_port']}" in line and "prefect" in line for line in ps.splitlines()), ps
-    for port in (stack["api_port"], stack["s3_port"]):
+    for port in (stack["api_port"], stack["s3_port"], stack["filer_port"]):
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
     again = stack_cli("down", "--dir", stack["dir"])
