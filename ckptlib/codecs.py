@@ -151,18 +151,31 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _ordered(x: np.ndarray, is_float: bool) -> np.ndarray:
-    """Float bit patterns -> unsigned ints that order like the floats (offset binary)."""
+    """Float bit patterns -> unsigned ints that order like the floats (offset binary).
+
+    Negative floats (sign bit set) are inverted, positive ones get the top bit: x ^ (-(x >> top) | top),
+    branch-free, in a few passes over the array.
+    """
     if not is_float:
         return x
-    top = x.dtype.type(1 << (8 * x.itemsize - 1))
-    return np.where(x & top, ~x, x | top)
+    t = x.dtype.type
+    mask = x >> t(8 * x.itemsize - 1)
+    np.negative(mask, out=mask)  # 0 -> 0, 1 -> all ones (unsigned wrap-around)
+    mask |= t(1 << (8 * x.itemsize - 1))
+    mask ^= x
+    return mask
 
 
 def _unordered(u: np.ndarray, is_float: bool) -> np.ndarray:
+    """Inverse of _ordered: u ^ (((u >> top) - 1) | top); may reuse ``u``'s memory."""
     if not is_float:
         return u
-    top = u.dtype.type(1 << (8 * u.itemsize - 1))
-    return np.where(u & top, u & ~top, ~u)
+    t = u.dtype.type
+    mask = u >> t(8 * u.itemsize - 1)
+    mask -= t(1)
+    mask |= t(1 << (8 * u.itemsize - 1))
+    np.bitwise_xor(u, mask, out=mask)
+    return mask
 
 
 def _zigzag(d: np.ndarray) -> np.ndarray:
@@ -172,8 +185,11 @@ def _zigzag(d: np.ndarray) -> np.ndarray:
 
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
-    one = z.dtype.type(1)
-    return (z >> one) ^ (np.zeros_like(z) - (z & one))
+    t = z.dtype.type
+    low = z & t(1)
+    np.negative(low, out=low)
+    low ^= z >> t(1)
+    return low
 
 
 def _check_itemsize(name: str, itemsize: int) -> int:
@@ -208,7 +224,9 @@ class ArithDelta:
             raise CorruptCheckpoint("arith_delta chunk has no base of the right size")
         uint = _UINT[self.itemsize]
         f = self.ordered_float
-        return _unordered(_ordered(base.view(uint), f) + _unzigzag(data.view(uint)), f).view(np.uint8)
+        out = _unzigzag(data.view(uint))
+        out += _ordered(base.view(uint), f)
+        return _unordered(out, f).view(np.uint8)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize, "ordered_float": self.ordered_float}}
