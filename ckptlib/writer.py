@@ -102,12 +102,30 @@ def take_snapshot(state: Any, pool: Executor, spare: dict[int, list[np.ndarray]]
     for spec, _ in leaves:
         reuse = spare.get(spec.nbytes)
         buffers.append(reuse.pop() if reuse else _host_buffer(spec.nbytes, pinned=on_gpu))
-    # torch.copy_ and numpy copies release the GIL: copy leaves in parallel.
-    list(pool.map(lambda i: copy_into(leaves[i][1], leaves[i][0], buffers[i], non_blocking=on_gpu),
-                  range(len(leaves))))
+    # torch.copy_ and numpy copies release the GIL: copy in parallel, in a few groups of about equal
+    # bytes (one task per leaf would cost more in dispatch than copying a small tensor).
+    def copy_group(indices: list[int]) -> None:
+        for i in indices:
+            copy_into(leaves[i][1], leaves[i][0], buffers[i], non_blocking=on_gpu)
+
+    list(pool.map(copy_group, _balanced_groups([spec.nbytes for spec, _ in leaves], _SNAPSHOT_GROUPS)))
     if on_gpu:
         torch.cuda.synchronize()  # the asynchronous copies must land before the caller moves on
     return Snapshot(skeleton, [spec for spec, _ in leaves], buffers, time.perf_counter() - t0)
+
+
+_SNAPSHOT_GROUPS = 8
+
+
+def _balanced_groups(sizes: list[int], n: int) -> list[list[int]]:
+    """Indices split into at most n groups of about equal total size (largest first, greedy)."""
+    groups: list[list[int]] = [[] for _ in range(min(n, len(sizes)))]
+    totals = [0] * len(groups)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = totals.index(min(totals))
+        groups[g].append(i)
+        totals[g] += sizes[i]
+    return [g for g in groups if g]
 
 
 def _is_pinned(buf: np.ndarray) -> bool:
