@@ -352,7 +352,8 @@ class Stack:
             "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name,
             "logs": str(self.logs), "env_file": str(self.env_path), "env": client_env,
         }
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_"))}
+        base_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("PREFECT_", "AWS_")) and k != "DATABASE_URL"}  # the server gets the DB URL
         base_env.update({MARKER: stack_id, "DO_NOT_TRACK": "1", "PREFECT_HOME": str(self.dir / "prefect"),
                          "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                          "PYTHONUNBUFFERED": "1"})  # logs reach the files as they happen
