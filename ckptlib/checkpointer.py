@@ -289,8 +289,9 @@ class Checkpointer:
         created = commit.publish(self.store, manifest)
         return self._info(manifest, created, 0.0, time.perf_counter() - t0)
 
-    def fence(self, part: str, generation: int, reason: str = "", by: str = "") -> bool:
-        return commit.fence(self.store, commit.check_part_name(part), generation, reason, by)
+    def fence(self, part: str, generation: int, reason: str = "", by: str = "",
+              details: dict | None = None) -> bool:
+        return commit.fence(self.store, commit.check_part_name(part), generation, reason, by, details)
 
     def live_generation(self, part: str) -> int:
         return commit.live_generation(self.store, part)

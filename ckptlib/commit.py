@@ -122,10 +122,29 @@ def live_generation(store: Store, part: str) -> int:
     return max(gens, default=0)
 
 
-def fence(store: Store, part: str, generation: int, reason: str = "", by: str = "") -> bool:
-    """Create generation ``generation`` of ``part``. True if this caller won; False if it existed."""
-    doc = {"part": part, "generation": generation, "reason": reason, "by": by, "time": time.time()}
-    return store.put_if_absent(f"fences/{part}/{generation}", json.dumps(doc).encode())
+def fence_key(part: str, generation: int) -> str:
+    return f"fences/{part}/{generation}"
+
+
+def fence(store: Store, part: str, generation: int, reason: str = "", by: str = "",
+          details: dict[str, Any] | None = None) -> bool:
+    """Create generation ``generation`` of ``part``. True if this caller won; False if it existed.
+
+    The token is a JSON document: who fenced, why, when, plus ``details`` (JSON values, e.g. the
+    dead attempt's last beat and the detection latency)."""
+    doc = {**(details or {}), "part": part, "generation": generation, "reason": reason, "by": by, "time": time.time()}
+    return store.put_if_absent(fence_key(part, generation), json.dumps(doc).encode())
+
+
+def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | None:
+    """The fence document of ``part``'s generation ``generation`` (None if absent or not JSON)."""
+    try:
+        doc = json.loads(store.get(fence_key(part, generation)))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return {"part": part, "generation": generation}
+    return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 
 
 def check_live(store: Store, part: str, generation: int) -> None:

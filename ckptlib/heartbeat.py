@@ -18,8 +18,10 @@ Guarantees
 ----------
 * Beats come from the caller's thread: a loop that hangs stops beating even if its process lives.
   There is deliberately no timer thread.
-* Every written beat (not every ``beat`` call) checks the fence: when a newer generation of the
-  part exists, ``beat`` raises ``FencedError`` and the attempt must stop. Between two writes a
+* Every written beat (not every ``beat`` call) checks the fence first: when a newer generation of
+  the part exists, ``beat`` raises ``FencedError`` without writing, and the attempt must stop. Its
+  final beat (``finish``) is not stored either once the live generation beats under the same key,
+  so a zombie never hides the live attempt's progress from a watchdog. Between two writes a
   fenced attempt keeps training for at most ``every_s`` seconds; its fragment is never taken by the
   coordinator anyway (``commit.gather`` takes the live generation only).
 * A beat that cannot be written (a transient store error) is logged and skipped: missing beats
@@ -114,10 +116,15 @@ class Heartbeat:
         return self._write("running")
 
     def finish(self, status: str = "finished", **extra: Any) -> dict[str, Any]:
-        """The last beat of the attempt, with its final status. Never raises FencedError."""
+        """The last beat of the attempt, with its final status. Never raises FencedError.
+
+        Not stored when a newer generation already beats under the key (a fenced attempt never
+        hides the live attempt's beat); the ``on_beat`` callback still gets it."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
-        return self._write(status, check_fence=False, extra=extra)
+        stored = read_heartbeat(self.store, self.part)
+        newer = stored is not None and int(stored.get("generation") or 0) > self.generation
+        return self._write(status, check_fence=False, extra=extra, store=not newer)
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -134,22 +141,24 @@ class Heartbeat:
             doc.update(extra)
         return doc
 
-    def _write(self, status: str, *, check_fence: bool = True, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _write(self, status: str, *, check_fence: bool = True, extra: dict[str, Any] | None = None,
+               store: bool = True) -> dict[str, Any]:
         doc = self.document(status, extra)
         self._last_write = self._monotonic()
         self._beats += 1
-        try:
-            self.store.put(self.key, json.dumps(doc).encode())
-        except StoreError as e:
-            log.warning("heartbeat of %s could not be written to %s (%s); training goes on", self.part,
-                        self.store.url, e)
+        if check_fence:  # before the write: a fenced attempt must not overwrite the live attempt's beat
+            self.check_fence()
+        if store:
+            try:
+                self.store.put(self.key, json.dumps(doc).encode())
+            except StoreError as e:
+                log.warning("heartbeat of %s could not be written to %s (%s); training goes on", self.part,
+                            self.store.url, e)
         if self.on_beat is not None:
             try:
                 self.on_beat(doc)
             except Exception as e:  # a forwarder must never stop training
                 log.warning("heartbeat forwarder failed for %s: %s", self.part, e)
-        if check_fence:
-            self.check_fence()
         return doc
 
     def check_fence(self) -> None:
