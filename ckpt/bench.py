@@ -465,6 +465,13 @@ class Series:
     losses: list[float] = field(default_factory=list)
 
 
+def _published_state(name: str, wl: Any) -> Any:
+    """What the series saves: the checkpoint state, except for finetune-bf16, whose stream is the bf16
+    copy of the weights published after every step (to evaluators or inference workers)."""
+    state = wl.checkpoint_state()
+    return state["weights_bf16"] if name == "finetune-bf16" else state
+
+
 def capture_states(name: str, cfg: BenchConfig) -> Series:
     """Train ``name`` for real and copy its checkpoint state every ``steps_between`` steps."""
     from workloads.base import WorkloadConfig, build_workload, clone_state, state_nbytes
@@ -477,7 +484,7 @@ def capture_states(name: str, cfg: BenchConfig) -> Series:
         for _ in range(cfg.steps_between):
             loss = wl.train_step()
         train_s += time.perf_counter() - t0
-        state = clone_state(wl.checkpoint_state())
+        state = clone_state(_published_state(name, wl))
         if cfg.device != "cpu":
             state = map_tensors(state, lambda t: t.to(cfg.device))
         steps.append(wl.data_position)
