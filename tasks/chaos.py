@@ -3,28 +3,67 @@
     crash:shard=1,round=2          shard 1 raises ChaosCrash in round 2, on its first attempt only
     crash:shard=0,round=3,step=5   ... after 5 steps of the round (default: half the round)
     crash:shard=1,round=2,attempt=2  ... on the second attempt (so the first retry fails too)
+    hang:shard=0,round=2           shard 0 stops beating and progressing; its thread lives on
+    zombie:shard=1,round=3         shard 1's heartbeats stop reaching the store; it keeps computing and
+                                   later writes its fragment (which must never be committed)
+    kill:shard=1,round=2           shard 1's process dies at once (SIGKILL; needs --task-runner dask)
 
 Keys: ``shard`` and ``round`` (required), ``attempt`` (default 1: the first attempt only, so a
-Prefect retry succeeds), ``step`` (the round-local step after which it strikes; default half the
-round). A spec is plain text, so it travels as a flow parameter. More kinds (hang, zombie, kill)
-come with the watchdog, with the same syntax: add them to ``KINDS`` and to ``strike``.
+retry or the watchdog's rerun succeeds), ``step`` (the round-local step after which it strikes;
+default half the round). A spec is plain text, so it travels as a flow parameter.
 
-Nothing here knows Prefect; the shard task passes the attempt number (``run_count``).
+The four kinds and who recovers (``docs/watchdog.md``):
+
+``crash``   a loud failure: the task raises, Prefect retries it from the same cut.
+``hang``    silent: no more beats, no more steps. The hung loop still looks at its fence every
+            half second (as a loop stuck in a collective with a timeout would): the watchdog
+            fences it, reruns the shard, and the hung attempt then ends itself (FencedError), so
+            the flow's thread is freed. (A loop that never looks would be abandoned by the flow.)
+``zombie``  a partition: from the strike on, the attempt's heartbeat writes and fence reads fail
+            (it believes it is still live) while it trains on. It holds its fragment back until the
+            watchdog has fenced it (looked up on the real store: the drill makes sure the write
+            comes *after* the fence), then writes it through its stale view of the fences, i.e.
+            exactly the check-then-write race ``write_fragment`` cannot close. The fragment lands
+            under the old generation; the coordinator's ``gather`` takes the live one; GC removes it.
+``kill``    ``SIGKILL`` of the shard's own process: with ``--task-runner dask`` a Dask worker dies
+            (the nanny starts a new one); with threads it would kill the whole run, so the CLI
+            refuses that combination (``check_runner``).
+
+Each strike writes ``chaos/<part>.r<round>.a<attempt>.json`` (kind, wall time, round step) before
+acting, so drills can measure detection latency from the true moment of failure.
+
+Nothing here knows Prefect; the shard task passes the attempt number.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
+import time
 from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("tasks.chaos")
 
 # kind -> what it does (for messages and --help)
 KINDS: dict[str, str] = {
     "crash": "the shard task raises ChaosCrash (a loud failure: Prefect retries it)",
+    "hang": "the shard stops beating and progressing, its thread lives (the watchdog fences and reruns it)",
+    "zombie": "the shard's heartbeats stop reaching the store, it keeps computing and later writes a "
+              "fragment that must never be committed (the watchdog fences and reruns it)",
+    "kill": "the shard's process dies at once, SIGKILL (needs a process-based task runner: dask)",
 }
+# kinds that kill the process the shard runs in
+PROCESS_KINDS = ("kill",)
 _INT_KEYS = ("shard", "round", "attempt", "step")
+# how long a hung or partitioned attempt waits for its fence before it gives up (a drill without a watchdog)
+MAX_WAIT_S = 900.0
 
 
 class ChaosCrash(RuntimeError):
-    """Raised on purpose by a ``crash`` chaos spec."""
+    """Raised on purpose by a ``crash`` chaos spec (and by a hang/zombie nobody fenced)."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +128,184 @@ def for_attempt(specs: list[str] | None, shard: int, round: int, attempt: int) -
     return [c for c in parse_all(specs) if c.strikes(shard, round, attempt)]
 
 
-def strike(chaos: Chaos, *, part: str, round_step: int) -> None:
-    """Do what ``chaos`` says, now (called from the training loop once its step is reached)."""
+def check_runner(specs: list[str] | None, task_runner: str) -> None:
+    """Refuse chaos that needs a process-based task runner when shards run as threads of the flow."""
+    bad = [str(c) for c in parse_all(specs) if c.kind in PROCESS_KINDS]
+    if bad and task_runner == "threads":
+        raise ValueError(
+            f"chaos {', '.join(bad)} kills the shard's process, which with --task-runner threads is the whole "
+            "run (coordinator and watchdog included); use --task-runner dask, or crash/hang/zombie with threads")
+
+
+def strike_record_key(part: str, round: int, attempt: int) -> str:
+    return f"chaos/{part}.r{round}.a{attempt}.json"
+
+
+def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, checkpointer: Any = None,
+           generation: int | None = None) -> None:
+    """Do what ``chaos`` says, now (called from the training loop once its step is reached).
+
+    ``heartbeat`` (ckptlib Heartbeat), ``checkpointer`` and ``generation`` are the attempt's own:
+    ``hang`` and ``zombie`` need them (``crash`` does not).
+    """
     if chaos.kind == "crash":
         raise ChaosCrash(f"chaos {chaos}: {part} crashes on purpose after {round_step} steps of round "
                          f"{chaos.round} (attempt {chaos.attempt}); a retry starts again from the last cut")
-    raise ValueError(f"chaos kind {chaos.kind!r} has no action yet")  # pragma: no cover
+    if checkpointer is None or generation is None:
+        raise ValueError(f"chaos {chaos} needs the attempt's checkpointer and generation")
+    store = checkpointer.store
+    _record(store, chaos, part, round_step)
+    if chaos.kind == "kill":
+        log.warning("chaos %s: %s kills its own process %d now (SIGKILL)", chaos, part, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # pragma: no cover - the signal is delivered before this returns
+    if chaos.kind == "hang":
+        _hang(chaos, store, part, generation)
+    elif chaos.kind == "zombie":
+        _partition(chaos, heartbeat, checkpointer, part, generation)
+    else:  # pragma: no cover
+        raise ValueError(f"chaos kind {chaos.kind!r} has no action yet")
+
+
+def _record(store, chaos: Chaos, part: str, round_step: int) -> None:
+    doc = {"kind": chaos.kind, "spec": str(chaos), "part": part, "round": chaos.round, "attempt": chaos.attempt,
+           "round_step": round_step, "time": time.time(), "pid": os.getpid()}
+    try:
+        store.put(strike_record_key(part, chaos.round, chaos.attempt), json.dumps(doc).encode())
+    except Exception as e:  # the record is for measurements only
+        log.warning("chaos %s: could not record the strike: %s", chaos, e)
+
+
+def _fenced(store, part: str, generation: int) -> bool:
+    from ckptlib import commit
+
+    try:
+        return commit.live_generation(store, part) > generation
+    except Exception:  # a store hiccup is not a fence
+        return False
+
+
+def _wait_for_fence(chaos: Chaos, store, part: str, generation: int, what: str) -> None:
+    deadline = time.monotonic() + MAX_WAIT_S
+    while not _fenced(store, part, generation):
+        if time.monotonic() > deadline:
+            raise ChaosCrash(f"chaos {chaos}: {part} {what} for {MAX_WAIT_S:.0f} s and nobody fenced it: is a "
+                             "watchdog running? (ckpt watchdog URL, or ckpt train without --no-watchdog)")
+        time.sleep(0.5)
+
+
+def _hang(chaos: Chaos, store, part: str, generation: int) -> None:
+    from ckptlib import FencedError
+
+    log.warning("chaos %s: %s hangs (no beats, no steps) until a watchdog fences it", chaos, part)
+    _wait_for_fence(chaos, store, part, generation, "hung")
+    raise FencedError(f"chaos {chaos}: {part} generation {generation} hung and was fenced meanwhile; it stops")
+
+
+def _partition(chaos: Chaos, heartbeat, checkpointer, part: str, generation: int) -> None:
+    """From now on the attempt's beats are lost and it cannot see newer fences; it trains on."""
+    if heartbeat is None:
+        raise ValueError(f"chaos {chaos} needs the attempt's heartbeat")
+    real = checkpointer.store
+    log.warning("chaos %s: %s is cut off from its heartbeats and fences (a zombie); it keeps training", chaos,
+                part)
+    heartbeat.store = Partitioned(real, lost=("heartbeats/", "fences/"))
+    # The drill: the zombie is slow enough that the watchdog fences it before it writes its fragment.
+    _wait_for_fence(chaos, real, part, generation, "was partitioned")
+    checkpointer.store = StaleFences(real, part, generation)
+
+
+# --- store views of a partitioned attempt -------------------------------------------------------------
+
+def _view_class():
+    from ckptlib.errors import StoreError
+    from ckptlib.store import Store
+
+    class View(Store):
+        """Delegates to ``inner``; subclasses change what the attempt sees."""
+
+        def __init__(self, inner: Store):
+            self.inner = inner
+            self.url = inner.url
+            self.capabilities = inner.capabilities
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def put(self, key, data):
+            return self.inner.put(key, data)
+
+        def put_if_absent(self, key, data):
+            return self.inner.put_if_absent(key, data)
+
+        def exists(self, key):
+            return self.inner.exists(key)
+
+        def list(self, prefix=""):
+            return self.inner.list(prefix)
+
+        def delete(self, key):
+            return self.inner.delete(key)
+
+        def modified(self, key):
+            return self.inner.modified(key)
+
+        def child(self, subpath):
+            return type(self)(self.inner.child(subpath))
+
+    return View, StoreError
+
+
+_View, _StoreError = _view_class()
+
+
+class Partitioned(_View):
+    """Every call on a key under one of ``lost`` fails as if the network were down."""
+
+    def __init__(self, inner, lost: tuple[str, ...] = ()):
+        super().__init__(inner)
+        self.lost = lost
+
+    def _check(self, key: str) -> None:
+        if key.startswith(self.lost):
+            raise _StoreError(f"chaos partition: {self.url}/{key} cannot be reached")
+
+    def get(self, key):
+        self._check(key)
+        return super().get(key)
+
+    def put(self, key, data):
+        self._check(key)
+        return super().put(key, data)
+
+    def put_if_absent(self, key, data):
+        self._check(key)
+        return super().put_if_absent(key, data)
+
+    def exists(self, key):
+        self._check(key)
+        return super().exists(key)
+
+    def list(self, prefix=""):
+        self._check(prefix)
+        return super().list(prefix)
+
+    def child(self, subpath):
+        return Partitioned(self.inner.child(subpath), self.lost)
+
+
+class StaleFences(_View):
+    """Sees the fences of ``part`` as they were when it was live: none above ``generation``."""
+
+    def __init__(self, inner, part: str, generation: int):
+        super().__init__(inner)
+        self.part, self.generation = part, generation
+
+    def list(self, prefix=""):
+        keys = super().list(prefix)
+        if prefix.rstrip("/") != f"fences/{self.part}":
+            return keys
+        return [k for k in keys if not (k.rsplit("/", 1)[1].isdigit() and int(k.rsplit("/", 1)[1]) > self.generation)]
+
+    def child(self, subpath):
+        return StaleFences(self.inner.child(subpath), self.part, self.generation)
