@@ -100,8 +100,9 @@ class Heartbeat:
             self._first_step = self._step = int(step)
         return self._write("running")
 
-    def beat(self, step: int, loss: float | None = None) -> dict[str, Any] | None:
-        """Record progress; write (and check the fence) if ``every_s`` passed since the last write.
+    def beat(self, step: int, loss: float | None = None, *, force: bool = False) -> dict[str, Any] | None:
+        """Record progress; write (and check the fence) if ``every_s`` passed since the last write
+        (or ``force``: now, e.g. when the caller changed ``round`` or ``meta``).
 
         Returns the document when one was written, else None. Raises FencedError when fenced.
         """
@@ -111,7 +112,7 @@ class Heartbeat:
         if loss is not None:
             self._loss_sum += float(loss)
             self._loss_n += 1
-        if self._last_write is not None and self._monotonic() - self._last_write < self.every_s:
+        if not force and self._last_write is not None and self._monotonic() - self._last_write < self.every_s:
             return None
         return self._write("running")
 
