@@ -123,8 +123,13 @@ class Progress:
             cks.add_row(str(step), _f(m["loss"]), _f(m["eval_loss"]), _bytes(m["bytes_written"]),
                         _bytes(m["logical_bytes"]), f"{m['logical_bytes'] / max(m['bytes_written'], 1):.2f}x",
                         m["kind"], vt)
-        parts = [head, Text(f"rounds {done_rounds}/{p.rounds}", style="bold"), shards, Text("checkpoints", style="bold"),
-                 cks]
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table as Grid
+
+        bar = Grid.grid(padding=(0, 1))
+        bar.add_row(Text(f"rounds {done_rounds}/{p.rounds}", style="bold"),
+                    ProgressBar(total=p.rounds, completed=done_rounds, width=40))
+        parts = [head, bar, shards, Text("checkpoints", style="bold"), cks]
         if self.error:
             parts.append(Text(f"(progress display: {self.error})", style="dim"))
         return Group(*parts)
@@ -158,7 +163,7 @@ def train(
                                                           help="Workload knobs as a JSON object, e.g. '{\"d_model\": 64}'.")] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Data-parallel shards.")] = 2,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Total rounds (a resume may extend the run).")] = 8,
-    steps_per_round: Annotated[int, typer.Option("--steps-per-round", min=1, help="Inner steps H per shard and round.")] = 200,
+    steps_per_round: Annotated[int, typer.Option("--steps-per-round", min=1, help="Inner steps H per shard and round.")] = 150,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Commit a checkpoint every C rounds (and after the last).")] = 1,
     keyframe_every: Annotated[int, typer.Option("--keyframe-every", min=1, help="A keyframe every K checkpoints of a chunk.")] = 8,
     seed: Annotated[int, typer.Option("--seed", help="Run seed.")] = 0,

@@ -64,8 +64,10 @@ class PrefectAPI:
         os.environ["PREFECT_API_URL"] = self.server.api_url
         try:
             with temporary_settings({PREFECT_API_URL: self.server.api_url}):
-                yield self.server.api_url
-                _drain_prefect_workers()  # logs and events still queued go out while the server is up
+                try:
+                    yield self.server.api_url
+                finally:
+                    _drain_prefect_workers()  # queued logs and events go out while the server is up
         finally:
             if previous is None:
                 os.environ.pop("PREFECT_API_URL", None)

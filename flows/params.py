@@ -61,7 +61,7 @@ class TrainParams(BaseModel):
     seed: int = Field(0, description="Run seed: model init, data order and every shard's generators derive "
                       "from (seed, shard, round).")
     shards: int = Field(2, ge=1, le=1024, description="Data-parallel shards (one Prefect task each per round).")
-    steps_per_round: int = Field(200, ge=1, description="Inner steps H each shard trains per round.")
+    steps_per_round: int = Field(150, ge=1, description="Inner steps H each shard trains per round.")
     outer_lr: float = Field(1.0, gt=0, description="Outer (cut) learning rate; 1 with momentum 0 = plain "
                             "parameter averaging.")
     outer_momentum: float = Field(0.0, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo uses 0.9 with "

@@ -59,7 +59,16 @@ class Validations:
         return verdicts
 
 
-@flow(name="train-run", description="Fault-tolerant data-parallel training with incremental, validated "
+def _flow_run_name() -> str:
+    """``train-<run id>`` in the UI (``train-new`` while the id is still to be generated)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters.get("params")
+    rid = getattr(p, "run_id", None) if not isinstance(p, dict) else p.get("run_id")
+    return f"train-{rid or 'new'}"
+
+
+@flow(name="train-run", flow_run_name=_flow_run_name, description="Fault-tolerant data-parallel training with incremental, validated "
       "checkpoints: rounds of shard tasks, a consistent cut after each.",
       task_runner=ThreadPoolTaskRunner(max_workers=64), validate_parameters=True, persist_result=False)
 def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B008 (a pydantic default: a form)

@@ -78,7 +78,7 @@ class RunSpec:
     lr: float | None = None
     seed: int = 0
     shards: int = 2
-    steps_per_round: int = 300
+    steps_per_round: int = 150
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     torch_threads: int = 1
@@ -304,8 +304,10 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, s
     apply_threads(spec)
     part = shard_part(shard)
     generation = ck.live_generation(part)
+    # meta: what a watchdog needs to rerun this very task (the cut it starts from, the config's hash)
     hb = Heartbeat(ck.store, part, generation=generation, round=round, steps_per_round=spec.steps_per_round,
-                   every_s=heartbeat_every_s, attempt=attempt, on_beat=on_beat)
+                   every_s=heartbeat_every_s, attempt=attempt, on_beat=on_beat,
+                   meta={"source": source, "config_hash": spec.config_hash(), "shards": spec.shards})
     hb.start()
     try:
         coord = load_part(ck, source, COORDINATOR)

@@ -93,7 +93,8 @@ def test_identical_run_on_s3_reaches_the_same_digest_at_every_step(clean, s3_url
 def test_crash_chaos_is_retried_and_reaches_the_clean_digest(clean, tmp_path):
     from flows.train import train_run
 
-    s = train_run(params(store=str(tmp_path), run_id="chaos", chaos=["crash:shard=1,round=2"]))
+    s = train_run(params(store=str(tmp_path), run_id="chaos", chaos=["crash:shard=1,round=2"],
+                         heartbeat_events=True))
     assert s["final_digest"] == clean["digests"][3]
     round2 = {x["shard"]: x for x in s["rounds_log"][1]["shards"]}
     assert round2[1]["attempt"] == 2 and round2[0]["attempt"] == 1
@@ -113,6 +114,8 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
     assert "seed: 0 -> 1" in r.output and "steps_per_round: 4 -> 5" in r.output
     r = CliRunner().invoke(app, base + ["--steps-per-round", "4"])
     assert r.exit_code == 2 and "already has committed checkpoints" in r.output and "--resume" in r.output
+    r = CliRunner().invoke(app, ["train", "--store", clean["store"], "--workload", "nosuchpkg.mod:build"])
+    assert r.exit_code == 2 and "cannot import module 'nosuchpkg.mod'" in r.output
     with pytest.raises(RunRefused, match="shards: 2 -> 3"):  # the flow itself refuses too (deployments)
         train_run(params(store=clean["store"], run_id="clean", resume=True, shards=3))
     assert digests(clean["summary"]["run_url"]) == clean["digests"]  # nothing was written
@@ -162,3 +165,18 @@ def test_dask_runner_with_two_processes_reaches_the_clean_digest(clean, tmp_path
     assert digests(s["run_url"]) == clean["digests"]
     pids = {json.loads(Path(s["run_url"], "heartbeats", f"shard-{i}.json").read_text())["pid"] for i in range(2)}
     assert os.getpid() not in pids  # the shards ran in Dask worker processes
+
+
+def test_progress_display_reads_the_run_from_the_store(clean):
+    from rich.console import Console
+
+    from ckpt.cmd_train import Progress
+
+    p = Progress(clean["summary"]["run_url"], None, params(), every_s=0.05)
+    p.started = 0  # show the finished run's heartbeats too
+    p.poll()
+    console = Console(record=True, width=120)
+    console.print(p)
+    text = console.export_text()
+    assert "rounds 3/3" in text and "shard-1" in text and "finished" in text
+    assert sorted(p.manifests) == [0, 1, 2, 3] and all(v["passed"] for v in p.verdicts.values())

@@ -209,3 +209,33 @@ def test_read_fragment_adopt_makes_the_fragment_the_delta_base(tmp_path):
         ck.read_fragment(1, "p", adopt=True)
         delta = ck.write_fragment(3, "p", {"x": x + 1e-3})
     assert keyframe.stats["delta"] == 0 and delta.stats["delta"] > 0
+
+
+# --- the CLI's options ----------------------------------------------------------------------------------
+
+def test_cli_defaults_are_train_params_defaults_and_bad_options_are_one_line_errors(tmp_path):
+    import inspect
+
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+    from ckpt.cmd_train import train
+    from flows.params import TrainParams
+
+    fields = TrainParams.model_fields
+    sig = inspect.signature(train).parameters
+    for cli_name, field in [("store", "store"), ("workload", "workload"), ("size", "workload_size"),
+                            ("shards", "shards"), ("rounds", "rounds"), ("steps_per_round", "steps_per_round"),
+                            ("checkpoint_every", "checkpoint_every"), ("keyframe_every", "keyframe_every"),
+                            ("seed", "seed"), ("task_runner", "task_runner"), ("outer_lr", "outer_lr"),
+                            ("outer_momentum", "outer_momentum"), ("torch_threads", "torch_threads")]:
+        assert sig[cli_name].default == fields[field].default, cli_name
+    store = str(tmp_path)
+    for args, why in [(["--chaos", "boom:shard=1,round=2"], "unknown chaos kind"),
+                      (["--task-runner", "ray"], "task runner 'ray'"),
+                      (["--run-id", "a/b"], "run id"),
+                      (["--resume"], "--resume needs --run-id"),
+                      (["--storage-options", "{nope"], "JSON object")]:
+        r = CliRunner().invoke(app, ["train", "--store", store, *args])
+        assert r.exit_code == 2 and why in r.output, (args, r.output)
+        assert r.output.startswith("error: ") and "Traceback" not in r.output
