@@ -148,7 +148,6 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
     import os
 
     ap = argparse.ArgumentParser(prog="python -m deployments.client",
@@ -173,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.wait:
             return 0
         fr = api.wait(fr["id"], timeout=a.timeout)
-        print(f"{fr['name']}: {fr['state_name']}" + (f" ({fr['state']['message']})" if fr["state"].get("message") else ""))
+        message = fr["state"].get("message")
+        print(f"{fr['name']}: {fr['state_name']}" + (f" ({message})" if message else ""))
         return 0 if fr["state_type"] == "COMPLETED" else 1
 
 

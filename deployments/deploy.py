@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the local stack whose API, pool and store to use (default .stack)")
     ap.add_argument("--pool", default=None, help="work pool (default: the stack's, else local-pool)")
     ap.add_argument("--store", default=None,
-                    help="default store root of the deployments (default: CKPT_STORE, the stack's, s3://checkpoints/runs)")
+                    help="default store root of the deployments "
+                         "(default: CKPT_STORE, else the stack's, else s3://checkpoints/runs)")
     ap.add_argument("--source", default=str(REPO),
                     help="where workers get the code: this checkout (default) or a git URL")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {[d.key for d in DEPLOYMENTS]}")

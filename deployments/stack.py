@@ -256,6 +256,7 @@ class Stack:
         self.logs = self.dir / "logs"
         self.info_path = self.dir / "stack.json"
         self.env_path = self.dir / "env"
+        self._procs: dict[str, subprocess.Popen] = {}  # services this object started (to notice early exits)
 
     # ----------------------------------------------------------- state
 
@@ -296,8 +297,9 @@ class Stack:
     # ----------------------------------------------------------- up
 
     def up(self, *, host: str = DEFAULT_HOST, api_port: int = DEFAULT_API_PORT, s3_port: int = DEFAULT_S3_PORT,
-           filer_port: int = DEFAULT_FILER_PORT, bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL,
-           worker_limit: int | None = None, poll_seconds: float = 5.0, timeout: float = 120.0) -> dict[str, Any]:
+           filer_port: int = DEFAULT_FILER_PORT, bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX,
+           pool: str = DEFAULT_POOL, worker_limit: int | None = None, poll_seconds: float = 5.0,
+           timeout: float = 120.0) -> dict[str, Any]:
         """Start everything; return the stack's info (as in stack.json). See the module docstring."""
         current = self.status()
         if current["running"]:
@@ -385,7 +387,8 @@ class Stack:
             s3.create_bucket(bucket)
 
             # 3. Wait for the API, create the pool, start the worker.
-            self._wait("Prefect API", lambda: _api_healthy(api_url), timeout, "server", self.logs / "prefect-server.log")
+            self._wait("Prefect API", lambda: _api_healthy(api_url), timeout, "server",
+                       self.logs / "prefect-server.log")
             cli_env = {**base_env, **client_env}
             if not _pool_exists(api_url, pool):
                 out = subprocess.run([*_prefect_cli(), "work-pool", "create", pool, "--type", "process"],
@@ -410,18 +413,18 @@ class Stack:
         self._write_info(info)
         return info
 
-    def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None) -> None:
+    def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path,
+               cwd: Path | None = None) -> None:
         with open(log_path, "ab") as log:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             log.flush()
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     cwd=cwd or self.dir, start_new_session=True)
         self.pid_path(service).write_text(str(proc.pid))
-        self._procs = getattr(self, "_procs", {})
         self._procs[service] = proc
 
     def _wait(self, what: str, ready, timeout: float, service: str, log_path: Path) -> None:
-        proc = getattr(self, "_procs", {}).get(service)
+        proc = self._procs.get(service)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -522,7 +525,8 @@ def _worker_online(api_url: str, pool: str, name: str) -> bool:
 # --------------------------------------------------------------------------- CLI
 
 def _print_up(info: dict[str, Any]) -> None:
-    rel = os.path.relpath(info["dir"]) if not os.path.relpath(info["dir"]).startswith("..") else info["dir"]
+    rel = os.path.relpath(info["dir"])
+    rel = info["dir"] if rel.startswith("..") else rel
     env = info["env"]
     _log(f"""
 Local stack is up ({rel}):
@@ -561,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--s3-port", type=int, default=int(env.get("CKPT_STACK_S3_PORT", DEFAULT_S3_PORT)),
                       help="S3 port (default 8333; 0 = any free port)")
     p_up.add_argument("--filer-port", type=int, default=int(env.get("CKPT_STACK_FILER_PORT", DEFAULT_FILER_PORT)),
-                      help="SeaweedFS filer HTTP port: bucket objects (reports) over plain HTTP (default 8888; 0 = free)")
+                      help="SeaweedFS filer HTTP port: bucket objects (reports) over plain HTTP "
+                           "(default 8888; 0 = any free port)")
     p_up.add_argument("--bucket", default=DEFAULT_BUCKET)
     p_up.add_argument("--prefix", default=DEFAULT_PREFIX, help="folder of runs in the bucket (default runs)")
     p_up.add_argument("--pool", default=DEFAULT_POOL, help="process work pool name (default local-pool)")

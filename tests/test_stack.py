@@ -207,7 +207,8 @@ def test_training_run_on_the_worker(stack):
         keys = keys_under(s3, "checkpoints", f"runs/{run_id}/")
         assert {f"runs/{run_id}/manifests/0.json", f"runs/{run_id}/manifests/1.json"} <= set(keys), keys
         assert any(k.startswith(f"runs/{run_id}/chunks/") for k in keys)
-        verdict = json.loads(s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/validations/1.json")["Body"].read())
+        verdict = json.loads(
+            s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/validations/1.json")["Body"].read())
         assert verdict["passed"], verdict
         # ... and its HTML report opens in a browser, over the filer's plain HTTP (no S3 signature).
         with urllib.request.urlopen(f"{stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/1/index.html",

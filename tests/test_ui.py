@@ -8,8 +8,10 @@ Completed, open its Artifacts tab, find the validation artifact and open it (ver
 Every SPA path answers 200 with the same index.html, so every check is on rendered text.
 
 Screenshots of each step go to ``test-output/ui/`` (``failure.png`` and the page text when a step
-fails). Needs ``/usr/bin/chromium`` (``.ci/run`` installs it: ``apt-get install -y chromium``) and
-the ``playwright`` package (test extras); never ``playwright install`` (no downloads here).
+fails). Needs ``/usr/bin/chromium`` (``.ci/run`` installs it: ``apt-get install -y chromium``; when it
+is missing and this runs as root with apt-get, the test installs it, unless ``CKPT_NO_APT=1``; it
+skips, saying why, only when it cannot) and the ``playwright`` package (test extras); never
+``playwright install`` (no downloads here).
 About 1.5 minutes on 2 cores. Marks: slow, prefect, s3.
 """
 
@@ -40,10 +42,42 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 RUN_TIMEOUT_MS = 300_000
 
 
+_install_tried: list[str] = []
+
+
+def _install_chromium() -> str:
+    """Try Debian's package once (root + apt-get only; CKPT_NO_APT=1 forbids it); return why not."""
+    if _install_tried:
+        return _install_tried[0]
+    why = ""
+    if os.environ.get("CKPT_NO_APT"):
+        why = "CKPT_NO_APT is set"
+    elif not shutil.which("apt-get") or os.geteuid() != 0:
+        why = "not root with apt-get here"
+    else:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            try:
+                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = f"{' '.join(cmd)}: {e}"
+                break
+            if res.returncode != 0:
+                why = f"{' '.join(cmd)} failed: {(res.stderr or res.stdout).strip()[-300:]}"
+                break
+    _install_tried.append(why)
+    return why
+
+
 def _need_browser():
+    global CHROMIUM
     if not os.path.exists(CHROMIUM):
-        pytest.skip("Chromium is not installed (/usr/bin/chromium): `apt-get update && apt-get install -y "
-                    "chromium` (.ci/run does this); Playwright's own browser download is not used")
+        why = _install_chromium()
+        CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+        if not os.path.exists(CHROMIUM):
+            pytest.skip(f"Chromium is not installed (/usr/bin/chromium) and could not be installed ({why}): "
+                        "`apt-get update && apt-get install -y chromium` (.ci/run does this); Playwright's own "
+                        "browser download is never used")
     return pytest.importorskip("playwright.sync_api", reason="playwright is missing: pip install -e '.[test]'")
 
 
