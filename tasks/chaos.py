@@ -29,8 +29,9 @@ The four kinds and who recovers (``docs/watchdog.md``):
             (the nanny starts a new one); with threads it would kill the whole run, so the CLI
             refuses that combination (``check_runner``).
 
-Each strike writes ``chaos/<part>.r<round>.a<attempt>.json`` (kind, wall time, round step) before
-acting, so drills can measure detection latency from the true moment of failure.
+Each strike first creates ``chaos/<part>.r<round>.a<attempt>.json`` (kind, wall time, round step)
+with put-if-absent, so a spec strikes at most once per run (a task Dask runs again after its worker
+died keeps its attempt number) and drills can measure from the true moment of failure.
 
 Nothing here knows Prefect; the shard task passes the attempt number.
 """
@@ -148,13 +149,15 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, c
     ``heartbeat`` (ckptlib Heartbeat), ``checkpointer`` and ``generation`` are the attempt's own:
     ``hang`` and ``zombie`` need them (``crash`` does not).
     """
+    if checkpointer is not None and not _record(checkpointer.store, chaos, part, round_step):
+        log.info("chaos %s already struck in this run: not again", chaos)
+        return
     if chaos.kind == "crash":
         raise ChaosCrash(f"chaos {chaos}: {part} crashes on purpose after {round_step} steps of round "
                          f"{chaos.round} (attempt {chaos.attempt}); a retry starts again from the last cut")
     if checkpointer is None or generation is None:
         raise ValueError(f"chaos {chaos} needs the attempt's checkpointer and generation")
     store = checkpointer.store
-    _record(store, chaos, part, round_step)
     if chaos.kind == "kill":
         log.warning("chaos %s: %s kills its own process %d now (SIGKILL)", chaos, part, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
@@ -167,13 +170,17 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, c
         raise ValueError(f"chaos kind {chaos.kind!r} has no action yet")
 
 
-def _record(store, chaos: Chaos, part: str, round_step: int) -> None:
+def _record(store, chaos: Chaos, part: str, round_step: int) -> bool:
+    """Record the strike (put-if-absent); False when this spec already struck in the run. A Dask
+    worker that died mid-task has its task run again by Dask with the same Prefect attempt number:
+    without this, ``kill`` would strike again in every worker that picks the task up."""
     doc = {"kind": chaos.kind, "spec": str(chaos), "part": part, "round": chaos.round, "attempt": chaos.attempt,
            "round_step": round_step, "time": time.time(), "pid": os.getpid()}
     try:
-        store.put(strike_record_key(part, chaos.round, chaos.attempt), json.dumps(doc).encode())
-    except Exception as e:  # the record is for measurements only
+        return store.put_if_absent(strike_record_key(part, chaos.round, chaos.attempt), json.dumps(doc).encode())
+    except Exception as e:  # the record is for measurements (and once-only): strike anyway
         log.warning("chaos %s: could not record the strike: %s", chaos, e)
+        return True
 
 
 def _fenced(store, part: str, generation: int) -> bool:
