@@ -38,6 +38,7 @@ class Progress:
         self.manifests: dict[int, dict] = {}
         self.verdicts: dict[int, dict] = {}
         self.error: str | None = None
+        self._store = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckpt-train-progress", daemon=True)
         self.started = time.time()
@@ -55,9 +56,6 @@ class Progress:
             pass
 
     def _run(self) -> None:
-        from ckptlib.store import Store
-
-        self._store = None
         while not self._stop.wait(self.every_s):
             try:
                 self.poll()
@@ -70,7 +68,7 @@ class Progress:
         from ckptlib.manifest import loads_manifest
         from ckptlib.store import Store
 
-        if getattr(self, "_store", None) is None:
+        if self._store is None:
             self._store = Store.from_url(self.url, self.so)
         store = self._store
         self.beats = {p: b for p, b in read_heartbeats(store).items() if b.get("time", 0) >= self.started - 1}
@@ -80,8 +78,7 @@ class Progress:
                 m = loads_manifest(store.get(key), f"{self.url}/{key}")
                 self.manifests[step] = {"step": step, "bytes_written": m.bytes_written,
                                         "logical_bytes": m.logical_bytes, "kind": m.kind, "digest": m.digest,
-                                        "loss": m.meta.get("loss"), "eval_loss": m.meta.get("eval_loss"),
-                                        "new": m.meta.get("run_id") is not None}
+                                        "loss": m.meta.get("loss"), "eval_loss": m.meta.get("eval_loss")}
         for step in self.manifests:
             if step not in self.verdicts:
                 try:

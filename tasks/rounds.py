@@ -45,7 +45,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ckptlib import Checkpointer, NoCheckpoint
+from ckptlib import Checkpointer, FencedError
 from ckptlib import commit as ckcommit
 from ckptlib.heartbeat import Heartbeat
 from ckptlib.tree import unflatten
@@ -307,7 +307,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, s
     # meta: what a watchdog needs to rerun this very task (the cut it starts from, the config's hash)
     hb = Heartbeat(ck.store, part, generation=generation, round=round, steps_per_round=spec.steps_per_round,
                    every_s=heartbeat_every_s, attempt=attempt, on_beat=on_beat,
-                   meta={"source": source, "config_hash": spec.config_hash(), "shards": spec.shards})
+                   meta={"source": source, "config_hash": spec.config_hash(), "spec": spec.to_dict()})
     hb.start()
     try:
         coord = load_part(ck, source, COORDINATOR)
@@ -334,8 +334,6 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, s
                                        "train_s": round_s(t_trained - t_train)})
         t_written = time.perf_counter()
     except BaseException as e:
-        from ckptlib import FencedError
-
         hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
         raise
     hb.finish("finished", loss=loss)
@@ -446,5 +444,5 @@ def next_source(cut: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "COORDINATOR", "RunRefused", "RunSpec", "ShardRNG", "cut_round", "describe_changes", "initial_cut",
     "initial_source", "load_part", "next_source", "outer_step", "plan_run", "shard_part", "stored_config",
-    "train_shard_round", "NoCheckpoint",
+    "train_shard_round",
 ]

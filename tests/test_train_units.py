@@ -239,3 +239,13 @@ def test_cli_defaults_are_train_params_defaults_and_bad_options_are_one_line_err
         r = CliRunner().invoke(app, ["train", "--store", store, *args])
         assert r.exit_code == 2 and why in r.output, (args, r.output)
         assert r.output.startswith("error: ") and "Traceback" not in r.output
+
+
+def test_one_shard_is_plain_training(tmp_path):
+    url = str(tmp_path)
+    spec = RunSpec(**{**TINY, "shards": 1})
+    run_rounds(url, spec, 2)
+    with Checkpointer(url) as ck:
+        state = ck.restore(2)
+    coord, shard = state[COORDINATOR]["model"], state["shard-0"]["model"]
+    assert all(torch.equal(coord[k], shard[k]) for k in coord)
