@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     pool = a.pool or info.get("pool") or os.environ.get("CKPT_WORK_POOL") or DEFAULT_POOL
     store = a.store or os.environ.get("CKPT_STORE") or info.get("store") or DEFAULT_STORE
     schedules_active = False if a.schedules_inactive else None
+    api_url = os.environ["PREFECT_API_URL"]
+    if not _answers(api_url):
+        print(f"error: the Prefect API at {api_url} does not answer: start the stack (`make stack`) or set "
+              "PREFECT_API_URL to a running server", file=sys.stderr)
+        return 1
     print(f"Registering deployments on work pool {pool!r} of {os.environ['PREFECT_API_URL']} "
           f"(code: {a.source}; default store: {store})", flush=True)
     failed = 0
@@ -275,17 +280,33 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _answers(api_url: str) -> bool:
+    import urllib.request
+
+    headers = {}
+    if os.environ.get("PREFECT_API_KEY"):  # Prefect Cloud
+        headers["Authorization"] = f"Bearer {os.environ['PREFECT_API_KEY']}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{api_url.rstrip('/')}/health", headers=headers),
+                                    timeout=10) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 AUTOMATION = "ckpt-shard-heartbeats-stopped"
-HEARTBEAT_SILENCE_S = 60
+HEARTBEAT_SILENCE_S = 30  # = the watchdog's default timeout_s; shards send a heartbeat event every 5 s
 
 
-def watchdog_automation(deployment_id: str, *, within_s: float = HEARTBEAT_SILENCE_S) -> str:
+def watchdog_automation(deployment_id: str, *, within_s: float = HEARTBEAT_SILENCE_S,
+                        parameters: dict[str, Any] | None = None) -> str:
     """Create (or replace) the automation that starts the watchdog deployment when a shard's
     heartbeat events stop: a proactive trigger per shard resource (``ckpt.shard.<run>.<part>``):
     after a ``ckpt.shard.heartbeat``, expect another beat or the attempt's final status
     (finished / failed / fenced) within ``within_s`` seconds; if none comes, run the watchdog with
-    its deployment defaults (every run under the store root). Heartbeats become events when the
-    training run has ``heartbeat_events`` on (the train deployment's default). Returns its id."""
+    its deployment defaults (every run under the store root, for ``duration_s``), updated with
+    ``parameters``. Heartbeats become events when the training run has ``heartbeat_events`` on
+    (the train deployment's default). Returns its id."""
     from datetime import timedelta
     from uuid import UUID
 
@@ -307,7 +328,7 @@ def watchdog_automation(deployment_id: str, *, within_s: float = HEARTBEAT_SILEN
             expect={"ckpt.shard.heartbeat", "ckpt.shard.finished", "ckpt.shard.failed", "ckpt.shard.fenced"},
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive, threshold=1, within=timedelta(seconds=within_s)),
-        actions=[RunDeployment(source="selected", deployment_id=UUID(deployment_id), parameters={})],
+        actions=[RunDeployment(source="selected", deployment_id=UUID(deployment_id), parameters=parameters or {})],
     ).create()
     return str(automation.id)
 
