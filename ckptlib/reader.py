@@ -152,16 +152,21 @@ def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np
     return [p for p in pool.map(fill, jobs) if p is not None]
 
 
-def restore_part(
-    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu"
-) -> tuple[Any, list[np.ndarray]]:
-    """(state, raw uint8 views of every leaf's memory in flatten order). Raises CorruptCheckpoint."""
+def _decode_all(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
+    """New leaf objects for every leaf, filled from the store: (objects, their raw views, problems)."""
     objects, raws = [], []
     for leaf in fragment.leaves:
         obj, raw = empty_leaf(leaf.spec)
         objects.append(obj)
         raws.append(raw)
-    problems = _decode_into(fragment, store, pool, raws)
+    return objects, raws, _decode_into(fragment, store, pool, raws)
+
+
+def restore_part(
+    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu"
+) -> tuple[Any, list[np.ndarray]]:
+    """(state, raw uint8 views of every leaf's memory in flatten order). Raises CorruptCheckpoint."""
+    objects, raws, problems = _decode_all(fragment, store, pool)
     if problems:
         more = f" (and {len(problems) - 1} more problems; run `ckpt verify` for all)" if len(problems) > 1 else ""
         raise CorruptCheckpoint(f"{problems[0]}{more}")
@@ -180,12 +185,7 @@ def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list
     Returns (leaves, problems): the finished CPU leaf object of every intact leaf in flatten order
     (None for a leaf with a problem) and every problem found. Raises none for corruption.
     """
-    objects, raws = [], []
-    for leaf in fragment.leaves:
-        obj, raw = empty_leaf(leaf.spec)
-        objects.append(obj)
-        raws.append(raw)
-    problems = _decode_into(fragment, store, pool, raws)
+    objects, raws, problems = _decode_all(fragment, store, pool)
     bad_tensors = {p.tensor for p in problems}
     for leaf, raw in zip(fragment.leaves, raws):
         if leaf.spec.path not in bad_tensors and codecs.checksum(raw) != leaf.digest:
