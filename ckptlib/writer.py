@@ -32,8 +32,10 @@ from .store import Store
 from .throttle import RateLimiter
 from .tree import LeafSpec, copy_into, flatten
 
-# A delta must save at least this share of the raw size, or the keyframe is tried too.
-_DELTA_PAYS = 0.95
+# A delta lengthens the chain a restore must decode, so it is kept only when it is at least this
+# much smaller than a keyframe of the same chunk. The keyframe is estimated by the size of the
+# chain's own keyframe, and encoded to compare only when the estimate says the delta may not pay.
+_DELTA_PAYS = 0.9
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
 _SPARSE_BELOW = 0.3
@@ -149,6 +151,13 @@ def _delta_codecs(view: np.ndarray, base_view: np.ndarray, spec: LeafSpec, level
     return codecs.arith_codecs(spec.itemsize, level, spec.is_float)
 
 
+def _chain_keyframe_size(blob: Blob, known: dict[str, Blob]) -> int:
+    """Encoded size of the keyframe at the root of ``blob``'s delta chain (its raw size if unknown)."""
+    while blob.base is not None and blob.base in known:
+        blob = known[blob.base]
+    return blob.size if blob.base is None else blob.nbytes
+
+
 def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:
     """Content-derived object key: the same chunk encoded the same way always lands on the same key."""
     ident = json.dumps([raw_digest, base, codec_configs], sort_keys=True, separators=(",", ":"))
@@ -194,10 +203,10 @@ def encode_part(
             chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
-            if payload.nbytes >= _DELTA_PAYS * view.nbytes:  # the delta does not pay: try a keyframe
+            if payload.nbytes >= _DELTA_PAYS * _chain_keyframe_size(base_blob, known):  # may not pay
                 key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
                 key_payload = codecs.encode(view, key_codecs)
-                if key_payload.nbytes <= payload.nbytes:
+                if payload.nbytes >= _DELTA_PAYS * key_payload.nbytes:
                     chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
         else:
             chosen = codecs.keyframe_codecs(itemsize, opts.zstd_level)
