@@ -258,7 +258,7 @@ class SparseDelta:
         planes = BytePlane(self.itemsize).encode(diffs.view(np.uint8), None)
         z = Zstd(self.level)
         bitmap = z.encode(np.packbits(changed), None)
-        header = np.array([bitmap.nbytes, int(changed.sum())], dtype="<u8").view(np.uint8)
+        header = np.array([bitmap.nbytes, int(np.count_nonzero(changed))], dtype="<u8").view(np.uint8)
         return np.concatenate([header, bitmap, z.encode(planes, None)])
 
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
@@ -272,7 +272,7 @@ class SparseDelta:
             planes = z.decode(data[16 + bitmap_len:], None, count * self.itemsize)
         except (ValueError, TypeError) as e:
             raise CorruptCheckpoint(f"sparse_delta chunk is malformed ({e})") from None
-        if int(changed.sum()) != count:
+        if int(np.count_nonzero(changed)) != count:
             raise CorruptCheckpoint("sparse_delta bitmap does not match its count of changes")
         uint = _UINT[self.itemsize]
         diffs = BytePlane(self.itemsize).decode(planes, None, count * self.itemsize).view(uint)
