@@ -324,7 +324,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, s
         for k in range(1, spec.steps_per_round + 1):
             losses.append(float(wl.train_step()))
             if k in strikes:
-                strike(strikes[k], part=part, round_step=k)
+                strike(strikes[k], part=part, round_step=k, heartbeat=hb, checkpointer=ck, generation=generation)
             hb.beat(step=int(wl.data_position), loss=losses[-1])
         t_trained = time.perf_counter()
         loss = math.fsum(losses) / len(losses)
