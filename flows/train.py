@@ -13,6 +13,12 @@ committed step runs in its own process beside the next round, and the flow waits
 at the end. Tasks pass only small JSON values; the state travels through the store
 (``docs/run-layout.md``).
 
+The flow beats ``heartbeats/coordinator.json`` from a thread (round, phase, the cut the round starts
+from, what a rerun needs). A watchdog (``flows/watchdog.py``) that finds a shard dead fences it and
+reruns it itself; the flow does not wait for a fenced attempt once the live generation has written
+its fragment (``tasks.watchdog.wait_for_shards``), and the cut takes the live generation's fragment,
+whoever produced it (``docs/watchdog.md``).
+
 Run it with ``ckpt train`` (live progress and a summary), ``python -m flows.train``, or from a
 deployment, whose UI shows ``TrainParams`` as a form. ``docs/training.md`` explains rounds, the
 cut, resume rules and determinism.
@@ -26,8 +32,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from ckptlib.commit import live_generation
+from ckptlib.store import Store
 from tasks.checkpoint import checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
+from tasks.watchdog import CoordinatorBeat, wait_for_shards
 
 from .params import TrainParams, new_run_id, run_url
 from .runners import shard_runner, submit, validation_runner
@@ -61,7 +70,7 @@ class Validations:
 
 def _flow_run_name() -> str:
     """``train-<run id>`` in the UI (``train-new`` while the id is still to be generated)."""
-    from prefect.runtime import flow_run
+    from prefect.runtime import deployment, flow_run
 
     p = flow_run.parameters.get("params")
     rid = getattr(p, "run_id", None) if not isinstance(p, dict) else p.get("run_id")
@@ -84,6 +93,35 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
 
     plan = plan_run(url, spec, params.resume, run_id, so)
     logger.info("run %s at %s: %s", run_id, url, plan["note"])
+    store = Store.from_url(url, so)
+    beat = coordinator_beat(store, params, run_id, spec)  # the watchdog's sign that this run lives
+    try:
+        summary = _rounds(params, run_id, url, so, spec, ledger, common, shard_task, plan, store, beat)
+    except BaseException as e:
+        beat.finish("failed", error=f"{type(e).__name__}: {e}")
+        raise
+    beat.finish("finished")
+    publish_artifacts(summary)
+    if summary["failed_validation"]:
+        logger.warning("checkpoints %s failed validation: they are not healthy (see %s/validations/)",
+                       summary["failed_validation"], url)
+    return summary
+
+
+def coordinator_beat(store: Store, params: TrainParams, run_id: str, spec: dict) -> CoordinatorBeat:
+    """``heartbeats/coordinator.json`` with what a watchdog needs to rerun a shard or restart the run."""
+    from prefect.runtime import deployment, flow_run
+
+    meta = {"run_id": run_id, "spec": spec, "chaos": list(params.chaos), "rounds": params.rounds,
+            "heartbeat_every_s": params.heartbeat_every_s, "heartbeat_events": params.heartbeat_events,
+            "keyframe_every": params.keyframe_every, "shard_retries": params.shard_retries,
+            "retry_delay_s": params.retry_delay_s, "task_runner": params.task_runner,
+            "flow_run_id": str(flow_run.id) if flow_run.id else None,
+            "deployment_id": str(deployment.id) if deployment.id else None}
+    return CoordinatorBeat(store, every_s=params.heartbeat_every_s, meta=meta).start()
+
+
+def _rounds(params, run_id, url, so, spec, ledger, common, shard_task, plan, store, beat) -> dict[str, Any]:
     with validation_runner(params.validation_runner) as vrunner, \
             shard_runner(params.task_runner, params.shards) as srunner:
         validations = Validations(vrunner, url, so, params)
@@ -96,11 +134,15 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
         ledger.start_rounds(plan, start)
         for r in range(start + 1, params.rounds + 1):
             t0 = time.perf_counter()
+            beat.update(round=r, phase="shards", source=source)
+            generations = [live_generation(store, f"shard-{i}") for i in range(params.shards)]
             futures = [submit(srunner, shard_task, **common, shard=i, round=r, source=source, chaos=params.chaos,
                               heartbeat_every_s=params.heartbeat_every_s, heartbeat_events=params.heartbeat_events)
                        for i in range(params.shards)]
-            shards = [f.result() for f in futures]
+            # not [f.result() ...]: a hung or stopped attempt the watchdog replaced may never return
+            shards = wait_for_shards(futures, store, r, generations)
             t1 = time.perf_counter()
+            beat.update(phase="cut")
             cut = checkpoint_cut(**common, round=r, source=source, run_meta=ledger.run_meta,
                                  publish=r % params.checkpoint_every == 0 or r == params.rounds,
                                  commit_timeout_s=params.commit_timeout_s)
@@ -109,13 +151,9 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
                 validations.submit(r)
             source = {"step": r, "committed": cut["committed"], "generations": cut["generations"]}
         ledger.rounds_done()
+        beat.update(phase="validations")
         verdicts = validations.wait_all()
-    summary = ledger.summary(verdicts)
-    publish_artifacts(summary)
-    if summary["failed_validation"]:
-        logger.warning("checkpoints %s failed validation: they are not healthy (see %s/validations/)",
-                       summary["failed_validation"], url)
-    return summary
+    return ledger.summary(verdicts)
 
 
 if __name__ == "__main__":  # python -m flows.train: one default run (ckpt train shows progress)
