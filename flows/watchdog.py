@@ -120,7 +120,7 @@ def watchdog(
             try:
                 res = f.result()
                 logger.info("rerun %s ended: %s", key, res.get("status"))
-                done = wd.rerun_done(key, True)
+                done = wd.rerun_done(key, True, result=res)
             except Exception as e:  # noqa: BLE001 - the rerun failed after its retries
                 done = wd.rerun_done(key, False, f"{type(e).__name__}: {e}")
             for d in done:

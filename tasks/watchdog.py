@@ -355,8 +355,7 @@ def _assess_shard(store: Store, part: str, doc: dict | None, coordinator: PartVi
     beat_time = float(doc.get("time") or 0)
     if view.age_s > timeout_s:
         view.state = "silent"
-        view.reason = (f"no heartbeat for {view.age_s:.1f} s (timeout {timeout_s:g} s) at step "
-                       f"{doc.get('round_step')}/{doc.get('steps_per_round')} of round {doc.get('round')}")
+        view.reason = f"no heartbeat for {view.age_s:.1f} s (timeout {timeout_s:g} s) {_where(doc)}"
         view.failure_time = beat_time
         return view
     if memory is not None:
@@ -367,10 +366,15 @@ def _assess_shard(store: Store, part: str, doc: dict | None, coordinator: PartVi
             memory[key] = (step, beat_time)
         elif beat_time - first[1] > timeout_s:
             view.state = "stalled"
-            view.reason = (f"beats but no progress for {beat_time - first[1]:.1f} s (timeout {timeout_s:g} s) at "
-                           f"step {doc.get('round_step')}/{doc.get('steps_per_round')} of round {doc.get('round')}")
+            view.reason = f"beats but no progress for {beat_time - first[1]:.1f} s (timeout {timeout_s:g} s) {_where(doc)}"
             view.failure_time = first[1]
     return view
+
+
+def _where(doc: dict) -> str:
+    if doc.get("round_step") is None:
+        return f"in round {doc.get('round')}, its last beat from before its first step (loading the cut)"
+    return f"at step {doc.get('round_step')}/{doc.get('steps_per_round')} of round {doc.get('round')}"
 
 
 def _fragment_done(store: Store, step: int, part: str, generation: int) -> bool:
@@ -512,34 +516,51 @@ class Watchdog:
             self._reruns[key] = decision
         return out
 
-    def rerun_done(self, key: Any, ok: bool, error: str | None = None) -> list[Decision]:
-        """The rerun started for ``key`` has ended (``ok``: its fragment is written, or it was fenced)."""
+    def rerun_done(self, key: Any, ok: bool, error: str | None = None,
+                   result: dict | None = None) -> list[Decision]:
+        """The rerun started for ``key`` has ended (``ok``: its fragment is written, or it was fenced);
+        ``result`` is the shard task's (its ``seconds.total`` dates the start when no look saw it run)."""
         fence = self._reruns.pop(key, None)
-        if fence is None or ok:
+        if fence is None:
             return []
-        d = dict(fence, kind="rerun-failed", detected=self.clock(),
-                 reason=f"the rerun of {fence['part']} round {fence['round']} (generation {fence['generation']}) "
-                        f"failed: {error}")
-        self.decisions.append(d)
-        return [d]
+        out: list[Decision] = []
+        recovering = (fence["run_url"], fence["part"])
+        if self._recovering.get(recovering) is fence:
+            total = ((result or {}).get("seconds") or {}).get("total")
+            if ok and total is not None:
+                del self._recovering[recovering]
+                now = self.clock()
+                out.append(self._again(fence, now - float(total), (result or {}).get("attempt"),
+                                       "dated from the rerun's own duration"))
+        if not ok:
+            out.append(dict(fence, kind="rerun-failed", detected=self.clock(),
+                            reason=f"the rerun of {fence['part']} round {fence['round']} (generation "
+                                   f"{fence['generation']}) failed: {error}"))
+        self.decisions += out
+        return out
 
     def _running_again(self, url: str, view: RunView) -> list[Decision]:
         out = []
         for pv in view.shards:
             fence = self._recovering.get((url, pv.part))
-            if fence is None or pv.doc is None or int(pv.doc.get("generation") or 0) < fence["generation"]:
+            doc = pv.doc
+            if fence is None or doc is None or int(doc.get("generation") or 0) < fence["generation"]:
                 continue
+            if doc.get("round") != fence["round"] and any(f is fence for f in self._reruns.values()):
+                continue  # a later round already: the rerun's end (rerun_done) dates its start
             del self._recovering[(url, pv.part)]
-            started = float(pv.doc.get("started") or pv.doc.get("time") or self.clock())
-            failed_at = fence.get("strike_time") or fence["failure_time"]
-            d = dict(fence, kind="running-again", running_again_time=started,
-                     running_again_s=round(started - failed_at, 3),
-                     restart_s=round(started - fence["detected"], 3),
-                     reason=f"{pv.part} generation {fence['generation']} runs again (attempt {pv.doc.get('attempt')}), "
-                            f"{started - failed_at:.1f} s after the failure; {fence.get('steps_lost')} steps to redo")
-            d.pop("won", None)
-            out.append(d)
+            out.append(self._again(fence, float(doc.get("started") or doc.get("time") or self.clock()),
+                                   doc.get("attempt"), "seen beating"))
         return out
+
+    def _again(self, fence: Decision, started: float, attempt: Any, how: str) -> Decision:
+        failed_at = fence.get("strike_time") or fence["failure_time"]
+        d = dict(fence, kind="running-again", running_again_time=started,
+                 running_again_s=round(started - failed_at, 3), restart_s=round(started - fence["detected"], 3),
+                 reason=f"{fence['part']} generation {fence['generation']} runs again (attempt {attempt}, {how}), "
+                        f"{started - failed_at:.1f} s after the failure; {fence.get('steps_lost')} steps to redo")
+        d.pop("won", None)
+        return d
 
     # --- a dead run --------------------------------------------------------------------------------
 
