@@ -146,6 +146,53 @@ def _bytes(n: int | None) -> str:
     return str(n)
 
 
+# --- the watchdog beside the run -------------------------------------------------------------------
+
+class BesideWatchdog:
+    """The ``watchdog`` flow for this one run, in a thread of this process (its own flow run in the
+    UI): it fences a hung or silent shard and reruns it here, so a local run recovers with nothing
+    else started. Stopped when the training flow returns."""
+
+    def __init__(self, params: Any, timeout_s: float):
+        import contextvars
+        import uuid
+
+        from flows.watchdog import stop_event
+
+        self.params, self.timeout_s = params, timeout_s
+        self.key = f"train-{params.run_id}-{uuid.uuid4().hex[:6]}"
+        self.stop_flag = stop_event(self.key)
+        self.summary: dict | None = None
+        self.error: BaseException | None = None
+        self._ctx = contextvars.copy_context()  # the Prefect API settings of `api.use()`
+        self._thread = threading.Thread(target=self._run, name="ckpt-watchdog", daemon=True)
+
+    def _run(self) -> None:
+        from flows.watchdog import watchdog
+
+        p = self.params
+        try:
+            self.summary = self._ctx.run(
+                watchdog, store=p.store, run_id=p.run_id, timeout_s=self.timeout_s,
+                poll_s=min(2.0, max(0.2, self.timeout_s / 8)), duration_s=0, storage_options=p.storage_options_dict(),
+                stop_key=self.key)
+        except BaseException as e:  # noqa: BLE001 - reported with the summary; the run goes on
+            self.error = e
+
+    def start(self) -> "BesideWatchdog":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.stop_flag.set()
+        self._thread.join(timeout=timeout_s)
+
+    def decisions(self) -> list[dict]:
+        if self.error is not None:
+            typer.echo(f"warning: the watchdog beside the run failed: {type(self.error).__name__}: {self.error}", err=True)
+        return list((self.summary or {}).get("decisions") or [])
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 @app.command("train")
@@ -170,13 +217,21 @@ def train(
     storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="JSON",
                                                            help="s3fs arguments for an s3:// store, as a JSON object.")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", metavar="KIND:shard=I,round=R",
-                                                       help="Inject a fault, e.g. crash:shard=1,round=2 (repeatable).")] = None,
+                                                       help="Inject a fault: crash, hang, zombie or kill:shard=I,round=R[,step=K][,attempt=A] "
+                                                            "(repeatable; kill needs --task-runner dask; see docs/watchdog.md).")] = None,
     outer_lr: Annotated[float, typer.Option("--outer-lr", help="Outer learning rate (1 = averaging).")] = 1.0,
     outer_momentum: Annotated[float, typer.Option("--outer-momentum", help="Outer Nesterov momentum (0 = none).")] = 0.0,
     torch_threads: Annotated[int, typer.Option("--torch-threads", min=1, help="torch threads per process (part of the config).")] = 1,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validation (then no checkpoint is healthy: resume restarts).")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Also write the summary as JSON to PATH.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's log lines instead of the live table.")] = False,
+    heartbeat_every: Annotated[float, typer.Option("--heartbeat-every", metavar="S", min=0.01,
+                                                   help="Seconds between a shard's heartbeats.")] = 2.0,
+    no_watchdog: Annotated[bool, typer.Option("--no-watchdog", help="Run no watchdog beside the run (leave hung or "
+                                              "dead shards to `ckpt watchdog` or the watchdog deployment).")] = False,
+    watchdog_timeout: Annotated[float, typer.Option("--watchdog-timeout", metavar="S", min=0.1,
+                                                    help="The watchdog declares a shard dead after S seconds "
+                                                         "without a beat or progress.")] = 30.0,
 ) -> None:
     """Train a model as a Prefect flow with incremental, validated checkpoints (see docs/training.md)."""
     t_start = time.perf_counter()
@@ -204,9 +259,18 @@ def train(
             workload_extra=extra, shards=shards, rounds=rounds, steps_per_round=steps_per_round,
             checkpoint_every=checkpoint_every, keyframe_every=keyframe_every, seed=seed, resume=resume,
             task_runner=task_runner, chaos=list(chaos or []), outer_lr=outer_lr, outer_momentum=outer_momentum,
-            torch_threads=torch_threads, validate_checkpoints=not no_validate)
+            torch_threads=torch_threads, validate_checkpoints=not no_validate, heartbeat_every_s=heartbeat_every)
     except ValidationError as e:
         _fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
+    from tasks.chaos import check_runner
+
+    try:
+        check_runner(params.chaos, params.task_runner)
+    except ValueError as e:
+        _fail(str(e))
+    if params.chaos and no_watchdog and any(c.split(":")[0] in ("hang", "zombie") for c in params.chaos):
+        typer.echo("note: --chaos hang/zombie with --no-watchdog: the run waits until an external watchdog "
+                   "(ckpt watchdog, the watchdog deployment) fences the shard", err=True)
     url = run_url(params.store, params.run_id)
 
     # The temporary Prefect server (when PREFECT_API_URL is unset) starts in the background while
@@ -243,15 +307,22 @@ def train(
     from flows.train import train_run
 
     t_ready = t_flow_call = t_flow_end = time.perf_counter()
+    guard = None
     try:
         with api.use():
+            if not no_watchdog:
+                guard = BesideWatchdog(params, watchdog_timeout).start()
             t_flow_call = time.perf_counter()
-            if live:
-                progress.start()
-                with Live(progress, console=console, refresh_per_second=2, transient=False):
+            try:
+                if live:
+                    progress.start()
+                    with Live(progress, console=console, refresh_per_second=2, transient=False):
+                        summary = train_run(params)
+                else:
                     summary = train_run(params)
-            else:
-                summary = train_run(params)
+            finally:
+                if guard is not None:
+                    guard.stop()
             t_flow_end = time.perf_counter()
     except RunRefused as e:
         error = (str(e), 2)
@@ -274,6 +345,8 @@ def train(
     sec["prefect_flow_start_stop"] = round(max(0.0, (t_flow_end - t_flow_call) - sec["flow"]), 3)
     sec["prefect_api_stop"] = round(t_end - t_flow_end, 3)
     sec["prefect_start_stop"] = round(sec["prefect_api_wait"] + sec["prefect_flow_start_stop"] + sec["prefect_api_stop"], 3)
+    if guard is not None:
+        summary["watchdog"] = guard.decisions()
     _print_summary(console, summary, params)
     if json_out:
         with open(json_out, "w") as f:
@@ -309,6 +382,11 @@ def _print_summary(console, s: dict, params) -> None:
         f"  checkpoints at  {s['run_url']}   (ckpt ls {s['run_url']})",
         f"  reports         {s['run_url']}/reports/<step>/  (final: {s['run_url']}/reports/{s['final_step']}/)",
     ]
+    from flows.watchdog import describe
+
+    for d in s.get("watchdog") or []:
+        if d["kind"] in ("fenced", "running-again", "run-dead", "gave-up", "cannot-rerun", "rerun-failed"):
+            lines.append(f"  watchdog        {describe(d)}")
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
     # plain print: the one line scripts and tests parse

@@ -80,7 +80,7 @@ def watchdog(
         until_done: Also stop once every watched run has finished.
         rerun: Rerun dead shards here (a train-shard task run). Off: only fence and report.
         resume: Start a dead run (coordinator silent) again when it came from a deployment.
-        start_timeout_s: How long a task may take to start beating (default max(2 x timeout, timeout + 10)).
+        start_timeout_s: How long a task may take to start beating (default max(2 x timeout, timeout + 30)).
         storage_options: s3fs arguments for an s3:// store (default: the environment's credentials).
         stop_key: Internal: a key of this process's stop events (ckpt train stops its watchdog so).
     """

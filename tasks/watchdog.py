@@ -71,7 +71,7 @@ MAX_RERUNS = 3  # per part and round: a rerun that keeps dying is reported, not 
 
 def start_timeout_for(timeout_s: float) -> float:
     """How long a task may take to start (first beat) before it counts as never started."""
-    return max(2 * timeout_s, timeout_s + 10.0)
+    return max(2 * timeout_s, timeout_s + 30.0)
 
 
 def watchdog_name() -> str:
