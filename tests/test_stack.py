@@ -1,11 +1,13 @@
 """End to end through the local stack: ``deployments.stack up``, ``deployments.deploy``, a training
-run executed by the worker, checkpoints in the bucket, artifacts in Prefect, gc as a deployment,
+run executed by the worker, checkpoints in the bucket, artifacts in Prefect, the heartbeat
+automation, a hang drill healed by the watchdog deployment, gc as a deployment,
 ``deployments.stack down`` leaving nothing behind.
 
 Everything is real and on loopback: a Prefect server (SQLite), SeaweedFS S3, a process work pool
 and worker, started by the same command as ``make stack`` in a temporary stack folder on free
-ports (never 4200/8333, so a developer's own stack is not disturbed). The tests of this module run
-in order and share one stack (module fixture): about 1.5-2 minutes on 2 cores.
+ports (never 4200/8333/8888, so a developer's own stack is not disturbed). The stack tests run in
+order and share one stack (module fixture); the first test (the gc flow on local stores) uses the
+session's Prefect test harness instead. About 2.5 minutes on 2 cores.
 
 Select with ``pytest tests/test_stack.py`` (marks: slow, prefect, s3).
 """
@@ -233,18 +235,21 @@ def test_training_run_on_the_worker(stack):
 
 def test_automation_starts_the_watchdog_when_heartbeats_stop(stack):
     """The automation `make deploy` creates for the watchdog, on a real server: one shard heartbeat
-    event, then silence -> the proactive trigger fires -> a run of the target deployment, which the
-    worker executes. The target is the watchdog deployment once flows/watchdog.py exists; until
-    then the gc deployment stands in (its defaults delete nothing here: keep_last 3, grace 600 s)."""
+    event, then silence -> the proactive trigger fires -> a run of the watchdog deployment (here for
+    3 s, on the store root), which the worker executes. Without flows/watchdog.py the gc deployment
+    stands in (its defaults delete nothing here: keep_last 3, grace 600 s)."""
     with PrefectAPI(stack["api_url"]) as api:
         names = {d["name"] for d in api.deployments()}
-        target = f"{_flow_of(api, 'watchdog')}/watchdog" if "watchdog" in names else "gc-store/gc"
+        if "watchdog" in names:
+            target, params = f"{_flow_of(api, 'watchdog')}/watchdog", {"duration_s": 3, "poll_s": 1}
+        else:
+            target, params = "gc-store/gc", {"dry_run": True}
         dep = api.deployment(target)
         env = {**_clean_env(), **stack["env"]}
-        code = ("import sys; from deployments.deploy import watchdog_automation; "
-                "print(watchdog_automation(sys.argv[1], within_s=10))")
-        res = subprocess.run([sys.executable, "-c", code, dep["id"]], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=120)
+        code = ("import json, sys; from deployments.deploy import watchdog_automation; "
+                "print(watchdog_automation(sys.argv[1], within_s=10, parameters=json.loads(sys.argv[2])))")
+        res = subprocess.run([sys.executable, "-c", code, dep["id"], json.dumps(params)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         t0 = time.time()
         before = {r["id"] for r in api.flow_runs(dep["id"])}
@@ -261,6 +266,50 @@ def test_automation_starts_the_watchdog_when_heartbeats_stop(stack):
         run = api.wait(started[0]["id"], timeout=180)
         assert run["state_type"] == "COMPLETED", f"{run['state_name']}: {run['state']['message']}\n{logs_tail(stack)}"
         print(f"automation: {target} started {latency:.1f} s after the last heartbeat (window 10 s)")
+
+
+def test_hang_drill_through_the_stack(stack):
+    """A failure drill through the stack: shard 0 of a run started from the train deployment hangs
+    (no beats, no steps, its thread alive); its heartbeat events stop; the automation starts the
+    watchdog deployment; the watchdog fences the shard and reruns it; the run completes, and its
+    final digest equals the clean run's (test_training_run_on_the_worker, same parameters)."""
+    if not (REPO / "flows" / "watchdog.py").exists():
+        pytest.skip("flows/watchdog.py does not exist yet: nothing to fence and rerun the hung shard")
+    clean = stack.get("run_id")
+    if clean is None:
+        pytest.skip("needs the clean run of test_training_run_on_the_worker")
+    run_id = f"drill-{uuid.uuid4().hex[:8]}"
+    with PrefectAPI(stack["api_url"]) as api:
+        watchdog = api.deployment(f"{_flow_of(api, 'watchdog')}/watchdog")
+        # Quick detection for a test: 10 s of silence (the automation), 8 s without a beat (the watchdog).
+        params = {"timeout_s": 8, "poll_s": 1, "until_done": True, "duration_s": 240}
+        code = ("import json, sys; from deployments.deploy import watchdog_automation; "
+                "print(watchdog_automation(sys.argv[1], within_s=10, parameters=json.loads(sys.argv[2])))")
+        res = subprocess.run([sys.executable, "-c", code, watchdog["id"], json.dumps(params)], cwd=REPO,
+                             env={**_clean_env(), **stack["env"]}, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        before = {r["id"] for r in api.flow_runs(watchdog["id"])}
+        t0 = time.monotonic()
+        fr = api.run_deployment("train-run/train", {"params": {
+            **SMALL, "run_id": run_id, "heartbeat_events": True, "chaos": ["hang:shard=0,round=1"]}},
+            name=f"test-{run_id}")
+        fr = api.wait(fr["id"], timeout=400)
+        seconds = time.monotonic() - t0
+        assert fr["state_type"] == "COMPLETED", f"{fr['state_name']}: {fr['state']['message']}\n{logs_tail(stack)}"
+        dogs = [r for r in api.flow_runs(watchdog["id"]) if r["id"] not in before]
+        assert dogs, "the automation started no watchdog run"
+        s3 = s3_client(stack)
+        fences = keys_under(s3, "checkpoints", f"runs/{run_id}/fences/shard-0/")
+        assert fences, "shard 0 was never fenced"
+
+        def digest(run: str) -> str:
+            return json.loads(s3.get_object(Bucket="checkpoints", Key=f"runs/{run}/manifests/1.json")["Body"]
+                              .read())["digest"]
+
+        assert digest(run_id) == digest(clean)
+        reruns = [t["name"] for d in dogs for t in api.task_runs(d["id"]) if t["name"].startswith("rerun-shard-0")]
+        assert reruns, [t["name"] for d in dogs for t in api.task_runs(d["id"])]
+    print(f"hang drill {run_id}: completed in {seconds:.1f} s with the clean digest; fences {fences}")
 
 
 def _flow_of(api: PrefectAPI, deployment_name: str) -> str:
