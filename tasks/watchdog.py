@@ -607,7 +607,7 @@ class Watchdog:
             "round_step": pv.round_step, "steps_per_round": pv.steps_per_round, "dead_generation": pv.generation,
             "dead_attempt": pv.attempt, "generation": generation, "last_beat": (pv.doc or {}).get("time"),
             "failure_time": failure_time, "detected": now, "detection_latency_s": round(now - failure_time, 3),
-            "steps_lost": pv.round_step if pv.state in ("silent", "stalled") else 0, "by": self.by, "won": False,
+            "steps_lost": (pv.round_step or 0) if pv.state in ("silent", "stalled") else 0, "by": self.by, "won": False,
         }
         strike = _strike_record(self.runs.get(url), pv)
         if strike is not None:  # a chaos drill: the true moment and step of the failure

@@ -1,0 +1,484 @@
+"""The watchdog for real: heartbeating processes killed with SIGKILL and stopped with SIGSTOP, watchdogs
+racing to fence, chaos drills in real Prefect training runs (threads and Dask processes, local and
+SeaweedFS S3), ``ckpt train``/``ckpt status`` as subprocesses, and a dead deployment run started again.
+
+Settings are tiny (tinylm with one layer, 2 shards, 3 rounds of 40 steps, a beat every 0.5 s, a 4 s
+timeout) so the file runs in a few minutes on two busy cores. Every drill ends with the clean run's
+digest at every step, every committed step verifies, and no manifest holds a fenced attempt's
+fragment. The figures measured here (detection latency, time to running again, steps lost) are
+printed (``pytest -s``) and written to ``test-output/watchdog-figures.json``; docs/watchdog.md quotes
+them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ckptlib import Checkpointer, commit
+from ckptlib.heartbeat import Heartbeat, read_heartbeat
+from ckptlib.store import Store
+from tasks.watchdog import Watchdog, assess_run
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40, seed=0,
+            heartbeat_every_s=0.5, retry_delay_s=0.2, validation_runner="threads")
+TIMEOUT, POLL = 4.0, 0.5
+# A look at the store takes time too (more on a loaded machine, more on S3): the bound is timeout +
+# one poll interval + this much.
+SLACK = 1.5
+FIGURES: list[dict] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def figures():
+    yield FIGURES
+    if FIGURES:
+        out = Path(__file__).resolve().parent.parent / "test-output"
+        out.mkdir(exist_ok=True)
+        (out / "watchdog-figures.json").write_text(json.dumps(FIGURES, indent=1))
+        print("\nwatchdog figures:")
+        for f in FIGURES:
+            print("  " + ", ".join(f"{k}={v}" for k, v in f.items()))
+
+
+def record(drill: str, **values) -> None:
+    FIGURES.append({"drill": drill, **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in values.items()}})
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def where(request, tmp_path):
+    """(url, storage_options) of an empty place for one run: a local directory or an S3 prefix."""
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    loc = request.getfixturevalue("s3_url")
+    return loc.url, loc.storage_options
+
+
+# --- judging beats (no processes, a fake clock) --------------------------------------------------------
+
+def _beat(store, part, *, t, gen=0, status="running", round=1, step=5, attempt=1, started=None, meta=None):
+    doc = {"format": 1, "part": part, "generation": gen, "round": round, "step": step, "round_step": step,
+           "steps_per_round": 40, "status": status, "time": t, "started": started or t - 1, "beats": 3,
+           "host": "h", "pid": 1, "attempt": attempt, "loss": None, "meta": meta or {}}
+    store.put(f"heartbeats/{part}.json", json.dumps(doc).encode())
+
+
+def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path):
+    store = Store.from_url(str(tmp_path))
+    now = 1_000_000.0
+    coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "source": {"step": 1}}
+    _beat(store, "coordinator", t=now - 0.5, round=2, step=2, started=now - 100, meta=coord_meta)
+    _beat(store, "shard-0", t=now - 5, round=2)  # silent
+    _beat(store, "shard-1", t=now - 0.2, round=2)  # fresh
+    _beat(store, "shard-2", t=now - 30, round=1, status="finished")  # has not started round 2 for 50 s
+    memory: dict = {}
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now, memory=memory)
+    assert v.state == "running" and [p.state for p in v.shards] == ["silent", "running", "missing"]
+    assert v.shards[0].failure_time == now - 5 and "no heartbeat for 5.0 s" in v.shards[0].reason
+    # shard-1 keeps beating at the same step: stalled once that lasted longer than the timeout
+    _beat(store, "shard-1", t=now + 4.5, round=2)
+    _beat(store, "coordinator", t=now + 4.5, round=2, step=2, started=now - 100, meta=coord_meta)
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now + 4.6, memory=memory)
+    assert v.shards[1].state == "stalled" and v.shards[1].failure_time == now - 0.2
+    # fenced: the old beat is a replaced attempt's until the new generation beats (then "lost")
+    commit.fence(store, "shard-0", 1, reason="t", by="t")  # (the fence document's time is now)
+    t = time.time()
+    _beat(store, "coordinator", t=t, round=2, step=2, started=now - 100, meta=coord_meta)
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=t + 1)
+    assert v.shards[0].state == "replaced" and v.shards[0].live == 1
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=3, now=t + 3.5)
+    assert v.shards[0].state == "lost" and "never beat" in v.shards[0].reason
+    # a written fragment means done, whatever the beat says
+    store.put(commit.fragment_key(2, "shard-2", 0), b"{}")
+    assert assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now).shards[2].state == "done"
+    # beats from before the coordinator's session (a previous run of this run id) are ignored
+    _beat(store, "coordinator", t=now - 0.5, round=2, step=2, started=now - 1, meta={**coord_meta, "phase_time": now - 1})
+    assert assess_run(store, "u", timeout_s=4, now=now).shards[0].state == "waiting"
+    # and a silent coordinator is a dead run, whose shards are nobody's business
+    _beat(store, "coordinator", t=now - 10, round=2, step=2, started=now - 100, meta=coord_meta)
+    v = assess_run(store, "u", timeout_s=4, now=now)
+    assert v.state == "dead" and "coordinator has not beaten" in v.coordinator.reason
+
+
+# --- real processes: detection, the zombie stops itself --------------------------------------------
+
+BEATER = """
+import json, sys, time
+from ckptlib.errors import FencedError
+from ckptlib.heartbeat import Heartbeat
+from ckptlib.store import Store
+store = Store.from_url(sys.argv[1], json.loads(sys.argv[2]))
+hb = Heartbeat(store, "shard-0", generation=0, round=1, steps_per_round=10**6, every_s=0.2)
+hb.start(step=0)
+print("ready", flush=True)
+step = 0
+try:
+    while True:
+        step += 1
+        time.sleep(0.01)
+        hb.beat(step=step)
+except FencedError:
+    hb.finish("fenced")
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_frozen_process_is_fenced_within_timeout_plus_one_poll(where, sig):
+    url, so = where
+    child = subprocess.Popen([sys.executable, "-c", BEATER, url, json.dumps(so)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        wd = Watchdog(url, so, timeout_s=2.0, by="test-watchdog")
+        time.sleep(1.0)
+        assert wd.poll() == []  # alive and advancing: nothing to do
+        t_fail = time.time()
+        os.kill(child.pid, getattr(signal, sig))
+        fenced = None
+        while fenced is None and time.time() - t_fail < 30:
+            fenced = next((d for d in wd.poll() if d["kind"] == "fenced"), None)
+            time.sleep(0.5)
+        assert fenced is not None, "never detected"
+        since_failure = fenced["detected"] - t_fail
+        assert 2.0 <= fenced["detection_latency_s"] <= 2.0 + 0.5 + SLACK
+        assert since_failure <= 2.0 + 0.5 + SLACK
+        doc = commit.read_fence(Store.from_url(url, so), "shard-0", 1)
+        assert doc["by"] == "test-watchdog" and doc["detection_latency_s"] == fenced["detection_latency_s"]
+        record(f"detect-{sig.lower()}-{'s3' if so else 'local'}", timeout_s=2.0, poll_s=0.5,
+               detection_latency_s=fenced["detection_latency_s"], since_failure_s=since_failure)
+        if sig == "SIGSTOP":  # woken up, the zombie notices the fence at its next beat and stops itself
+            os.kill(child.pid, signal.SIGCONT)
+            assert child.wait(timeout=30) == 3
+            assert read_heartbeat(Store.from_url(url, so), "shard-0")["status"] == "fenced"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+RACER = """
+import json, sys, time
+from ckptlib import commit
+from ckptlib.store import Store
+store = Store.from_url(sys.argv[1], json.loads(sys.argv[2]))
+start = float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))
+print(json.dumps(commit.fence(store, "shard-1", 1, reason="race", by=sys.argv[4])), flush=True)
+"""
+
+
+def test_fencing_wins_exactly_once_among_racing_processes_and_watchdogs(where):
+    url, so = where
+    start = time.time() + 3.0  # every process imports first, then all call fence at the same moment
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, url, json.dumps(so), str(start), f"p{i}"],
+                              stdout=subprocess.PIPE, text=True) for i in range(6)]
+    wins = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert sum(wins) == 1
+    store = Store.from_url(url, so)
+    assert commit.read_fence(store, "shard-1", 1)["by"] == f"p{wins.index(True)}"
+
+    # two watchdogs looking at the same silent shard at the same moment: one fences, one does nothing
+    _beat(store, "shard-0", t=time.time() - 60)
+    dogs = [Watchdog(url, so, timeout_s=5, by=f"dog-{i}") for i in range(2)]
+    barrier = threading.Barrier(2)
+    decided: dict = {}
+
+    def look(i):
+        dogs[i].discover()
+        barrier.wait()
+        decided[i] = dogs[i].poll()
+
+    threads = [threading.Thread(target=look, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    kinds = sorted(d["kind"] for ds in decided.values() for d in ds)
+    assert kinds.count("fenced") == 1 and set(kinds) <= {"fenced", "lost-race"}
+    winner = next(d["by"] for ds in decided.values() for d in ds if d["kind"] == "fenced")
+    assert commit.read_fence(store, "shard-0", 1)["by"] == winner
+    assert commit.live_generation(store, "shard-0") == 1
+
+
+# --- chaos drills in real training runs ---------------------------------------------------------------
+
+def params(**kw):
+    from flows.params import TrainParams
+
+    return TrainParams(**{**TINY, **kw})
+
+
+def digests(url: str, so: dict | None = None) -> dict[int, str]:
+    with Checkpointer(url, so) as ck:
+        return {s: ck.manifest(s).digest for s in ck.steps()}
+
+
+def train_with_watchdog(p, *, timeout_s: float = TIMEOUT, poll_s: float = POLL):
+    """``train_run(p)`` with the watchdog flow beside it in a thread (as ``ckpt train`` does)."""
+    from flows.train import train_run
+    from flows.watchdog import stop_event, watchdog
+
+    key = f"test-{uuid.uuid4().hex[:8]}"
+    stop = stop_event(key)
+    out: dict = {}
+    ctx = contextvars.copy_context()
+
+    def run():
+        out["wd"] = ctx.run(watchdog, store=p.store, run_id=p.run_id, timeout_s=timeout_s, poll_s=poll_s, duration_s=0,
+                            storage_options=p.storage_options_dict(), stop_key=key)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        summary = train_run(p)
+    finally:
+        stop.set()
+        th.join(120)
+    return summary, out["wd"]["decisions"]
+
+
+def check_run(url: str, so: dict | None, clean: dict[int, str], struck: dict[str, int] | None = None) -> None:
+    """Same digests as the clean run at every step, every committed step intact, and for each struck
+    (part -> round) the manifest holds the live generation's fragment, not the fenced attempt's."""
+    assert digests(url, so) == clean
+    with Checkpointer(url, so) as ck:
+        for step in ck.steps():
+            assert ck.verify(step) == [], f"step {step} does not verify"
+            for part, frag in ck.manifest(step).parts.items():
+                assert frag.generation <= ck.live_generation(part)
+        for part, rnd in (struck or {}).items():
+            live = ck.live_generation(part)
+            assert live >= 1, f"{part} was never fenced"
+            assert ck.manifest(rnd).parts[part].generation == live
+
+
+def fenced(decisions: list[dict], part: str) -> dict:
+    ds = [d for d in decisions if d["kind"] == "fenced" and d["part"] == part]
+    assert len(ds) == 1, f"expected one fence of {part}, got {decisions}"
+    return ds[0]
+
+
+def again(decisions: list[dict], part: str) -> dict:
+    ds = [d for d in decisions if d["kind"] == "running-again" and d["part"] == part]
+    assert len(ds) == 1, f"expected {part} running again, got {decisions}"
+    return ds[0]
+
+
+def check_latency(d: dict, timeout_s: float = TIMEOUT, poll_s: float = POLL) -> None:
+    assert timeout_s <= d["detection_latency_s"] <= timeout_s + poll_s + SLACK, d
+    if d.get("strike_latency_s") is not None:  # measured from the true moment of the failure
+        assert d["strike_latency_s"] <= timeout_s + poll_s + SLACK, d
+
+
+@pytest.fixture(scope="module")
+def clean(prefect_harness, tmp_path_factory):
+    """The reference: a clean run (with its watchdog, which must decide nothing)."""
+    s, decisions = train_with_watchdog(params(store=str(tmp_path_factory.mktemp("clean")), run_id="clean"))
+    assert decisions == [], decisions  # no false alarm
+    return digests(s["run_url"])
+
+
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_hang_and_zombie_drills_reach_the_clean_digest(clean, tmp_path):
+    s, ds = train_with_watchdog(params(store=str(tmp_path), run_id="hz",
+                                       chaos=["hang:shard=0,round=2", "zombie:shard=1,round=3"]))
+    url = s["run_url"]
+    check_run(url, None, clean, struck={"shard-0": 2, "shard-1": 3})
+    hang, zombie = fenced(ds, "shard-0"), fenced(ds, "shard-1")
+    assert (hang["round"], hang["dead_generation"], hang["generation"]) == (2, 0, 1)
+    assert (zombie["round"], zombie["dead_generation"], zombie["generation"]) == (3, 0, 1)
+    for d in (hang, zombie):
+        check_latency(d)
+    # the zombie wrote its fragment after it was fenced; the cut took the live generation's
+    assert Path(url, "fragments", "3", "shard-1.g0.json").exists()
+    with Checkpointer(url) as ck:
+        assert commit.fragment_key(3, "shard-1", ck.manifest(3).parts["shard-1"].generation) != \
+            commit.fragment_key(3, "shard-1", 0)
+    shards = {r["round"]: {x["shard"]: x["status"] for x in r["shards"]} for r in s["rounds_log"]}
+    assert shards[2][0] in ("fenced", "replaced") and shards[3][1] in ("superseded", "replaced")
+    for kind, d in (("hang", hang), ("zombie", zombie)):
+        a = again(ds, d["part"])
+        record(kind, timeout_s=TIMEOUT, detection_latency_s=d["detection_latency_s"],
+               from_strike_s=d["strike_latency_s"], running_again_s=a["running_again_s"],
+               steps_lost=d["steps_lost"], flow_s=s["seconds"]["flow"])
+    # the fence documents say why, and `ckpt status` shows it
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    res = CliRunner().invoke(app, ["status", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.output)[0]
+    assert st["state"] == "finished" and [p["live"] for p in st["parts"]] == [1, 1]
+    assert {f["part"] for f in st["fences"]} == {"shard-0", "shard-1"} and all("no heartbeat" in f["reason"]
+                                                                                for f in st["fences"])
+    res = CliRunner().invoke(app, ["status", url])
+    assert res.exit_code == 0 and "shard-1" in res.output and "fence shard-0 g1" in res.output
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_zombie_drill_on_s3(clean, s3_url):
+    store, so = s3_url
+    s, ds = train_with_watchdog(params(store=store, run_id="zombie", storage_options=so,
+                                       chaos=["zombie:shard=0,round=2"]))
+    check_run(s["run_url"], so, clean, struck={"shard-0": 2})
+    d = fenced(ds, "shard-0")
+    check_latency(d)
+    assert Store.from_url(s["run_url"], so).exists("fragments/2/shard-0.g0.json")
+    record("zombie-s3", timeout_s=TIMEOUT, detection_latency_s=d["detection_latency_s"],
+           from_strike_s=d["strike_latency_s"], running_again_s=again(ds, "shard-0")["running_again_s"],
+           steps_lost=d["steps_lost"])
+
+
+def _cli_env(tmp_path: Path) -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    home = tmp_path / "prefect-home"
+    home.mkdir(exist_ok=True)
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class BeatLog(threading.Thread):
+    """Every distinct beat of one part, read from the store every 20 ms (to date recoveries)."""
+
+    def __init__(self, url: str, part: str):
+        super().__init__(daemon=True)
+        self.url, self.part, self.docs, self.stop = url, part, [], threading.Event()
+
+    def run(self):
+        seen = set()
+        while not self.stop.wait(0.02):
+            try:
+                doc = json.loads(Path(self.url, "heartbeats", f"{self.part}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            k = (doc["started"], doc["beats"], doc["pid"])
+            if k not in seen:
+                seen.add(k)
+                self.docs.append(doc)
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_cli_kill_and_hang_drills_with_dask_processes(clean, tmp_path):
+    """`ckpt train --task-runner dask --chaos kill:... --chaos hang:...` with its own watchdog: a Dask
+    worker SIGKILLs itself in round 2, another shard hangs in round 3."""
+    url = str(tmp_path / "kh")
+    log = BeatLog(url, "shard-1")
+    log.start()
+    cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path), "--run-id", "kh", "--shards", "2",
+           "--rounds", "3", "--steps-per-round", "40", "--workload-extra", json.dumps(EXTRA), "--heartbeat-every",
+           "0.5", "--watchdog-timeout", str(TIMEOUT), "--task-runner", "dask", "--json", str(tmp_path / "s.json"),
+           "--chaos", "kill:shard=1,round=2", "--chaos", "hang:shard=0,round=3"]
+    p = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=400)
+    log.stop.set()
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"digest: {clean[3]}" in p.stdout
+    check_run(url, None, clean, struck={"shard-0": 3})
+    s = json.loads((tmp_path / "s.json").read_text())
+    hang = fenced(s["watchdog"], "shard-0")
+    check_latency(hang)
+    assert "watchdog        shard-0 of run kh round 3" in p.stdout
+    kill = json.loads(Path(url, "chaos", "shard-1.r2.a1.json").read_text())
+    # the killed worker's task ran again: by Dask at once (it saw the worker die), or by the watchdog
+    later = [d for d in log.docs if d["round"] == 2 and d["started"] > kill["time"]]
+    assert later and later[0]["pid"] != kill["pid"]
+    by_watchdog = [d for d in s["watchdog"] if d["part"] == "shard-1" and d["kind"] == "fenced"]
+    record("kill", runner="dask", recovered_by="watchdog" if by_watchdog else "dask",
+           running_again_s=later[0]["started"] - kill["time"], steps_lost=kill["round_step"],
+           detection_latency_s=by_watchdog[0]["detection_latency_s"] if by_watchdog else None)
+    record("hang-dask", timeout_s=TIMEOUT, detection_latency_s=hang["detection_latency_s"],
+           from_strike_s=hang["strike_latency_s"], running_again_s=again(s["watchdog"], "shard-0")["running_again_s"],
+           steps_lost=hang["steps_lost"], cli_s=s["seconds"]["cli_total"])
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_a_stopped_dask_worker_is_fenced_replaced_and_stops_itself_when_woken(clean, tmp_path):
+    """SIGSTOP of the process training shard-1 in round 2 (a frozen host: Dask sees nothing for
+    minutes); SIGCONT once the watchdog's rerun has written the live fragment."""
+    p = params(store=str(tmp_path), run_id="stop", task_runner="dask")
+    url = str(tmp_path / "stop")
+    events: dict = {}
+
+    def freeze():
+        while "stopped" not in events and time.time() - events["t0"] < 300:
+            doc = read_heartbeat(Store.from_url(url), "shard-1") if Path(url, "heartbeats").exists() else None
+            if doc and doc["round"] == 2 and doc["status"] == "running" and doc["pid"] != os.getpid():
+                os.kill(doc["pid"], signal.SIGSTOP)
+                events.update(stopped=time.time(), pid=doc["pid"], step=doc["round_step"])
+            time.sleep(0.02)
+        while time.time() - events.get("stopped", 0) < 120:
+            if Path(url, "fragments", "2", "shard-1.g1.json").exists():
+                break
+            time.sleep(0.05)
+        if "pid" in events:
+            os.kill(events["pid"], signal.SIGCONT)
+            events["woken"] = time.time()
+
+    events["t0"] = time.time()
+    th = threading.Thread(target=freeze, daemon=True)
+    th.start()
+    s, ds = train_with_watchdog(p)
+    th.join(30)
+    assert "stopped" in events
+    check_run(url, None, clean, struck={"shard-1": 2})
+    d = fenced(ds, "shard-1")
+    assert d["round"] == 2 and d["dead_generation"] == 0
+    check_latency(d)
+    assert d["detected"] - events["stopped"] <= TIMEOUT + POLL + SLACK
+    status = {x["shard"]: x["status"] for x in s["rounds_log"][1]["shards"]}[1]
+    assert status in ("fenced", "replaced")  # woken, it found its fence and stopped (or the flow went on)
+    record("sigstop-dask", timeout_s=TIMEOUT, detection_latency_s=d["detection_latency_s"],
+           since_stop_s=d["detected"] - events["stopped"], running_again_s=again(ds, "shard-1")["running_again_s"],
+           steps_lost=d["steps_lost"])
+
+
+@pytest.mark.prefect
+def test_a_dead_run_from_a_deployment_is_reported_and_started_again_once(prefect_harness, tmp_path):
+    """The coordinator of a deployment's run stops beating: the watchdog marks the flow run crashed
+    and runs the deployment again with resume (once, whatever the number of watchdogs)."""
+    from prefect.client.orchestration import get_client
+
+    from flows.train import train_run
+    from flows.watchdog import watchdog
+
+    base = params(store=str(tmp_path)).model_dump(mode="json")
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow(train_run)
+        dep_id = c.create_deployment(flow_id=flow_id, name=f"wd-{uuid.uuid4().hex[:6]}", parameters={"params": base},
+                                     entrypoint="flows.train.train_run")
+        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": "dead"}})
+    store = Store.from_url(str(tmp_path / "dead"))
+    hb = Heartbeat(store, "coordinator", generation=0, round=2, every_s=1,
+                   meta={"run_id": "dead", "flow_run_id": str(old.id), "deployment_id": str(dep_id),
+                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
+    hb.start(step=2)
+    time.sleep(1.2)  # silent from now on
+    first = watchdog(store=str(tmp_path), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
+    kinds = [d["kind"] for d in first["decisions"]]
+    assert kinds == ["run-dead", "resumed"], first["decisions"]
+    new_id = first["decisions"][1]["resumed"]["flow_run_id"]
+    second = watchdog(store=str(tmp_path), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
+    assert second["decisions"] == []  # reported and restarted once
+    with get_client(sync_client=True) as c:
+        new = c.read_flow_run(uuid.UUID(new_id))
+        assert new.deployment_id == dep_id
+        assert new.parameters["params"]["resume"] is True and new.parameters["params"]["run_id"] == "dead"
+        assert c.read_flow_run(old.id).state.type.value == "CRASHED"
+        runs = c.read_flow_runs()
+        assert sum(1 for r in runs if r.deployment_id == dep_id) == 2  # the dead one and one restart
