@@ -262,6 +262,10 @@ def _resume_from_deployment(d: dict) -> dict | None:
         if fr:
             old = client.read_flow_run(UUID(fr))
             previous = dict((old.parameters or {}).get("params") or {})
+            if old.state is not None and old.state.is_final() and not old.state.is_crashed():
+                logger.warning("run %s: its flow run %s is %s, not crashed: not started again", d["run"], old.name,
+                               old.state.name)
+                return None
             if old.state is not None and not old.state.is_final():
                 try:  # the UI should not show a dead run as running
                     client.set_flow_run_state(UUID(fr), Crashed(message=f"the watchdog found its coordinator silent: "

@@ -26,7 +26,9 @@ What counts as dead (one shard attempt, judged from ``heartbeats/<part>.json`` a
 ``missing``  the coordinator has been waiting for this round's shards for ``start_timeout_s`` and this
              shard never beat in it (the task never started).
 An attempt whose fragment for its round is already written is done, whatever its beat says. A beat
-older than the coordinator's session (a previous run of the same run id) is ignored.
+older than the coordinator's session (a previous run of the same run id) is ignored. In a run
+without a coordinator beat (ckptlib used directly), a shard silent for ``abandoned_after(timeout)``
+(10 x timeout, at least 10 minutes) is ``abandoned``, not dead: nobody would gather its rerun.
 
 The run as a whole is dead when the coordinator (``heartbeats/coordinator.json``, beaten by the
 training flow from a thread every ``heartbeat_every_s``) is silent for ``coordinator_timeout_s``:
@@ -72,6 +74,11 @@ MAX_RERUNS = 3  # per part and round: a rerun that keeps dying is reported, not 
 def start_timeout_for(timeout_s: float) -> float:
     """How long a task may take to start (first beat) before it counts as never started."""
     return max(2 * timeout_s, timeout_s + 30.0)
+
+
+def abandoned_after(timeout_s: float) -> float:
+    """A shard of a run without a coordinator beat, silent this long, belongs to an abandoned run."""
+    return max(10 * timeout_s, 600.0)
 
 
 def watchdog_name() -> str:
@@ -353,6 +360,10 @@ def _assess_shard(store: Store, part: str, doc: dict | None, coordinator: PartVi
         view.state = "done"  # it wrote its fragment; only its final beat is missing
         return view
     beat_time = float(doc.get("time") or 0)
+    if coordinator is None and view.age_s > abandoned_after(timeout_s):
+        view.state = "abandoned"  # no coordinator says the run goes on, and this died long ago: leave it
+        view.reason = f"no heartbeat for {view.age_s:.0f} s and no coordinator: an abandoned run, not rerun"
+        return view
     if view.age_s > timeout_s:
         view.state = "silent"
         view.reason = f"no heartbeat for {view.age_s:.1f} s (timeout {timeout_s:g} s) {_where(doc)}"
@@ -628,7 +639,8 @@ def _strike_record(store: Store | None, pv: PartView) -> dict | None:
 
 
 def _all_settled(view: RunView) -> bool:
-    return view.coordinator is None and all(p.state in ("finished", "failed", "fenced", "done") for p in view.shards)
+    return view.coordinator is None and all(p.state in ("finished", "failed", "fenced", "done", "abandoned")
+                                            for p in view.shards)
 
 
 def _safe(text: str) -> str:
