@@ -80,6 +80,14 @@ def parse_storage_options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:
+    """``parse_storage_options`` for a command: a bad value prints one error line and exits 2."""
+    try:
+        return parse_storage_options(text)
+    except ValueError as e:
+        fail(str(e))
+
+
 def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> "Checkpointer":
     """A Checkpointer on ``url``. With ``must_exist``, a local path that does not exist is an error
     (a typo would otherwise look like an empty store)."""

@@ -21,10 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .cli import app
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
-    raise typer.Exit(code)
+from .cmd_store import fail
 
 
 # --- live progress (polls the store; independent of where the shards run) --------------------------
@@ -250,9 +247,9 @@ def train(
         so = json.loads(storage_options) if storage_options else None
         extra = json.loads(workload_extra) if workload_extra else {}
     except json.JSONDecodeError as e:
-        _fail(f"--storage-options / --workload-extra must be a JSON object: {e}")
+        fail(f"--storage-options / --workload-extra must be a JSON object: {e}")
     if resume and not run_id:
-        _fail("--resume needs --run-id ID (and the same --store) of the run to continue")
+        fail("--resume needs --run-id ID (and the same --store) of the run to continue")
     try:
         params = TrainParams(
             store=store, run_id=run_id or new_run_id(), storage_options=so, workload=workload, workload_size=size,
@@ -261,13 +258,13 @@ def train(
             task_runner=task_runner, chaos=list(chaos or []), outer_lr=outer_lr, outer_momentum=outer_momentum,
             torch_threads=torch_threads, validate_checkpoints=not no_validate, heartbeat_every_s=heartbeat_every)
     except ValidationError as e:
-        _fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
+        fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
     from tasks.chaos import check_runner
 
     try:
         check_runner(params.chaos, params.task_runner)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     if params.chaos and no_watchdog and any(c.split(":")[0] in ("hang", "zombie") for c in params.chaos):
         typer.echo("note: --chaos hang/zombie with --no-watchdog: the run waits until an external watchdog "
                    "(ckpt watchdog, the watchdog deployment) fences the shard", err=True)
@@ -292,7 +289,7 @@ def train(
             ck.close()
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:
         api.stop()
-        _fail(str(e))
+        fail(str(e))
     if params.resume:
         typer.echo(f"{params.run_id}: {plan['note']}")
     t_pre = time.perf_counter()
@@ -336,7 +333,7 @@ def train(
         if live:
             progress.stop()
     if error is not None:
-        _fail(*error)
+        fail(*error)
     t_end = time.perf_counter()
     sec = summary["seconds"]
     sec["cli_total"] = round(t_end - t_start, 3)

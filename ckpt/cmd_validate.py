@@ -12,18 +12,7 @@ from typing import Optional
 import typer
 
 from .cli import app
-
-
-def _options(storage_options: Optional[str]) -> Optional[dict]:
-    if not storage_options:
-        return None
-    try:
-        opts = json.loads(storage_options)
-    except ValueError as e:
-        raise typer.BadParameter(f"--storage-options must be a JSON object ({e})") from None
-    if not isinstance(opts, dict):
-        raise typer.BadParameter("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
-    return opts
+from .cmd_store import storage_options_or_exit
 
 
 @app.command("validate")
@@ -42,7 +31,7 @@ def validate(
     from ckptlib.errors import NoCheckpoint, StoreError
     from ckptlib.validate import format_verdict, validate_checkpoint
 
-    opts = _options(storage_options)
+    opts = storage_options_or_exit(storage_options)
     try:
         th = json.loads(thresholds) if thresholds else None
         verdict = validate_checkpoint(url, step, storage_options=opts, thresholds=th)
@@ -70,7 +59,7 @@ def report(
     from ckptlib.store import Store
 
     try:
-        store = Store.from_url(url, _options(storage_options))
+        store = Store.from_url(url, storage_options_or_exit(storage_options))
         rows = index_rows(store)
         key = write_run_index(store)
     except StoreError as e:

@@ -21,27 +21,11 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .cli import app
+from .cmd_store import fail, storage_options_or_exit
 
 STATE_STYLE = {"running": "green", "finished": "green", "done": "green", "waiting": "dim", "replaced": "yellow",
                "fenced": "magenta", "failed": "red", "silent": "bold red", "stalled": "bold red", "lost": "bold red",
                "missing": "bold red", "dead": "bold red"}
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
-    raise typer.Exit(code)
-
-
-def _options(storage_options: Optional[str]) -> Optional[dict]:
-    if not storage_options:
-        return None
-    try:
-        opts = json.loads(storage_options)
-    except ValueError as e:
-        _fail(f"--storage-options must be a JSON object ({e})")
-    if not isinstance(opts, dict):
-        _fail("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://...\"}'")
-    return opts
 
 
 @app.command("watchdog")
@@ -66,7 +50,7 @@ def watchdog(
     """Watch training runs: fence silent or stuck shards and rerun them from the last checkpoint."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    so = _options(storage_options)
+    so = storage_options_or_exit(storage_options)
     from ckptlib.errors import StoreError
     from tasks.watchdog import find_runs
 
@@ -74,7 +58,7 @@ def watchdog(
         target = f"{url.rstrip('/')}/{run_id}" if run_id else url
         runs = find_runs(target if "://" in target else os.path.abspath(target), so)
     except StoreError as e:
-        _fail(str(e), 3)
+        fail(str(e), 3)
     typer.echo(f"watching {len(runs)} run(s) under {url}" + (f": {', '.join(r.rsplit('/', 1)[-1] for r in runs)}"
                                                            if runs else " (none yet: new runs are picked up)"))
     from flows.api import PrefectAPI
@@ -91,7 +75,7 @@ def watchdog(
                                     until_done=until_done, rerun=not no_rerun, resume=not no_resume,
                                     start_timeout_s=start_timeout, storage_options=so, stop_key=key)
     except Exception as e:  # noqa: BLE001
-        _fail(f"the watchdog failed: {type(e).__name__}: {e}", 1)
+        fail(f"the watchdog failed: {type(e).__name__}: {e}", 1)
     finally:
         signal.signal(signal.SIGINT, previous)
         api.stop()
@@ -192,12 +176,12 @@ def status(
     """Each shard's last beat (age), step, generation and state, per run; the fences and why."""
     from ckptlib.errors import StoreError
 
-    so = _options(storage_options)
+    so = storage_options_or_exit(storage_options)
     target = url if "://" in url else os.path.abspath(url)
     try:
         runs = status_of(target, so, timeout_s=timeout)
     except StoreError as e:
-        _fail(str(e), 3)
+        fail(str(e), 3)
     if as_json:
         print(json.dumps(runs, indent=2, default=str))
         return
