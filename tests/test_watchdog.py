@@ -306,6 +306,13 @@ def test_hang_and_zombie_drills_reach_the_clean_digest(clean, tmp_path):
     with Checkpointer(url) as ck:
         assert commit.fragment_key(3, "shard-1", ck.manifest(3).parts["shard-1"].generation) != \
             commit.fragment_key(3, "shard-1", 0)
+    # GC sweeps the zombie's fragment (garbage: no manifest names it); every checkpoint stays intact
+    from ckptlib import RetentionPolicy
+
+    with Checkpointer(url) as ck:
+        ck.gc(RetentionPolicy(keep_last=10), grace_s=0)
+        assert not Path(url, "fragments", "3", "shard-1.g0.json").exists()
+        assert all(ck.verify(step) == [] for step in ck.steps()) and ck.steps() == [0, 1, 2, 3]
     shards = {r["round"]: {x["shard"]: x["status"] for x in r["shards"]} for r in s["rounds_log"]}
     assert shards[2][0] in ("fenced", "replaced") and shards[3][1] in ("superseded", "replaced")
     for kind, d in (("hang", hang), ("zombie", zombie)):
