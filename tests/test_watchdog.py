@@ -489,3 +489,20 @@ def test_a_dead_run_from_a_deployment_is_reported_and_started_again_once(prefect
         assert c.read_flow_run(old.id).state.type.value == "CRASHED"
         runs = c.read_flow_runs()
         assert sum(1 for r in runs if r.deployment_id == dep_id) == 2  # the dead one and one restart
+
+
+@pytest.mark.prefect
+def test_ckpt_watchdog_in_the_foreground_fences_a_silent_shard_of_any_run_under_the_root(prefect_harness, tmp_path):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    _beat(Store.from_url(str(tmp_path / "run-a")), "shard-0", t=time.time() - 60)
+    _beat(Store.from_url(str(tmp_path / "run-b")), "shard-0", t=time.time())  # alive
+    res = CliRunner().invoke(app, ["watchdog", str(tmp_path), "--timeout", "5", "--poll", "0.2", "--duration", "1",
+                                   "--no-rerun", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.index("{"):])
+    assert [(d["kind"], d["run"], d["generation"]) for d in summary["decisions"]] == [("fenced", "run-a", 1)]
+    assert sorted(r.rsplit("/", 1)[-1] for r in summary["runs"]) == ["run-a", "run-b"]
+    assert commit.live_generation(Store.from_url(str(tmp_path / "run-b")), "shard-0") == 0
