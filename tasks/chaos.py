@@ -7,6 +7,7 @@
     zombie:shard=1,round=3         shard 1's heartbeats stop reaching the store; it keeps computing and
                                    later writes its fragment (which must never be committed)
     kill:shard=1,round=2           shard 1's process dies at once (SIGKILL; needs --task-runner dask)
+    stall:shard=0,round=2          shard 0 keeps beating, but its step no longer advances
 
 Keys: ``shard`` and ``round`` (required), ``attempt`` (default 1: the first attempt only, so a
 retry or the watchdog's rerun succeeds), ``step`` (the round-local step after which it strikes;
@@ -25,6 +26,8 @@ The four kinds and who recovers (``docs/watchdog.md``):
             comes *after* the fence), then writes it through its stale view of the fences, i.e.
             exactly the check-then-write race ``write_fragment`` cannot close. The fragment lands
             under the old generation; the coordinator's ``gather`` takes the live one; GC removes it.
+``stall``   alive but not advancing: it beats every 0.1 s at the same step; the watchdog sees no
+            progress for the timeout, fences it, and the beat that finds the fence ends it.
 ``kill``    ``SIGKILL`` of the shard's own process: with ``--task-runner dask`` a Dask worker dies
             (the nanny starts a new one); with threads it would kill the whole run, so the CLI
             refuses that combination (``check_runner``).
@@ -55,6 +58,8 @@ KINDS: dict[str, str] = {
     "zombie": "the shard's heartbeats stop reaching the store, it keeps computing and later writes a "
               "fragment that must never be committed (the watchdog fences and reruns it)",
     "kill": "the shard's process dies at once, SIGKILL (needs a process-based task runner: dask)",
+    "stall": "the shard keeps beating but makes no progress (the watchdog sees the same step, fences and "
+             "reruns it)",
 }
 # kinds that kill the process the shard runs in
 PROCESS_KINDS = ("kill",)
@@ -166,6 +171,8 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, c
         _hang(chaos, store, part, generation)
     elif chaos.kind == "zombie":
         _partition(chaos, heartbeat, checkpointer, part, generation)
+    elif chaos.kind == "stall":
+        _stall(chaos, heartbeat, part)
     else:  # pragma: no cover
         raise ValueError(f"chaos kind {chaos.kind!r} has no action yet")
 
@@ -207,6 +214,20 @@ def _hang(chaos: Chaos, store, part: str, generation: int) -> None:
     log.warning("chaos %s: %s hangs (no beats, no steps) until a watchdog fences it", chaos, part)
     _wait_for_fence(chaos, store, part, generation, "hung")
     raise FencedError(f"chaos {chaos}: {part} generation {generation} hung and was fenced meanwhile; it stops")
+
+
+def _stall(chaos: Chaos, heartbeat, part: str) -> None:
+    """Beats on at the same step (a loop stuck retrying something): the beat that finds the fence
+    raises FencedError and ends the attempt."""
+    if heartbeat is None:
+        raise ValueError(f"chaos {chaos} needs the attempt's heartbeat")
+    log.warning("chaos %s: %s stalls (it beats, its step does not move) until a watchdog fences it", chaos, part)
+    step = heartbeat.document("running")["step"] or 0
+    deadline = time.monotonic() + MAX_WAIT_S
+    while time.monotonic() < deadline:
+        heartbeat.beat(step=step)  # raises FencedError once fenced
+        time.sleep(0.1)
+    raise ChaosCrash(f"chaos {chaos}: {part} stalled for {MAX_WAIT_S:.0f} s and nobody fenced it")
 
 
 def _partition(chaos: Chaos, heartbeat, checkpointer, part: str, generation: int) -> None:

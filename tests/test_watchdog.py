@@ -337,17 +337,25 @@ def test_hang_and_zombie_drills_reach_the_clean_digest(clean, tmp_path):
 
 @pytest.mark.prefect
 @pytest.mark.slow
-def test_zombie_drill_on_s3(clean, s3_url):
+def test_zombie_and_stall_drills_on_s3(clean, s3_url):
+    """On SeaweedFS: a zombie in round 2, and in round 3 a shard that beats on without advancing."""
     store, so = s3_url
     s, ds = train_with_watchdog(params(store=store, run_id="zombie", storage_options=so,
-                                       chaos=["zombie:shard=0,round=2"]))
-    check_run(s["run_url"], so, clean, struck={"shard-0": 2})
+                                       chaos=["zombie:shard=0,round=2", "stall:shard=1,round=3"]))
+    check_run(s["run_url"], so, clean, struck={"shard-0": 2, "shard-1": 3})
     d = fenced(ds, "shard-0")
     check_latency(d)
     assert Store.from_url(s["run_url"], so).exists("fragments/2/shard-0.g0.json")
     record("zombie-s3", timeout_s=TIMEOUT, detection_latency_s=d["detection_latency_s"],
            from_strike_s=d["strike_latency_s"], running_again_s=again(ds, "shard-0")["running_again_s"],
            steps_lost=d["steps_lost"])
+    st = fenced(ds, "shard-1")
+    assert st["state"] == "stalled" and "no progress" in st["reason"] and st["round"] == 3
+    # a stall is noticed from the first beat at the unchanged step: timeout + up to a beat and a look
+    assert TIMEOUT <= st["strike_latency_s"] <= TIMEOUT + TINY["heartbeat_every_s"] + POLL + SLACK, st
+    record("stall-s3", timeout_s=TIMEOUT, detection_latency_s=st["detection_latency_s"],
+           from_strike_s=st["strike_latency_s"], running_again_s=again(ds, "shard-1")["running_again_s"],
+           steps_lost=st["steps_lost"])
 
 
 def _cli_env(tmp_path: Path) -> dict[str, str]:
