@@ -448,9 +448,10 @@ class Watchdog:
         out: list[Decision] = []
         for url in self.discover():
             try:
-                out += self._poll_run(url, self.runs[url])
-            except StoreError as e:  # one unreachable run must not blind the watchdog to the others
-                log.warning("watchdog: cannot read run %s: %s", url, e)
+                if not self._settled(url, self.runs[url]):
+                    out += self._poll_run(url, self.runs[url])
+            except Exception as e:  # noqa: BLE001 - one unreadable run must not blind the watchdog to the others
+                log.warning("watchdog: cannot judge run %s: %s: %s", url, type(e).__name__, e)
         self.decisions += out
         return out
 
@@ -458,6 +459,19 @@ class Watchdog:
         """Whether any watched run is still running (or a rerun is in flight)."""
         return bool(self._reruns) or any(v.state in ("running", "unknown") and not _all_settled(v)
                                          for v in self.views.values())
+
+    def _settled(self, url: str, store: Store) -> bool:
+        """A run that had finished, failed or died at the last look, and whose coordinator has not
+        beaten since, costs one read per look (a store root holds many finished runs)."""
+        prev = self.views.get(url)
+        c = prev.coordinator if prev is not None else None
+        if c is None or c.state not in ("finished", "failed", "dead") or any(k[0] == url for k in self._recovering):
+            return False
+        from ckptlib.heartbeat import read_heartbeat
+
+        doc = read_heartbeat(store, COORDINATOR)
+        return doc is not None and c.doc is not None and (doc.get("time"), doc.get("status")) == (
+            c.doc.get("time"), c.doc.get("status"))
 
     def _poll_run(self, url: str, store: Store) -> list[Decision]:
         now = self.clock()
