@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .cli import app
-from .cmd_store import fail
+from .cmd_store import fail, storage_options_or_exit
 
 
 # --- live progress (polls the store; independent of where the shards run) --------------------------
@@ -243,11 +243,11 @@ def train(
 
     from flows.params import TrainParams, new_run_id, run_url
 
+    so = storage_options_or_exit(storage_options)
     try:
-        so = json.loads(storage_options) if storage_options else None
         extra = json.loads(workload_extra) if workload_extra else {}
     except json.JSONDecodeError as e:
-        fail(f"--storage-options / --workload-extra must be a JSON object: {e}")
+        fail(f"--workload-extra must be a JSON object: {e}")
     if resume and not run_id:
         fail("--resume needs --run-id ID (and the same --store) of the run to continue")
     try:
