@@ -809,10 +809,9 @@ class _Validation:
             prev = next(iter(self.ref.states.values()))
         rnd, prev_rnd = _int(_get(sk, "round")), _int(_get(prev, "round"))
         pos, prev_pos = _int(_get(sk, "data_position")), _int(_get(prev, "data_position"))
-        steps = [s for group in _optimizer_steps(state) for s in group if s is not None] if state is not None else []
-        spreads = [max(g) - min(g) for g in (
-            [s for s in group if s is not None] for group in (_optimizer_steps(state) if state is not None else []))
-            if g]
+        groups = [[s for s in group if s is not None] for group in _optimizer_steps(state)] if state is not None else []
+        steps = [s for g in groups for s in g]
+        spreads = [max(g) - min(g) for g in groups if g]
         loss, _ = _loss_of(name, sk, frag)
         row = {
             "part": name, "role": role, "present": True,
