@@ -190,29 +190,23 @@ def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dic
 
     step = verdict["step"]
     pre = report_prefix(step)
-    keys: dict[str, str] = {}
     links: dict[str, str] = {}
     for table, res in gx_results.items():
         key = f"{pre}{table}.html"
         store.put(key, render_gx_html(res).encode())
-        keys[f"gx_{table}_html"] = key
         links[f"Great Expectations Data Docs: {table} suite"] = f"{table}.html"
     for table, df in tables.items():
         key = f"{pre}{table}.csv"
         store.put(key, df.to_csv(index=False).encode())
-        keys[f"{table}_csv"] = key
         links[f"{table} statistics (CSV)"] = f"{table}.csv"
     history = run_history(store, override=verdict)
     store.put(f"{pre}run.png", plot_run(history, title=f"{store.url} (step {step})", highlight=step))
-    keys["plot"] = f"{pre}run.png"
     links["summary (JSON)"] = "summary.json"
     links["all checkpoints of the run"] = "../index.html"
     summary = dict(verdict)
     summary["history"] = history
     store.put(f"{pre}summary.json", json.dumps(summary, indent=1, default=str).encode())
-    keys["summary"] = f"{pre}summary.json"
     store.put(f"{pre}index.html", _verdict_html(verdict, links).encode())
-    keys["html"] = f"{pre}index.html"
     return history
 
 
