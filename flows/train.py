@@ -70,7 +70,7 @@ class Validations:
 
 def _flow_run_name() -> str:
     """``train-<run id>`` in the UI (``train-new`` while the id is still to be generated)."""
-    from prefect.runtime import deployment, flow_run
+    from prefect.runtime import flow_run
 
     p = flow_run.parameters.get("params")
     rid = getattr(p, "run_id", None) if not isinstance(p, dict) else p.get("run_id")
