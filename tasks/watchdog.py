@@ -315,7 +315,6 @@ def _assess_shard(store: Store, part: str, doc: dict | None, coordinator: PartVi
         if prior is not None:
             view = PartView(part, "waiting", live, age_s=now - float(prior.get("time") or 0), doc=prior,
                             **_beat_fields(prior))
-            view.state = "waiting"
         if coord_running and cmeta.get("phase") == "shards":
             waited = now - float(cmeta.get("phase_time") or now)
             if _fragment_done(store, int(c_round), part, live):
