@@ -122,6 +122,8 @@ def coordinator_beat(store: Store, params: TrainParams, run_id: str, spec: dict)
 
 
 def _rounds(params, run_id, url, so, spec, ledger, common, shard_task, plan, store, beat) -> dict[str, Any]:
+    from tasks.rounds import initial_source, next_source, shard_part
+
     with validation_runner(params.validation_runner) as vrunner, \
             shard_runner(params.task_runner, params.shards) as srunner:
         validations = Validations(vrunner, url, so, params)
@@ -130,12 +132,12 @@ def _rounds(params, run_id, url, so, spec, ledger, common, shard_task, plan, sto
             start = 0
             ledger.add_cut(initial_cut(**common, run_meta=ledger.run_meta, commit_timeout_s=params.commit_timeout_s))
             validations.submit(0)
-        source = {"step": start, "committed": True, "generations": {}}
+        source = initial_source(start)
         ledger.start_rounds(plan, start)
         for r in range(start + 1, params.rounds + 1):
             t0 = time.perf_counter()
             beat.update(round=r, phase="shards", source=source)
-            generations = [live_generation(store, f"shard-{i}") for i in range(params.shards)]
+            generations = [live_generation(store, shard_part(i)) for i in range(params.shards)]
             futures = [submit(srunner, shard_task, **common, shard=i, round=r, source=source, chaos=params.chaos,
                               heartbeat_every_s=params.heartbeat_every_s, heartbeat_events=params.heartbeat_events)
                        for i in range(params.shards)]
@@ -149,7 +151,7 @@ def _rounds(params, run_id, url, so, spec, ledger, common, shard_task, plan, sto
             ledger.add_round(r, shards, cut, t0, t1, time.perf_counter())
             if cut["committed"]:
                 validations.submit(r)
-            source = {"step": r, "committed": cut["committed"], "generations": cut["generations"]}
+            source = next_source(cut)
         ledger.rounds_done()
         beat.update(phase="validations")
         verdicts = validations.wait_all()
