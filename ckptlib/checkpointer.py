@@ -80,6 +80,9 @@ class Checkpointer:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._bases: dict[str, Base] = {}
         self._spare: dict[str, dict] = {}  # per part: buffers of the replaced base, reused by the next snapshot
+        # Committed manifests are write-once, so each is read once; only a deletion (GC, possibly by
+        # another process) can make an entry stale, and a restore of it then fails on missing chunks.
+        self._manifests: dict[int, Manifest] = {}
         self._inflight: Future | None = None
         self._inflight_step: int | None = None
         self._lock = threading.Lock()
@@ -131,7 +134,7 @@ class Checkpointer:
             latest = self.latest_step()
             if latest is None:
                 return None
-            frag = commit.read_manifest(self.store, latest).parts.get(part)
+            frag = self._read_manifest(latest).parts.get(part)
             if frag is None:
                 return None
             self._bases[part] = Base(frag.step, {}, dict(frag.blobs))
@@ -179,7 +182,7 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def manifest(self, step: int | None = None) -> Manifest:
-        return commit.read_manifest(self.store, self._resolve(step, healthy=False))
+        return self._read_manifest(self._resolve(step, healthy=False))
 
     def restore(self, step: int | None = None, *, healthy: bool = False, part: str | None = None,
                 device: str | torch.device = "cpu", keep_base: bool = True) -> Any:
@@ -192,7 +195,7 @@ class Checkpointer:
         will not save pass False and skip that copy.
         """
         self._drain()
-        m = commit.read_manifest(self.store, self._resolve(step, healthy=healthy))
+        m = self._read_manifest(self._resolve(step, healthy=healthy))
         names = [part] if part is not None else list(m.parts)
         out = {}
         for name in names:
@@ -209,8 +212,15 @@ class Checkpointer:
 
     def verify(self, step: int | None = None) -> list[Problem]:
         """Decode every chunk of ``step`` and check all checksums and digests; [] when intact."""
-        m = commit.read_manifest(self.store, self._resolve(step, healthy=False))
+        m = self._read_manifest(self._resolve(step, healthy=False))
         return [p for frag in m.parts.values() for p in verify_part(frag, self.store, self._pool)]
+
+    def _read_manifest(self, step: int) -> Manifest:
+        """The committed manifest of ``step``, read once per Checkpointer (restoring several parts
+        of one cut, as every shard task does, reads it once)."""
+        if step not in self._manifests:
+            self._manifests[step] = commit.read_manifest(self.store, step)
+        return self._manifests[step]
 
     def _resolve(self, step: int | None, *, healthy: bool) -> int:
         if step is not None:
@@ -301,6 +311,7 @@ class Checkpointer:
     def gc(self, policy: RetentionPolicy, *, grace_s: float = 600.0, dry_run: bool = False) -> GcReport:
         """Drop checkpoints the policy does not keep and sweep unreferenced objects (see ckptlib.gc)."""
         self._drain()
+        self._manifests.clear()  # GC uncommits steps
         return collect_garbage(self.store, policy, grace_s=grace_s, dry_run=dry_run)
 
     # --- lifetime --------------------------------------------------------------------------------
