@@ -214,8 +214,8 @@ def train(
     storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="JSON",
                                                            help="s3fs arguments for an s3:// store, as a JSON object.")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", metavar="KIND:shard=I,round=R",
-                                                       help="Inject a fault: crash, hang, zombie, stall or kill:shard=I,round=R[,step=K][,attempt=A] "
-                                                            "(repeatable; kill needs --task-runner dask; see docs/watchdog.md).")] = None,
+                                                       help="Inject a fault: crash, hang, zombie, stall, kill or stop:shard=I,round=R[,step=K][,attempt=A] "
+                                                            "(repeatable; kill and stop need --task-runner dask; see docs/watchdog.md).")] = None,
     outer_lr: Annotated[float, typer.Option("--outer-lr", help="Outer learning rate (1 = averaging).")] = 1.0,
     outer_momentum: Annotated[float, typer.Option("--outer-momentum", help="Outer Nesterov momentum (0 = none).")] = 0.0,
     torch_threads: Annotated[int, typer.Option("--torch-threads", min=1, help="torch threads per process (part of the config).")] = 1,

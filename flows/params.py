@@ -79,8 +79,8 @@ class TrainParams(BaseModel):
     task_runner: str = Field("threads", description=f"Where shard tasks run: {TASK_RUNNERS} (an existing Dask "
                              "cluster; the store must then be reachable from every worker, e.g. S3).")
     chaos: list[str] = Field(default_factory=list, description="Fault injection for drills, e.g. "
-                             "crash:shard=1,round=2 (the shard raises once; Prefect retries it); hang, zombie, stall and kill "
-                             "(dask only) are silent failures for the watchdog (docs/watchdog.md).")
+                             "crash:shard=1,round=2 (the shard raises once; Prefect retries it); hang, zombie, stall, kill and stop "
+                             "(the last two dask only) are silent failures for the watchdog (docs/watchdog.md).")
     shard_retries: int = Field(2, ge=0, description="Prefect retries of a failed shard task.")
     retry_delay_s: float = Field(1.0, ge=0, description="Delay before a shard task retry.")
     heartbeat_every_s: float = Field(2.0, gt=0, description="Seconds between a shard's heartbeats "

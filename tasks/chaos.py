@@ -7,13 +7,15 @@
     zombie:shard=1,round=3         shard 1's heartbeats stop reaching the store; it keeps computing and
                                    later writes its fragment (which must never be committed)
     kill:shard=1,round=2           shard 1's process dies at once (SIGKILL; needs --task-runner dask)
+    stop:shard=1,round=2           shard 1's process freezes (SIGSTOP; needs --task-runner dask) until
+                                   it has been fenced, then wakes and finds its fence
     stall:shard=0,round=2          shard 0 keeps beating, but its step no longer advances
 
 Keys: ``shard`` and ``round`` (required), ``attempt`` (default 1: the first attempt only, so a
 retry or the watchdog's rerun succeeds), ``step`` (the round-local step after which it strikes;
 default half the round). A spec is plain text, so it travels as a flow parameter.
 
-The four kinds and who recovers (``docs/watchdog.md``):
+The kinds and who recovers (``docs/watchdog.md``):
 
 ``crash``   a loud failure: the task raises, Prefect retries it from the same cut.
 ``hang``    silent: no more beats, no more steps. The hung loop still looks at its fence every
@@ -31,6 +33,11 @@ The four kinds and who recovers (``docs/watchdog.md``):
 ``kill``    ``SIGKILL`` of the shard's own process: with ``--task-runner dask`` a Dask worker dies
             (the nanny starts a new one); with threads it would kill the whole run, so the CLI
             refuses that combination (``check_runner``).
+``stop``    ``SIGSTOP`` of the shard's own process: a frozen host or paused VM. Dask notices nothing
+            before its worker TTL (minutes); the watchdog sees the beats stop, fences and reruns
+            the shard. A helper process started just before the stop sends ``SIGCONT`` once the
+            fence is on the store (as a paused VM resumes some time later); the woken attempt
+            finds its fence at its next beat and ends itself (FencedError). Needs dask too.
 
 Each strike first creates ``chaos/<part>.r<round>.a<attempt>.json`` (kind, wall time, round step)
 with put-if-absent, so a spec strikes at most once per run (a task Dask runs again after its worker
@@ -45,6 +52,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +69,11 @@ KINDS: dict[str, str] = {
     "kill": "the shard's process dies at once, SIGKILL (needs a process-based task runner: dask)",
     "stall": "the shard keeps beating but makes no progress (the watchdog sees the same step, fences and "
              "reruns it)",
+    "stop": "the shard's process freezes (SIGSTOP) until the watchdog has fenced it, then wakes (SIGCONT) "
+            "and ends itself at its next beat (needs dask)",
 }
-# kinds that kill the process the shard runs in
-PROCESS_KINDS = ("kill",)
+# kinds that stop or kill the process the shard runs in
+PROCESS_KINDS = ("kill", "stop")
 _INT_KEYS = ("shard", "round", "attempt", "step")
 # how long a hung or partitioned attempt waits for its fence before it gives up (a drill without a watchdog)
 MAX_WAIT_S = 900.0
@@ -139,7 +150,7 @@ def check_runner(specs: list[str] | None, task_runner: str) -> None:
     bad = [str(c) for c in parse_all(specs) if c.kind in PROCESS_KINDS]
     if bad and task_runner == "threads":
         raise ValueError(
-            f"chaos {', '.join(bad)} kills the shard's process, which with --task-runner threads is the whole "
+            f"chaos {', '.join(bad)} kills or stops the shard's process, which with --task-runner threads is the whole "
             "run (coordinator and watchdog included); use --task-runner dask, or crash/hang/zombie with threads")
 
 
@@ -167,7 +178,9 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, c
         log.warning("chaos %s: %s kills its own process %d now (SIGKILL)", chaos, part, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # pragma: no cover - the signal is delivered before this returns
-    if chaos.kind == "hang":
+    if chaos.kind == "stop":
+        _freeze(chaos, checkpointer, part, generation)
+    elif chaos.kind == "hang":
         _hang(chaos, store, part, generation)
     elif chaos.kind == "zombie":
         _partition(chaos, heartbeat, checkpointer, part, generation)
@@ -214,6 +227,41 @@ def _hang(chaos: Chaos, store, part: str, generation: int) -> None:
     log.warning("chaos %s: %s hangs (no beats, no steps) until a watchdog fences it", chaos, part)
     _wait_for_fence(chaos, store, part, generation, "hung")
     raise FencedError(f"chaos {chaos}: {part} generation {generation} hung and was fenced meanwhile; it stops")
+
+
+# The helper that wakes a stopped attempt: its own process (the stopped one can do nothing), in its
+# own session (a signal to the worker's group does not reach it). Arguments come on stdin, so
+# storage credentials never show in a process listing.
+_WAKER = "import sys; from tasks.chaos import wake_when_fenced; wake_when_fenced(sys.stdin.read())"
+
+
+def _freeze(chaos: Chaos, checkpointer, part: str, generation: int) -> None:
+    store = checkpointer.store
+    job = {"url": store.url, "storage_options": getattr(store, "storage_options", None), "part": part,
+           "generation": generation, "pid": os.getpid(), "max_wait_s": MAX_WAIT_S}
+    waker = subprocess.Popen([sys.executable, "-c", _WAKER], stdin=subprocess.PIPE, start_new_session=True)
+    waker.stdin.write(json.dumps(job).encode())
+    waker.stdin.close()
+    log.warning("chaos %s: %s stops its own process %d now (SIGSTOP) until a watchdog fences it", chaos, part,
+                os.getpid())
+    os.kill(os.getpid(), signal.SIGSTOP)
+    log.warning("chaos %s: %s woken (SIGCONT); its next beat looks at its fence", chaos, part)
+
+
+def wake_when_fenced(job_json: str) -> None:
+    """The waker's body: SIGCONT to ``pid`` once ``part``'s live generation is above ``generation``
+    (or after ``max_wait_s``, so no drill leaves a process frozen for good)."""
+    from ckptlib.store import Store
+
+    job = json.loads(job_json)
+    store = Store.from_url(job["url"], job["storage_options"])
+    deadline = time.monotonic() + float(job["max_wait_s"])
+    while not _fenced(store, job["part"], int(job["generation"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        os.kill(int(job["pid"]), signal.SIGCONT)
+    except ProcessLookupError:  # killed meanwhile (the Dask cluster closed): nothing to wake
+        pass
 
 
 def _stall(chaos: Chaos, heartbeat, part: str) -> None:

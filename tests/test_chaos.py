@@ -27,16 +27,18 @@ def test_new_kinds_parse_with_the_crash_syntax():
     k = parse_chaos("kill:shard=1,round=2,attempt=2")
     assert (k.kind, k.shard, k.round, k.attempt) == ("kill", 1, 2, 2)
     assert str(parse_chaos("stall:shard=0,round=1")) == "stall:shard=0,round=1"
-    with pytest.raises(ValueError, match="known kinds: crash, hang, kill, stall, zombie"):
+    with pytest.raises(ValueError, match="known kinds: crash, hang, kill, stall, stop, zombie"):
         parse_chaos("freeze:shard=0,round=1")
     specs = ["hang:shard=0,round=2", "zombie:shard=1,round=3", "kill:shard=1,round=2"]
     assert [str(c) for c in for_attempt(specs, 1, 2, 1)] == ["kill:shard=1,round=2"]
     assert for_attempt(specs, 1, 2, 2) == []  # the rerun (attempt 2) is spared
 
 
-def test_kill_needs_a_process_based_task_runner():
+def test_kill_and_stop_need_a_process_based_task_runner():
     with pytest.raises(ValueError, match="use --task-runner dask"):
         check_runner(["hang:shard=0,round=2", "kill:shard=1,round=2"], "threads")
+    with pytest.raises(ValueError, match="stop:shard=0,round=1 kills or stops"):
+        check_runner(["stop:shard=0,round=1"], "threads")
     check_runner(["kill:shard=1,round=2"], "dask")
     check_runner(["hang:shard=0,round=2", "zombie:shard=1,round=3"], "threads")
 

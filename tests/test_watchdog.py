@@ -424,42 +424,22 @@ def test_cli_kill_and_hang_drills_with_dask_processes(clean, tmp_path):
 @pytest.mark.prefect
 @pytest.mark.slow
 def test_a_stopped_dask_worker_is_fenced_replaced_and_stops_itself_when_woken(clean, tmp_path):
-    """SIGSTOP of the process training shard-1 in round 2 (a frozen host: Dask sees nothing for
-    minutes); SIGCONT once the watchdog's rerun has written the live fragment."""
-    p = params(store=str(tmp_path), run_id="stop", task_runner="dask")
+    """``stop`` chaos: SIGSTOP of the Dask worker process training shard-1 in round 2 (a frozen host:
+    Dask sees nothing for minutes); its waker sends SIGCONT once the watchdog has fenced it."""
+    p = params(store=str(tmp_path), run_id="stop", task_runner="dask", chaos=["stop:shard=1,round=2"])
     url = str(tmp_path / "stop")
-    events: dict = {}
-
-    def freeze():
-        while "stopped" not in events and time.time() - events["t0"] < 300:
-            doc = read_heartbeat(Store.from_url(url), "shard-1") if Path(url, "heartbeats").exists() else None
-            if doc and doc["round"] == 2 and doc["status"] == "running" and doc["pid"] != os.getpid():
-                os.kill(doc["pid"], signal.SIGSTOP)
-                events.update(stopped=time.time(), pid=doc["pid"], step=doc["round_step"])
-            time.sleep(0.02)
-        while time.time() - events.get("stopped", 0) < 120:
-            if Path(url, "fragments", "2", "shard-1.g1.json").exists():
-                break
-            time.sleep(0.05)
-        if "pid" in events:
-            os.kill(events["pid"], signal.SIGCONT)
-            events["woken"] = time.time()
-
-    events["t0"] = time.time()
-    th = threading.Thread(target=freeze, daemon=True)
-    th.start()
     s, ds = train_with_watchdog(p)
-    th.join(30)
-    assert "stopped" in events
+    stop = json.loads(Path(url, "chaos", "shard-1.r2.a1.json").read_text())
+    assert stop["kind"] == "stop" and stop["pid"] != os.getpid()
     check_run(url, None, clean, struck={"shard-1": 2})
     d = fenced(ds, "shard-1")
     assert d["round"] == 2 and d["dead_generation"] == 0
     check_latency(d)
-    assert d["detected"] - events["stopped"] <= TIMEOUT + POLL + SLACK
+    assert d["detected"] - stop["time"] <= TIMEOUT + POLL + SLACK
     status = {x["shard"]: x["status"] for x in s["rounds_log"][1]["shards"]}[1]
     assert status in ("fenced", "replaced")  # woken, it found its fence and stopped (or the flow went on)
     record("sigstop-dask", timeout_s=TIMEOUT, detection_latency_s=d["detection_latency_s"],
-           since_stop_s=d["detected"] - events["stopped"], running_again_s=again(ds, "shard-1")["running_again_s"],
+           since_stop_s=d["detected"] - stop["time"], running_again_s=again(ds, "shard-1")["running_again_s"],
            steps_lost=d["steps_lost"])
 
 
