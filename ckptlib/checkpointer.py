@@ -202,9 +202,10 @@ class Checkpointer:
             if name not in m.parts:
                 raise NoCheckpoint(f"step {m.step} has no part '{name}'; it has {sorted(m.parts)}")
             frag = m.parts[name]
-            state, raws = restore_part(frag, self.store, self._pool, device=device)
-            if keep_base:  # the caller owns (and will mutate) the restored tensors: copy them
-                self._adopt(name, frag, [raw.copy() for raw in raws], prepare_spare=False)
+            # the caller owns (and will mutate) the restored tensors: a base is a copy of them
+            state, copies = restore_part(frag, self.store, self._pool, device=device, copy=keep_base)
+            if copies is not None:
+                self._adopt(name, frag, copies, prepare_spare=False)
             out[name] = state
         if part is not None:
             return out[part]
@@ -281,9 +282,9 @@ class Checkpointer:
             raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                f"written step {step} yet") from None
         frag = loads_fragment(data, f"{self.url}/{key}")
-        state, raws = restore_part(frag, self.store, self._pool, device=device)
-        if adopt:
-            self._adopt(part, frag, [raw.copy() for raw in raws], prepare_spare=False)
+        state, copies = restore_part(frag, self.store, self._pool, device=device, copy=adopt)
+        if copies is not None:
+            self._adopt(part, frag, copies, prepare_spare=False)
         return state
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,

@@ -36,7 +36,12 @@ def checksum(data: np.ndarray | bytes | memoryview) -> str:
 
 
 class Codec(Protocol):
-    """One reversible step. ``decode(encode(x, base), base) == x`` for every input."""
+    """One reversible step. ``decode(encode(x, base), base) == x`` for every input.
+
+    Delta codecs (``uses_base``) also have ``apply(data, out)``: ``out`` holds the base's raw bytes
+    and becomes the decoded chunk, in place, so a restore resolves a delta chain inside the
+    destination tensor's memory without a buffer per link.
+    """
 
     name: ClassVar[str]
 
@@ -45,7 +50,22 @@ class Codec(Protocol):
     def to_config(self) -> dict[str, Any]: ...
 
 
-class XorDelta:
+class _InPlaceDelta:
+    """``decode`` of a delta codec, by its in-place ``apply`` on a copy of the base."""
+
+    def apply(self, data: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
+        if base is None or base.nbytes != nbytes:
+            raise CorruptCheckpoint(f"{self.name} chunk of {nbytes} bytes has a base of "  # type: ignore[attr-defined]
+                                    f"{None if base is None else base.nbytes} bytes")
+        out = base.copy()
+        self.apply(data, out)
+        return out
+
+
+class XorDelta(_InPlaceDelta):
     """XOR against the base chunk: unchanged bytes become zeros, which zstd erases."""
 
     name: ClassVar[str] = "xor_delta"
@@ -53,22 +73,18 @@ class XorDelta:
     def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
         if base is None or base.nbytes != data.nbytes:
             raise ValueError("xor_delta needs a base chunk of the same size")
-        return _xor(data, base)
+        return _xor(data, base, np.empty_like(data))
 
-    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
-        if base is None or base.nbytes != data.nbytes:
-            raise CorruptCheckpoint(
-                f"xor_delta chunk of {data.nbytes} bytes has a base of "
-                f"{None if base is None else base.nbytes} bytes"
-            )
-        return _xor(data, base)
+    def apply(self, data: np.ndarray, out: np.ndarray) -> None:
+        if data.nbytes != out.nbytes:
+            raise CorruptCheckpoint(f"xor_delta chunk of {data.nbytes} bytes has a base of {out.nbytes} bytes")
+        _xor(data, out, out)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name}
 
 
-def _xor(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = np.empty_like(a)
+def _xor(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     n8 = a.nbytes - a.nbytes % 8  # XOR 8 bytes at a time where the length allows
     np.bitwise_xor(a[:n8].view(np.uint64), b[:n8].view(np.uint64), out=out[:n8].view(np.uint64))
     np.bitwise_xor(a[n8:], b[n8:], out=out[n8:])
@@ -103,11 +119,20 @@ class BytePlane:
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         if not self._usable(data.nbytes):
             return data
+        return self.decode_into(data, np.empty(data.nbytes, dtype=np.uint8))
+
+    def decode_into(self, data: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Interleave the planes straight into ``out`` (e.g. the destination tensor's memory)."""
+        if data.nbytes != out.nbytes:
+            raise CorruptCheckpoint(f"byte planes hold {data.nbytes} bytes, expected {out.nbytes}")
+        if not self._usable(data.nbytes):
+            out[:] = data
+            return out
         planes = data.reshape(self.itemsize, -1)
-        elements = np.empty((planes.shape[1], self.itemsize), dtype=np.uint8)
+        elements = out.reshape(-1, self.itemsize)
         for k in range(self.itemsize):
             elements[:, k] = planes[k]
-        return elements.reshape(-1)
+        return out
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize}}
@@ -198,7 +223,7 @@ def _check_itemsize(name: str, itemsize: int) -> int:
     return int(itemsize)
 
 
-class ArithDelta:
+class ArithDelta(_InPlaceDelta):
     """Element-wise integer difference against the base chunk, zigzag-encoded.
 
     Floats are mapped to integers that order like their values (sign-magnitude -> offset binary),
@@ -219,20 +244,20 @@ class ArithDelta:
         f = self.ordered_float
         return _zigzag(_ordered(data.view(uint), f) - _ordered(base.view(uint), f)).view(np.uint8)
 
-    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
-        if base is None or base.nbytes != data.nbytes or data.nbytes % self.itemsize:
+    def apply(self, data: np.ndarray, out: np.ndarray) -> None:
+        if out.nbytes != data.nbytes or data.nbytes % self.itemsize:
             raise CorruptCheckpoint("arith_delta chunk has no base of the right size")
         uint = _UINT[self.itemsize]
         f = self.ordered_float
-        out = _unzigzag(data.view(uint))
-        out += _ordered(base.view(uint), f)
-        return _unordered(out, f).view(np.uint8)
+        value = _unzigzag(data.view(uint))
+        value += _ordered(out.view(uint), f)
+        out.view(uint)[:] = _unordered(value, f)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize, "ordered_float": self.ordered_float}}
 
 
-class SparseDelta:
+class SparseDelta(_InPlaceDelta):
     """A delta as (bitmap of changed elements, their integer differences), each zstd-compressed.
 
     For updates that touch a minority of elements by small amounts (bf16 weights at small learning
@@ -261,25 +286,26 @@ class SparseDelta:
         header = np.array([bitmap.nbytes, int(np.count_nonzero(changed))], dtype="<u8").view(np.uint8)
         return np.concatenate([header, bitmap, z.encode(planes, None)])
 
-    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
-        if base is None or base.nbytes != nbytes:
+    def apply(self, data: np.ndarray, out: np.ndarray) -> None:
+        """Only the changed elements of ``out`` are touched."""
+        nbytes = out.nbytes
+        if nbytes % self.itemsize:
             raise CorruptCheckpoint("sparse_delta chunk has no base of the right size")
         try:
             bitmap_len, count = (int(v) for v in data[:16].view("<u8"))
             n = nbytes // self.itemsize
             z = Zstd(self.level)
-            changed = np.unpackbits(z.decode(data[16:16 + bitmap_len], None, (n + 7) // 8), count=n).view(bool)
+            changed = np.flatnonzero(np.unpackbits(z.decode(data[16:16 + bitmap_len], None, (n + 7) // 8), count=n).view(bool))
             planes = z.decode(data[16 + bitmap_len:], None, count * self.itemsize)
         except (ValueError, TypeError) as e:
             raise CorruptCheckpoint(f"sparse_delta chunk is malformed ({e})") from None
-        if int(np.count_nonzero(changed)) != count:
+        if changed.size != count:
             raise CorruptCheckpoint("sparse_delta bitmap does not match its count of changes")
         uint = _UINT[self.itemsize]
         diffs = BytePlane(self.itemsize).decode(planes, None, count * self.itemsize).view(uint)
-        out = base.view(uint).copy()
+        elements = out.view(uint)
         f = self.ordered_float
-        out[changed] = _unordered(_ordered(out[changed], f) + _unzigzag(diffs), f)
-        return out.view(np.uint8)
+        elements[changed] = _unordered(_ordered(elements[changed], f) + _unzigzag(diffs), f)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize,
@@ -314,6 +340,23 @@ def decode(data: np.ndarray, codecs: list[Codec], nbytes: int, base: np.ndarray 
     for codec in reversed(codecs):
         data = codec.decode(data, base, nbytes)
     return data
+
+
+def decode_into(data: np.ndarray, codecs: list[Codec], out: np.ndarray) -> None:
+    """Decode into ``out`` (1-D uint8 of the raw size). For a delta encoding (its first codec has
+    ``apply``), ``out`` holds the base's raw bytes on entry and is updated in place."""
+    first, inner = codecs[0], codecs[1:]
+    for codec in reversed(inner):
+        data = codec.decode(data, None, out.nbytes)
+    if hasattr(first, "apply"):
+        first.apply(data, out)
+    elif hasattr(first, "decode_into"):
+        first.decode_into(data, out)
+    else:
+        data = first.decode(data, None, out.nbytes)
+        if data.nbytes != out.nbytes:
+            raise CorruptCheckpoint(f"chunk decoded to {data.nbytes} bytes, expected {out.nbytes}")
+        out[:] = data
 
 
 def uses_base(configs: list[dict[str, Any]]) -> bool:

@@ -56,7 +56,9 @@ class _Damaged(CorruptCheckpoint):
 
 
 class _ChainDecoder:
-    """Decodes raw chunks by checksum, following delta bases; caches chunks used more than once.
+    """Decodes chunks by checksum into destination memory: the keyframe first, then every delta
+    of the chain applied in place. Chunks that several chains share are kept after their first
+    decode, so a shared base is fetched and decoded once per restore.
 
     Only the top of a chain is checked against its checksum (it covers every link below it);
     when it does not match, the chain is walked again link by link to name the damaged object.
@@ -81,52 +83,60 @@ class _ChainDecoder:
             raise CorruptCheckpoint(f"chunk {digest} is not in the blob table")
         return blob
 
-    def _decode_one(self, blob: Blob, base: np.ndarray | None) -> np.ndarray:
+    def _payload(self, blob: Blob) -> np.ndarray:
         try:
             payload = np.frombuffer(self.store.get(blob.key), dtype=np.uint8)
         except ObjectNotFound:
             raise _Damaged(blob.key, "is missing from the store") from None
         if payload.nbytes != blob.size:
             raise _Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
+        return payload
+
+    def _apply(self, blob: Blob, out: np.ndarray) -> None:
+        """Decode ``blob`` into ``out`` (which holds its base's bytes when it is a delta)."""
+        payload = self._payload(blob)
+        if blob.nbytes != out.nbytes:
+            raise _Damaged(blob.key, f"decodes to {blob.nbytes} bytes, the chunk has {out.nbytes}")
         try:
-            return codecs.decode(payload, codecs.from_configs(list(blob.codecs)), blob.nbytes, base)
-        except _Damaged:
-            raise
+            codecs.decode_into(payload, codecs.from_configs(list(blob.codecs)), out)
         except CorruptCheckpoint as e:
             raise _Damaged(blob.key, f"does not decode: {e}") from None
 
-    def _decode(self, digest: str) -> np.ndarray:
-        if digest in self._cache:
-            return self._cache[digest]
-        blob = self._blob(digest)
-        out = self._decode_one(blob, self._decode(blob.base) if blob.base is not None else None)
-        if digest in self._shared:
-            with self._lock:
-                self._cache[digest] = out
-        return out
-
-    def raw(self, digest: str) -> np.ndarray:
-        out = self._decode(digest)
+    def fill(self, digest: str, out: np.ndarray) -> None:
+        """Write the raw bytes of chunk ``digest`` into ``out``, checked against the digest."""
+        chain: list[tuple[str, Blob]] = []  # top first, down to a keyframe or a chunk decoded before
+        d: str | None = digest
+        while d is not None and d not in self._cache:
+            chain.append((d, self._blob(d)))
+            d = chain[-1][1].base
+        if d is not None:
+            out[:] = self._cache[d]
+        for link, blob in reversed(chain):
+            self._apply(blob, out)
+            if link in self._shared and link not in self._cache:
+                with self._lock:
+                    self._cache[link] = out.copy()
         if codecs.checksum(out) != digest:
-            self._locate(digest)
-        return out
+            self._locate(digest, out.nbytes)
 
-    def _locate(self, digest: str) -> None:
+    def _locate(self, digest: str, nbytes: int) -> None:
         chain: list[tuple[str, Blob]] = []
         d: str | None = digest
         while d is not None:
             chain.append((d, self._blob(d)))
             d = chain[-1][1].base
-        base = None
+        work = np.empty(nbytes, dtype=np.uint8)
         for d, blob in reversed(chain):
-            base = self._decode_one(blob, base)
-            if codecs.checksum(base) != d:
+            self._apply(blob, work)
+            if codecs.checksum(work) != d:
                 raise _Damaged(blob.key, "decodes to bytes whose checksum does not match")
         raise CorruptCheckpoint(f"chunk {digest} does not match its checksum")  # not reproducible: flaky storage
 
 
-def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np.ndarray]) -> list[Problem]:
-    """Fill every leaf's raw memory; return the problems met (empty when all is intact)."""
+def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np.ndarray],
+                 copies: list[np.ndarray] | None = None) -> list[Problem]:
+    """Fill every leaf's raw memory (and ``copies``, chunk by chunk while the bytes are in cache);
+    return the problems met (empty when all is intact)."""
     decoder = _ChainDecoder(fragment, store)
     jobs = [(li, ci, a, b) for li, leaf in enumerate(fragment.leaves)
             for ci, (a, b) in enumerate(chunk_ranges(leaf.spec.nbytes, leaf.chunk_bytes))]
@@ -138,10 +148,9 @@ def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np
         try:
             if digest is None:
                 raise CorruptCheckpoint(f"the chunk list has {len(leaf.chunks)} entries, the tensor needs more")
-            chunk = decoder.raw(digest)
-            if chunk.nbytes != stop - start:
-                raise CorruptCheckpoint(f"chunk holds {chunk.nbytes} bytes, expected {stop - start}")
-            raws[li][start:stop] = chunk
+            decoder.fill(digest, raws[li][start:stop])
+            if copies is not None:
+                copies[li][start:stop] = raws[li][start:stop]
         except CorruptCheckpoint as e:
             blob = fragment.blobs.get(digest) if digest else None
             key = getattr(e, "key", None) or (blob.key if blob else None)
@@ -152,26 +161,29 @@ def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np
     return [p for p in pool.map(fill, jobs) if p is not None]
 
 
-def _decode_all(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
+def _decode_all(fragment: Fragment, store: Store, pool: Executor,
+                copies: list[np.ndarray] | None = None) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
     """New leaf objects for every leaf, filled from the store: (objects, their raw views, problems)."""
     objects, raws = [], []
     for leaf in fragment.leaves:
         obj, raw = empty_leaf(leaf.spec)
         objects.append(obj)
         raws.append(raw)
-    return objects, raws, _decode_into(fragment, store, pool, raws)
+    return objects, raws, _decode_into(fragment, store, pool, raws, copies)
 
 
 def restore_part(
-    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu"
-) -> tuple[Any, list[np.ndarray]]:
-    """(state, raw uint8 views of every leaf's memory in flatten order). Raises CorruptCheckpoint."""
-    objects, raws, problems = _decode_all(fragment, store, pool)
+    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu", copy: bool = False
+) -> tuple[Any, list[np.ndarray] | None]:
+    """(state, None), or with ``copy`` (state, a private copy of every leaf's raw bytes in flatten
+    order: the delta base of a writer that continues from this state). Raises CorruptCheckpoint."""
+    copies = [np.empty(leaf.spec.nbytes, dtype=np.uint8) for leaf in fragment.leaves] if copy else None
+    objects, _, problems = _decode_all(fragment, store, pool, copies)
     if problems:
         more = f" (and {len(problems) - 1} more problems; run `ckpt verify` for all)" if len(problems) > 1 else ""
         raise CorruptCheckpoint(f"{problems[0]}{more}")
     leaves = [finish_leaf(obj, leaf.spec, device) for obj, leaf in zip(objects, fragment.leaves)]
-    return unflatten(fragment.skeleton, leaves), raws
+    return unflatten(fragment.skeleton, leaves), copies
 
 
 def verify_part(fragment: Fragment, store: Store, pool: Executor) -> list[Problem]:
