@@ -31,7 +31,7 @@ def bench(
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, or module:factory.")
     ] = "tinylm,recsys,finetune",
-    saves: Annotated[int, typer.Option("--saves", help="Checkpoints per series (means are over all but the first).")] = 6,
+    saves: Annotated[int, typer.Option("--saves", help="Checkpoints per series (means are over all but the first).")] = 17,
     steps_between: Annotated[int, typer.Option("--steps-between", help="Training steps between checkpoints.")] = 10,
     size: Annotated[str, typer.Option("--size", help="Workload size preset: bench or small.")] = "bench",
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the records as a JSON list.")] = None,

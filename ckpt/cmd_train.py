@@ -206,7 +206,7 @@ def train(
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Total rounds (a resume may extend the run).")] = 8,
     steps_per_round: Annotated[int, typer.Option("--steps-per-round", min=1, help="Inner steps H per shard and round.")] = 150,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Commit a checkpoint every C rounds (and after the last).")] = 1,
-    keyframe_every: Annotated[int, typer.Option("--keyframe-every", min=1, help="A keyframe every K checkpoints of a chunk.")] = 8,
+    keyframe_every: Annotated[int, typer.Option("--keyframe-every", min=1, help="At most K-1 deltas per chunk before a keyframe (chains also end once their deltas add up to twice a keyframe).")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Run seed.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run --run-id from its last healthy checkpoint.")] = False,
     task_runner: Annotated[str, typer.Option("--task-runner", metavar="threads|dask|dask://HOST:PORT",

@@ -28,7 +28,8 @@ from .reader import Problem, restore_part, verify_part
 from .retention import RetentionPolicy
 from .store import Store
 from .throttle import RateLimiter
-from .writer import Base, Snapshot, WriteOptions, encode_part, take_snapshot
+from .writer import (DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, Base, Snapshot, WriteOptions, encode_part,
+                     take_snapshot)
 
 log = logging.getLogger("ckptlib")
 
@@ -62,19 +63,26 @@ class Checkpointer:
     ``url``: a plain path, ``file:///abs/path``, ``memory://name`` or ``s3://bucket/prefix``;
     ``storage_options`` go to fsspec/s3fs (endpoint_url, key, secret, ...).
     Options: ``chunk_bytes`` (default 4 MiB), ``keyframe_every`` K (restore reads at most K objects
-    per chunk; 1 = keyframes only), ``zstd_level``, ``threads`` (encode/IO pool size),
+    per chunk; 1 = keyframes only; default 32), ``delta_budget`` B (a chunk gets a new keyframe
+    once its chain's deltas add up to B times its keyframe's size, so a restore reads at most 1 + B
+    keyframes' worth of bytes per chunk; default 2; None = only K bounds chains), ``zstd_level``,
+    ``threads`` (encode/IO pool size),
     ``max_upload_bytes_per_s`` (upload bandwidth limit; None = unlimited).
     """
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyframe_every: int = 8, zstd_level: int = 3,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+                 delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None):
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        if delta_budget is not None and not delta_budget > 0:
+            raise ValueError(f"delta_budget must be > 0 (or None for no limit), got {delta_budget}")
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}; about 1-4 MiB suits most stores")
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
-        self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s))
+        self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s),
+                                    delta_budget)
         self._pool = ThreadPoolExecutor(max_workers=threads or min(32, (os.cpu_count() or 2) * 2),
                                         thread_name_prefix="ckpt-io")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")

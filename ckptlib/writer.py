@@ -9,8 +9,9 @@ Called by ``Checkpointer`` (the only caller). Contract:
   ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
   nothing and is safe. It writes no fragment and no manifest; publishing is ``commit``'s job.
 * A chunk is ``unchanged`` (its raw checksum is already in the base's blob table: referenced, not
-  written), a ``delta`` (XOR with the same chunk position in the base, when the base chunk's chain
-  is shorter than ``keyframe_every`` and the delta pays), or a ``keyframe``.
+  written), a ``delta`` against the same chunk position in the base (when the base chunk's chain
+  is shorter than ``keyframe_every``, the chain's deltas stay within ``delta_budget`` keyframes,
+  and the delta pays), or a ``keyframe``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from .tree import LeafSpec, copy_into, flatten
 # much smaller than a keyframe of the same chunk. The keyframe is estimated by the size of the
 # chain's own keyframe, and encoded to compare only when the estimate says the delta may not pay.
 _DELTA_PAYS = 0.9
+# Defaults of a Checkpointer (measured in docs/decisions.md, "Keyframes by budget"): a chunk's chain
+# gets a new keyframe once its deltas add up to twice the keyframe's size, or after 32 links.
+DEFAULT_KEYFRAME_EVERY = 32
+DEFAULT_DELTA_BUDGET = 2.0
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
 _SPARSE_BELOW = 0.3
@@ -47,6 +52,7 @@ class WriteOptions:
     keyframe_every: int  # longest delta chain + 1: restore reads at most this many objects per chunk
     zstd_level: int
     limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))  # upload bandwidth
+    delta_budget: float | None = DEFAULT_DELTA_BUDGET  # a chain's deltas add up to at most this many keyframes
 
 
 @dataclass
@@ -151,11 +157,16 @@ def _delta_codecs(view: np.ndarray, base_view: np.ndarray, spec: LeafSpec, level
     return codecs.arith_codecs(spec.itemsize, level, spec.is_float)
 
 
-def _chain_keyframe_size(blob: Blob, known: dict[str, Blob]) -> int:
-    """Encoded size of the keyframe at the root of ``blob``'s delta chain (its raw size if unknown)."""
+def _chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
+    """(encoded size of the keyframe at the root of ``blob``'s delta chain, or its raw size if
+    unknown; encoded bytes of the chain's deltas up to and including ``blob``)."""
+    deltas = 0
     while blob.base is not None and blob.base in known:
+        deltas += blob.size
         blob = known[blob.base]
-    return blob.size if blob.base is None else blob.nbytes
+    if blob.base is not None:
+        return blob.nbytes, deltas + blob.size
+    return blob.size, deltas
 
 
 def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:
@@ -203,7 +214,11 @@ def encode_part(
             chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
-            if payload.nbytes >= _DELTA_PAYS * _chain_keyframe_size(base_blob, known):  # may not pay
+            key_size, chain_deltas = _chain_sizes(base_blob, known)
+            if opts.delta_budget is not None and chain_deltas + payload.nbytes > opts.delta_budget * key_size:
+                chosen, kind, base_ref, depth = codecs.keyframe_codecs(itemsize, opts.zstd_level), "keyframe", None, 0
+                payload = codecs.encode(view, chosen)
+            elif payload.nbytes >= _DELTA_PAYS * key_size:  # may not pay
                 key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
                 key_payload = codecs.encode(view, key_codecs)
                 if payload.nbytes >= _DELTA_PAYS * key_payload.nbytes:

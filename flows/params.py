@@ -72,8 +72,9 @@ class TrainParams(BaseModel):
     rounds: int = Field(8, ge=1, description="Total rounds of the run (a resume may extend it).")
     checkpoint_every: int = Field(1, ge=1, description="Publish a checkpoint every C rounds (and after the "
                                   "last); rounds between continue from the previous round's fragments.")
-    keyframe_every: int = Field(8, ge=1, description="Longest delta chain + 1: restore reads at most this "
-                                "many objects per chunk.")
+    keyframe_every: int = Field(32, ge=1, description="Longest delta chain + 1: restore reads at most this "
+                                "many objects per chunk (chains also end once their deltas add up to twice "
+                                "a keyframe: ckptlib's delta_budget).")
     resume: bool = Field(False, description="Continue the run from its last healthy (committed and validated) "
                          "checkpoint.")
     task_runner: str = Field("threads", description=f"Where shard tasks run: {TASK_RUNNERS} (an existing Dask "

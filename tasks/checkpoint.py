@@ -31,7 +31,7 @@ def plan_run(run_url: str, spec: dict, resume: bool, run_id: str = "", storage_o
 
 
 @task(name="initial-cut", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def initial_cut(run_url: str, spec: dict, storage_options: dict | None = None, keyframe_every: int = 8,
+def initial_cut(run_url: str, spec: dict, storage_options: dict | None = None, keyframe_every: int = 32,
                 run_meta: dict | None = None, commit_timeout_s: float = 600.0) -> dict:
     """Write and commit step 0 (every shard's fresh state + the coordinator's); idempotent."""
     from ckptlib import Checkpointer
@@ -49,7 +49,7 @@ def initial_cut(run_url: str, spec: dict, storage_options: dict | None = None, k
 @task(name="checkpoint-cut", task_run_name="cut-round-{round}", retries=2, retry_delay_seconds=1,
       cache_policy=NO_CACHE)
 def checkpoint_cut(run_url: str, spec: dict, round: int, source: dict, publish: bool,
-                   storage_options: dict | None = None, keyframe_every: int = 8, run_meta: dict | None = None,
+                   storage_options: dict | None = None, keyframe_every: int = 32, run_meta: dict | None = None,
                    commit_timeout_s: float = 600.0) -> dict:
     """The cut after round ``round``: gather the shards' live fragments, outer step, coordinator part,
     and (``publish``) the manifest of step ``round``. Returns sizes, digest, loss and timings."""

@@ -51,7 +51,7 @@ def _event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S):
 @task(name="train-shard", task_run_name="shard-{shard}-round-{round}", retries=DEFAULT_RETRIES,
       retry_delay_seconds=DEFAULT_RETRY_DELAY_S, cache_policy=NO_CACHE)
 def train_shard(run_url: str, spec: dict, shard: int, round: int, source: dict,
-                storage_options: dict | None = None, keyframe_every: int = 8, chaos: list[str] | None = None,
+                storage_options: dict | None = None, keyframe_every: int = 32, chaos: list[str] | None = None,
                 heartbeat_every_s: float = 2.0, heartbeat_events: bool = False, attempt_offset: int = 0) -> dict:
     """Train shard ``shard`` for round ``round`` from the cut ``source``; write fragment ``round``.
 

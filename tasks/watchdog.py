@@ -691,7 +691,7 @@ def rerun_request(url: str, store: Store, view: RunView, pv: PartView, *,
             raise ValueError("the dead attempt's config hash differs from the run's configuration")
     return {
         "run_url": url, "spec": spec, "shard": int(pv.part.split("-", 1)[1]), "round": int(round_), "source": source,
-        "storage_options": storage_options, "keyframe_every": int(cmeta.get("keyframe_every", 8)),
+        "storage_options": storage_options, "keyframe_every": int(cmeta.get("keyframe_every", 32)),
         "chaos": list(cmeta.get("chaos") or []), "heartbeat_every_s": float(cmeta.get("heartbeat_every_s", 2.0)),
         "heartbeat_events": bool(cmeta.get("heartbeat_events", False)),
         "retries": int(cmeta.get("shard_retries", 2)), "retry_delay_s": float(cmeta.get("retry_delay_s", 1.0)),

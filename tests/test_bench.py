@@ -35,6 +35,8 @@ def test_bench_cli_writes_records_for_all_five_systems(tmp_path):
     assert by["torch.save"]["bytes_written"] >= by["torch.save"]["state_bytes"]  # a full copy every time
     assert by["ckptlib"]["bytes_written"] < by["torch.save"]["bytes_written"]
     assert by["ckptlib"]["ckptlib_kinds"] == ["keyframe"] + ["delta"] * 5
+    per_step = by["ckptlib"]["restore_per_step_s"]  # every committed step restored, the slowest reported
+    assert len(per_step) == 6 and by["ckptlib"]["restore_worst_s"] == max(per_step.values())
     assert "ckptlib" in result.stdout and "torch.save" in result.stdout  # the table
     assert list(tmp_path.iterdir()) == [out]  # every per-system temporary store was removed
 
@@ -79,9 +81,11 @@ def test_targets_and_ratios_from_records():
         return {"workload": "recsys", "device": "cpu", "system": system, "bytes_written": nbytes,
                 "blocked_s": blocked, "durable_s": blocked, "restore_s": restore, "peak_rss_bytes": 1}
 
-    records = [rec("ckptlib", 1e6, 0.012, 0.2), rec("torch.save", 30e6, 1.0, 0.1), rec("memcpy", 0, 0.01, 0.05)]
+    records = [rec("ckptlib", 1e6, 0.012, 0.2), rec("torch.save", 30e6, 1.0, 0.1), rec("dcp", 30e6, 1.0, 0.25),
+               rec("memcpy", 0, 0.01, 0.05)]
     targets = {t.name.split(":")[1].strip(): t for t in bench.check_targets(records)}
     assert targets["ckptlib bytes x smaller than torch.save (>=)"].passed  # 30x >= 25x
     assert not targets["ckptlib restore / torch.load (<=)"].passed  # 2x > 1.5x
     assert targets["ckptlib CPU blocked / memcpy (<=)"].passed  # 1.2x <= 1.5x
+    assert targets["ckptlib restore / DCP load (<=)"].passed and targets["ckptlib restore / DCP load (<=)"].measured == 0.8
     assert "| recsys | ckptlib | 1.0 | 30.0x |" in bench.markdown_table(records)

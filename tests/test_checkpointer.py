@@ -143,6 +143,38 @@ def test_keyframe_every_bounds_delta_chains(tmp_path):
         assert_same({"x": x}, Checkpointer(str(tmp_path)).restore())
 
 
+def test_delta_budget_ends_a_chain_once_its_deltas_add_up_to_the_budget(tmp_path):
+    """Each save changes 5% of the elements: a sparse delta of about a tenth of a keyframe. Without
+    a budget the chain runs to keyframe_every; with a budget of 0.3 keyframes it ends after a few."""
+    gen = torch.Generator().manual_seed(0)
+    series, x = [], torch.randn(1 << 18, generator=gen)
+    for _ in range(12):
+        x = x.clone()
+        idx = torch.randint(0, x.numel(), (x.numel() // 20,), generator=gen)
+        x[idx] += torch.randn(idx.numel(), generator=gen)
+        series.append(x)
+
+    def depths(budget):
+        with Checkpointer(str(tmp_path / str(budget)), keyframe_every=32, delta_budget=budget) as ck:
+            infos = [ck.save(step, {"x": t}) for step, t in enumerate(series)]
+            blobs = ck.manifest(len(series) - 1).parts["state"].blobs
+            assert_same({"x": series[-1]}, Checkpointer(str(tmp_path / str(budget))).restore())
+            return [i.kind for i in infos], max(b.depth for b in blobs.values()), blobs
+
+    kinds, depth, _ = depths(None)
+    assert kinds == ["keyframe"] + ["delta"] * 11 and depth == 11
+    kinds, depth, blobs = depths(0.3)
+    assert "keyframe" in kinds[1:] and depth < 11
+    for blob in blobs.values():  # every chain in the table keeps within the budget
+        chain, b = 0, blob
+        while b.base is not None:
+            chain += b.size
+            b = blobs[b.base]
+        assert chain <= 0.3 * b.size
+    with pytest.raises(ValueError, match="delta_budget must be > 0"):
+        Checkpointer(str(tmp_path / "bad"), delta_budget=0)
+
+
 def test_same_step_same_state_is_noop_different_is_error(url):
     state = {"x": torch.arange(100.0)}
     with Checkpointer(url) as ck:
