@@ -83,6 +83,7 @@ class BenchConfig:
     device: str = "cpu"  # where the captured states live while they are saved: "cpu" | "cuda"
     systems: tuple[str, ...] = SYSTEMS
     seed: int = 0
+    extra: dict = field(default_factory=dict)  # workload knobs (WorkloadConfig.extra), e.g. a bigger model
 
     def __post_init__(self) -> None:
         if self.saves < 2:
@@ -488,7 +489,7 @@ def capture_states(name: str, cfg: BenchConfig) -> Series:
     """Train ``name`` for real and copy its checkpoint state every ``steps_between`` steps."""
     from workloads.base import WorkloadConfig, build_workload, clone_state, state_nbytes
 
-    wl = build_workload(WorkloadConfig(name=name, seed=cfg.seed, size=cfg.size))
+    wl = build_workload(WorkloadConfig(name=name, seed=cfg.seed, size=cfg.size, extra=dict(cfg.extra)))
     steps, states, losses = [], [], []
     train_s = 0.0
     for _ in range(cfg.saves):

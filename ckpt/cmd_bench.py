@@ -42,6 +42,9 @@ def bench(
         "--systems", help="Comma-separated subset of: ckptlib, torch.save, dcp, dcp_async, memcpy.")
     ] = "ckptlib,torch.save,dcp,dcp_async,memcpy",
     device: Annotated[str, typer.Option("--device", help="Where the saved states live: cpu or cuda.")] = "cpu",
+    workload_extra: Annotated[Optional[str], typer.Option(
+        "--workload-extra", metavar="JSON", help="Workload knobs as a JSON object, e.g. '{\"d_model\": 1024}'.")
+    ] = None,
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
@@ -59,8 +62,14 @@ def bench(
         if bad:
             raise ValueError(f"unknown workload(s) {bad}: choose from {', '.join(BUILTIN_WORKLOADS)} "
                              "or give 'package.module:factory'")
+        try:
+            extra = json.loads(workload_extra) if workload_extra else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--workload-extra is not valid JSON ({e}): give an object, e.g. '{{\"d_model\": 1024}}'") from None
+        if not isinstance(extra, dict):
+            raise ValueError(f"--workload-extra must be a JSON object, got {type(extra).__name__}")
         cfg = BenchConfig(workloads=names, saves=saves, steps_between=steps_between, size=size, store=store,
-                          device=device, systems=_names(systems, "systems"))
+                          device=device, systems=_names(systems, "systems"), extra=extra)
         out = Console(highlight=False)
         if not out.is_terminal:
             out.width = max(out.width, 170)  # files and pipes get the whole table, not "…" cells

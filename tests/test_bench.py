@@ -89,3 +89,14 @@ def test_targets_and_ratios_from_records():
     assert targets["ckptlib CPU blocked / memcpy (<=)"].passed  # 1.2x <= 1.5x
     assert targets["ckptlib restore / DCP load (<=)"].passed and targets["ckptlib restore / DCP load (<=)"].measured == 0.8
     assert "| recsys | ckptlib | 1.0 | 30.0x |" in bench.markdown_table(records)
+
+
+def test_workload_extra_sizes_the_state_and_bad_json_is_refused(tmp_path):
+    def state_bytes(extra):
+        cfg = bench.BenchConfig(workloads=("tinylm",), saves=2, steps_between=1, size="small", store=str(tmp_path),
+                                systems=("ckptlib",), extra=extra)
+        return bench.run_benchmark(cfg)[0]["state_bytes"]
+
+    assert state_bytes({"d_model": 64}) < state_bytes({})
+    result = runner.invoke(app, ["bench", "--workload-extra", "{d_model: 64}"])
+    assert result.exit_code == 2 and "--workload-extra is not valid JSON" in result.stderr
