@@ -201,6 +201,10 @@ class Checkpointer:
         or one part's state when ``part`` is given. With ``keep_base`` (default) the restored parts
         are also copied to become the delta bases of this Checkpointer's next saves; readers that
         will not save pass False and skip that copy.
+
+        Chunks this Checkpointer holds already (its delta base: the last step it saved, or restored
+        with ``keep_base``) are copied, not fetched and decoded: a follower that restores every new
+        step (an evaluator, an inference worker) decodes one link per changed chunk.
         """
         self._drain()
         m = self._read_manifest(self._resolve(step, healthy=healthy))
@@ -210,8 +214,11 @@ class Checkpointer:
             if name not in m.parts:
                 raise NoCheckpoint(f"step {m.step} has no part '{name}'; it has {sorted(m.parts)}")
             frag = m.parts[name]
-            # the caller owns (and will mutate) the restored tensors: a base is a copy of them
-            state, copies = restore_part(frag, self.store, self._pool, device=device, copy=keep_base)
+            # the caller owns (and will mutate) the restored tensors: a base is a copy of them.
+            # Chunks of the base held now (the last step saved or restored) need not be decoded again.
+            held = self._bases.get(name)
+            state, copies = restore_part(frag, self.store, self._pool, device=device, copy=keep_base,
+                                         known=held.raw_chunks() if held is not None else None)
             if copies is not None:
                 self._adopt(name, frag, copies, prepare_spare=False)
             out[name] = state

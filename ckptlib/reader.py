@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,7 @@ class _ChainDecoder:
     when it does not match, the chain is walked again link by link to name the damaged object.
     """
 
-    def __init__(self, fragment: Fragment, store: Store):
+    def __init__(self, fragment: Fragment, store: Store, known: Mapping[str, np.ndarray] | None = None):
         self.fragment, self.store = fragment, store
         uses: Counter[str] = Counter()
         for leaf in fragment.leaves:
@@ -74,7 +75,8 @@ class _ChainDecoder:
                     uses[d] += 1
                     d = fragment.blobs[d].base
         self._shared = {d for d, n in uses.items() if n > 1}
-        self._cache: dict[str, np.ndarray] = {}
+        # raw bytes by checksum: chunks the caller already holds, then shared chunks as decoded
+        self._cache: dict[str, np.ndarray] = dict(known or {})
         self._lock = threading.Lock()
 
     def _blob(self, digest: str) -> Blob:
@@ -134,10 +136,10 @@ class _ChainDecoder:
 
 
 def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np.ndarray],
-                 copies: list[np.ndarray] | None = None) -> list[Problem]:
+                 copies: list[np.ndarray] | None = None, known: Mapping[str, np.ndarray] | None = None) -> list[Problem]:
     """Fill every leaf's raw memory (and ``copies``, chunk by chunk while the bytes are in cache);
     return the problems met (empty when all is intact)."""
-    decoder = _ChainDecoder(fragment, store)
+    decoder = _ChainDecoder(fragment, store, known)
     jobs = [(li, ci, a, b) for li, leaf in enumerate(fragment.leaves)
             for ci, (a, b) in enumerate(chunk_ranges(leaf.spec.nbytes, leaf.chunk_bytes))]
 
@@ -161,24 +163,29 @@ def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np
     return [p for p in pool.map(fill, jobs) if p is not None]
 
 
-def _decode_all(fragment: Fragment, store: Store, pool: Executor,
-                copies: list[np.ndarray] | None = None) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
+def _decode_all(fragment: Fragment, store: Store, pool: Executor, copies: list[np.ndarray] | None = None,
+                known: Mapping[str, np.ndarray] | None = None) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
     """New leaf objects for every leaf, filled from the store: (objects, their raw views, problems)."""
     objects, raws = [], []
     for leaf in fragment.leaves:
         obj, raw = empty_leaf(leaf.spec)
         objects.append(obj)
         raws.append(raw)
-    return objects, raws, _decode_into(fragment, store, pool, raws, copies)
+    return objects, raws, _decode_into(fragment, store, pool, raws, copies, known)
 
 
 def restore_part(
-    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu", copy: bool = False
+    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu", copy: bool = False,
+    known: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[Any, list[np.ndarray] | None]:
     """(state, None), or with ``copy`` (state, a private copy of every leaf's raw bytes in flatten
-    order: the delta base of a writer that continues from this state). Raises CorruptCheckpoint."""
+    order: the delta base of a writer that continues from this state). Raises CorruptCheckpoint.
+
+    ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
+    restored): a chain stops there, so following a stream of checkpoints decodes one link per
+    changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
     copies = [np.empty(leaf.spec.nbytes, dtype=np.uint8) for leaf in fragment.leaves] if copy else None
-    objects, _, problems = _decode_all(fragment, store, pool, copies)
+    objects, _, problems = _decode_all(fragment, store, pool, copies, known)
     if problems:
         more = f" (and {len(problems) - 1} more problems; run `ckpt verify` for all)" if len(problems) > 1 else ""
         raise CorruptCheckpoint(f"{problems[0]}{more}")

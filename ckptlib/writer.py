@@ -78,6 +78,13 @@ class Base:
         leaves = {leaf.spec.path: (leaf, buf) for leaf, buf in zip(fragment.leaves, buffers)}
         return cls(fragment.step, leaves, dict(fragment.blobs))
 
+    def raw_chunks(self) -> dict[str, np.ndarray]:
+        """The raw bytes of every chunk this base holds, by checksum (views, not copies)."""
+        out: dict[str, np.ndarray] = {}
+        for leaf, buf in self.leaves.values():
+            out.update(zip(leaf.chunks, chunk_views(buf, leaf.chunk_bytes)))
+        return out
+
     def spare_buffers(self) -> dict[int, list[np.ndarray]]:
         spare: dict[int, list[np.ndarray]] = {}
         for _, buf in self.leaves.values():

@@ -76,18 +76,42 @@ def test_chunks_cover_exactly_and_align(nbytes, itemsize, chunk):
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=raw_bytes, itemsize=st.sampled_from([1, 2, 4, 8]), is_float=st.booleans(), flips=st.integers(0, 300))
-def test_sparse_delta_round_trips_any_bits(data, itemsize, is_float, flips):
+@given(data=raw_bytes, itemsize=st.sampled_from([1, 2, 4, 8]), is_float=st.booleans(), flips=st.integers(0, 300),
+       index=st.sampled_from(["gaps", "bitmap"]))
+def test_sparse_delta_round_trips_any_bits(data, itemsize, is_float, flips, index):
     data = data[: data.nbytes - data.nbytes % itemsize]
     base = data.copy()
     rng = np.random.default_rng(flips)
     if base.nbytes:
         idx = rng.integers(0, base.nbytes, size=flips)
         base[idx] ^= rng.integers(1, 256, size=flips, dtype=np.uint8)
-    sparse = codecs.sparse_codecs(itemsize, 3, is_float)
+    sparse = [codecs.SparseDelta(itemsize, is_float, 3, index=index)]
     enc = codecs.encode(data, sparse, base)
     configs = [c.to_config() for c in sparse]
     assert np.array_equal(codecs.decode(enc, codecs.from_configs(configs), data.nbytes, base), data)
+    out = base.copy()
+    codecs.decode_into(enc, codecs.from_configs(configs), out)  # in place, as a restore does
+    assert np.array_equal(out, data)
+
+
+def test_sparse_delta_reads_the_first_version_and_refuses_bad_positions():
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, 4096, dtype=np.uint8)
+    data = base.copy()
+    data[rng.integers(0, 4096, 40)] += 1
+    legacy = codecs.SparseDelta(4, True, 3, index="bitmap")
+    config = legacy.to_config()
+    del config["configuration"]["index"]  # the first version wrote no index: a bitmap
+    enc = codecs.encode(data, [legacy], base)
+    assert np.array_equal(codecs.decode(enc, codecs.from_configs([config]), data.nbytes, base), data)
+    gaps = codecs.sparse_codecs(4, 3, True)
+    enc = codecs.encode(data, gaps, base)
+    count = int(enc[8:16].view("<u8")[0])
+    bad = np.concatenate([enc[:8], np.array([count + 5000], "<u8").view(np.uint8), enc[16:]])
+    with pytest.raises(CorruptCheckpoint, match="sparse_delta"):
+        codecs.decode(bad, gaps, data.nbytes, base)
+    with pytest.raises(CorruptCheckpoint, match="unknown codec configuration"):
+        codecs.from_configs([{"name": "sparse_delta", "configuration": {"itemsize": 4, "index": "runs"}}])
 
 
 def test_sparse_delta_wins_on_ulp_steps_of_bf16():
