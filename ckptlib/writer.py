@@ -176,6 +176,15 @@ def _chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
     return blob.size, deltas
 
 
+def _chain_cap(keyframe_every: int, position: int) -> int:
+    """The chain bound of the chunk at ``position`` in the part: ``keyframe_every``, lowered by up to
+    a quarter for some positions. Chunks whose chains all started at one save (the first, say) would
+    otherwise all reach the bound at the same save, and that save would upload the whole state
+    again; staggered, the keyframes spread over a quarter of the cycle. Never above the bound."""
+    spread = keyframe_every // 4
+    return keyframe_every - position % spread if spread > 1 else keyframe_every
+
+
 def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:
     """Content-derived object key: the same chunk encoded the same way always lands on the same key."""
     ident = json.dumps([raw_digest, base, codec_configs], sort_keys=True, separators=(",", ":"))
@@ -197,7 +206,7 @@ def encode_part(
     meta: dict[str, Any] | None = None,
 ) -> Fragment:
     known = base.blobs if base else {}
-    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None)
+    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None, longest chain)
     sizes = []
     for i, spec in enumerate(snap.specs):
         size = chunk_size_for(spec.itemsize, opts.chunk_bytes)
@@ -207,17 +216,18 @@ def encode_part(
         prev_ok = prev is not None and prev[0].spec.nbytes == spec.nbytes and prev[0].chunk_bytes == size
         prev_views = chunk_views(prev[1], size) if prev_ok else [None] * len(views)
         for j, view in enumerate(views):
-            jobs.append((i, view, prev_views[j], prev[0].chunks[j] if prev_ok else None))
+            jobs.append((i, view, prev_views[j], prev[0].chunks[j] if prev_ok else None,
+                         _chain_cap(opts.keyframe_every, len(jobs))))
 
     def encode_chunk(job):
-        i, view, base_view, base_digest = job
+        i, view, base_view, base_digest, cap = job
         digest = codecs.checksum(view)
         if digest in known:
             return digest, None, False, "unchanged"
         itemsize = snap.specs[i].itemsize
         chosen, kind, base_ref, depth = None, "keyframe", None, 0
         base_blob = known.get(base_digest) if base_digest else None
-        if base_blob is not None and base_blob.depth + 1 < opts.keyframe_every:
+        if base_blob is not None and base_blob.depth + 1 < cap:
             chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1

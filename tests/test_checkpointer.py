@@ -176,6 +176,22 @@ def test_delta_budget_ends_a_chain_once_its_deltas_add_up_to_the_budget(tmp_path
         Checkpointer(str(tmp_path / "bad"), delta_budget=0)
 
 
+def test_chains_that_start_together_do_not_all_end_at_the_same_save(tmp_path):
+    """16 chunks change a little at every save: with keyframe_every=8 their keyframes are spread over
+    two saves instead of re-uploading the whole tensor at one."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(16 << 14, generator=gen)  # 16 chunks of 64 KiB
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16, keyframe_every=8, delta_budget=None) as ck:
+        keyframes = []
+        for step in range(12):
+            x = x.clone()
+            x[torch.randint(0, x.numel(), (200,), generator=gen)] += 1.0
+            keyframes.append(ck.save(step, {"x": x}).chunks["keyframe"])
+        assert keyframes[0] == 16 and sum(keyframes[1:]) == 16  # each chunk's chain restarted once
+        assert max(keyframes[1:]) <= 8
+        assert max(b.depth for b in ck.manifest(11).parts["state"].blobs.values()) <= 7
+
+
 def test_a_follower_decodes_only_what_changed_since_the_step_it_holds(tmp_path):
     """Restore step 2, then delete every object step 2 needs: step 3 still restores in the follower
     (its chains stop at chunks it holds), not in a fresh reader."""
