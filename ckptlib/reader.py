@@ -112,7 +112,10 @@ class _ChainDecoder:
             chain.append((d, self._blob(d)))
             d = chain[-1][1].base
         if d is not None:
-            out[:] = self._cache[d]
+            start = self._cache[d]
+            if start.nbytes != out.nbytes:
+                raise CorruptCheckpoint(f"chunk {d} holds {start.nbytes} bytes where {out.nbytes} are expected")
+            out[:] = start
         for link, blob in reversed(chain):
             self._apply(blob, out)
             if link in self._shared and link not in self._cache:

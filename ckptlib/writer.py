@@ -34,8 +34,9 @@ from .throttle import RateLimiter
 from .tree import LeafSpec, copy_into, flatten
 
 # A delta lengthens the chain a restore must decode, so it is kept only when it is at least this
-# much smaller than a keyframe of the same chunk. The keyframe is estimated by the size of the
-# chain's own keyframe, and encoded to compare only when the estimate says the delta may not pay.
+# much smaller than a keyframe of the same chunk, and while the chain's deltas, it included, add up
+# to at most ``delta_budget`` keyframes of the chunk as it is now. The keyframe is estimated by the
+# size of the chain's own keyframe, and encoded only when the estimate says the delta may not do.
 _DELTA_PAYS = 0.9
 # Defaults of a Checkpointer (measured in docs/decisions.md, "Keyframes by budget"): a chunk's chain
 # gets a new keyframe once its deltas add up to twice the keyframe's size, or after 32 links.
@@ -231,14 +232,18 @@ def encode_part(
             chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
-            key_size, chain_deltas = _chain_sizes(base_blob, known)
-            if opts.delta_budget is not None and chain_deltas + payload.nbytes > opts.delta_budget * key_size:
-                chosen, kind, base_ref, depth = codecs.keyframe_codecs(itemsize, opts.zstd_level), "keyframe", None, 0
-                payload = codecs.encode(view, chosen)
-            elif payload.nbytes >= _DELTA_PAYS * key_size:  # may not pay
+            chain_deltas = _chain_sizes(base_blob, known)[1] + payload.nbytes
+
+            def keyframe_better(key_size: int) -> bool:
+                over_budget = opts.delta_budget is not None and chain_deltas > opts.delta_budget * key_size
+                return over_budget or payload.nbytes >= _DELTA_PAYS * key_size
+
+            # The chain's own keyframe estimates this chunk's; only when the estimate says a
+            # keyframe may be better is one encoded to decide on its real size.
+            if keyframe_better(_chain_sizes(base_blob, known)[0]):
                 key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
                 key_payload = codecs.encode(view, key_codecs)
-                if payload.nbytes >= _DELTA_PAYS * key_payload.nbytes:
+                if keyframe_better(key_payload.nbytes):
                     chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
         else:
             chosen = codecs.keyframe_codecs(itemsize, opts.zstd_level)
