@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from .cli import app
-from .cmd_store import command_errors
+from .cmd_store import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
 
 
 class CheckpointErrorLike(ValueError):
@@ -62,12 +62,7 @@ def bench(
         if bad:
             raise ValueError(f"unknown workload(s) {bad}: choose from {', '.join(BUILTIN_WORKLOADS)} "
                              "or give 'package.module:factory'")
-        try:
-            extra = json.loads(workload_extra) if workload_extra else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--workload-extra is not valid JSON ({e}): give an object, e.g. '{{\"d_model\": 1024}}'") from None
-        if not isinstance(extra, dict):
-            raise ValueError(f"--workload-extra must be a JSON object, got {type(extra).__name__}")
+        extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
         cfg = BenchConfig(workloads=names, saves=saves, steps_between=steps_between, size=size, store=store,
                           device=device, systems=_names(systems, "systems"), extra=extra)
         out = Console(highlight=False)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ckptlib.manifest import Manifest
 
 STORAGE_OPTIONS_EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:8333", "key": "k", "secret": "s"}\''
+WORKLOAD_EXTRA_EXAMPLE = '\'{"d_model": 64}\''
 
 UrlArg = Annotated[str, typer.Argument(
     metavar="URL", help="The run's store: a path, file:///abs/path, memory://name or s3://bucket/prefix.")]
@@ -63,21 +64,25 @@ def command_errors() -> Iterator[None]:
         raise
 
 
-def parse_storage_options(text: str | None) -> dict[str, Any] | None:
-    """The ``--storage-options`` JSON object, or None when not given. ValueError names the fix."""
+def parse_json_object(text: str | None, option: str, example: str, what: str = "") -> dict[str, Any] | None:
+    """The JSON object given to ``option``, or None when not given. ValueError names the fix."""
     if text is None or not text.strip():
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(
-            f"--storage-options is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): give a JSON "
-            f"object of s3fs arguments, e.g. --storage-options {STORAGE_OPTIONS_EXAMPLE}") from None
+            f"{option} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): give a JSON "
+            f"object{what}, e.g. {option} {example}") from None
     if not isinstance(value, dict):
         raise ValueError(
-            f"--storage-options must be a JSON object, got a JSON {type(value).__name__}: e.g. "
-            f"--storage-options {STORAGE_OPTIONS_EXAMPLE}")
+            f"{option} must be a JSON object, got a JSON {type(value).__name__}: e.g. {option} {example}")
     return value
+
+
+def parse_storage_options(text: str | None) -> dict[str, Any] | None:
+    """The ``--storage-options`` JSON object, or None when not given. ValueError names the fix."""
+    return parse_json_object(text, "--storage-options", STORAGE_OPTIONS_EXAMPLE, " of s3fs arguments")
 
 
 def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .cli import app
-from .cmd_store import fail, storage_options_or_exit
+from .cmd_store import WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
 
 
 # --- live progress (polls the store; independent of where the shards run) --------------------------
@@ -245,9 +245,9 @@ def train(
 
     so = storage_options_or_exit(storage_options)
     try:
-        extra = json.loads(workload_extra) if workload_extra else {}
-    except json.JSONDecodeError as e:
-        fail(f"--workload-extra must be a JSON object: {e}")
+        extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
+    except ValueError as e:
+        fail(str(e))
     if resume and not run_id:
         fail("--resume needs --run-id ID (and the same --store) of the run to continue")
     try:

@@ -268,9 +268,10 @@ class SparseDelta(_InPlaceDelta):
 
     ``index`` says how positions are stored: ``"gaps"`` (what the writer uses: the distance from the
     previous changed element, as byte-planed uint32) or ``"bitmap"`` (one bit per element: the
-    first version of this codec, whose configurations have no ``index``; still read). Gaps measured 14% smaller than the bitmap on finetune-bf16 and 40% on
-    recsys, and decode 2.4-3x faster: the work follows the changed elements, not the chunk's length,
-    which matters because a restore applies every link of a chain.
+    first version of this codec, whose configurations have no ``index``; still read). Gaps measured
+    14% smaller than the bitmap on finetune-bf16 and 40% on recsys, and decode 2.4-3x faster: the
+    work follows the changed elements, not the chunk's length, which matters because a restore
+    applies every link of a chain.
     """
 
     name: ClassVar[str] = "sparse_delta"

@@ -177,6 +177,12 @@ def _chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
     return blob.size, deltas
 
 
+def _keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None) -> bool:
+    """Whether a keyframe of ``keyframe`` bytes beats a delta of ``delta`` bytes that would bring its
+    chain's deltas to ``chain_deltas`` bytes: the delta does not pay, or the chain is over budget."""
+    return delta >= _DELTA_PAYS * keyframe or (budget is not None and chain_deltas > budget * keyframe)
+
+
 def _chain_cap(keyframe_every: int, position: int) -> int:
     """The chain bound of the chunk at ``position`` in the part: ``keyframe_every``, lowered by up to
     a quarter for some positions. Chunks whose chains all started at one save (the first, say) would
@@ -207,7 +213,7 @@ def encode_part(
     meta: dict[str, Any] | None = None,
 ) -> Fragment:
     known = base.blobs if base else {}
-    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None, longest chain)
+    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None, chain bound)
     sizes = []
     for i, spec in enumerate(snap.specs):
         size = chunk_size_for(spec.itemsize, opts.chunk_bytes)
@@ -232,18 +238,14 @@ def encode_part(
             chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
             payload = codecs.encode(view, chosen, base_view)
             kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
-            chain_deltas = _chain_sizes(base_blob, known)[1] + payload.nbytes
-
-            def keyframe_better(key_size: int) -> bool:
-                over_budget = opts.delta_budget is not None and chain_deltas > opts.delta_budget * key_size
-                return over_budget or payload.nbytes >= _DELTA_PAYS * key_size
-
+            key_estimate, chain_deltas = _chain_sizes(base_blob, known)
+            chain_deltas += payload.nbytes
             # The chain's own keyframe estimates this chunk's; only when the estimate says a
             # keyframe may be better is one encoded to decide on its real size.
-            if keyframe_better(_chain_sizes(base_blob, known)[0]):
+            if _keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
                 key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
                 key_payload = codecs.encode(view, key_codecs)
-                if keyframe_better(key_payload.nbytes):
+                if _keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
                     chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
         else:
             chosen = codecs.keyframe_codecs(itemsize, opts.zstd_level)
