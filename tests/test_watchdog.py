@@ -494,3 +494,82 @@ def test_ckpt_watchdog_in_the_foreground_fences_a_silent_shard_of_any_run_under_
     assert [(d["kind"], d["run"], d["generation"]) for d in summary["decisions"]] == [("fenced", "run-a", 1)]
     assert sorted(r.rsplit("/", 1)[-1] for r in summary["runs"]) == ["run-a", "run-b"]
     assert commit.live_generation(Store.from_url(str(tmp_path / "run-b")), "shard-0") == 0
+
+
+# --- nothing the store names is ever imported or run -------------------------------------------------
+
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+def build(config, shard, num_shards):
+    pathlib.Path({marker!r}).write_text("called")
+"""
+
+
+class DoomedRun(threading.Thread):
+    """A run whose committed step 0, live coordinator (its beat naming ``workload``, renewed every
+    0.2 s) and silent shard-0 invite a watchdog to rerun the shard."""
+
+    def __init__(self, store: Store, workload: str, *, setup: bool = True):
+        import torch
+
+        super().__init__(daemon=True)
+        self.store, self.halt = store, threading.Event()
+        self.t0 = time.time()
+        cut = {"step": 0, "committed": True, "generations": {}}
+        spec = {"workload": workload, "shards": 1, "steps_per_round": 4}
+        self.meta = {"run_id": "x", "spec": spec, "phase": "shards", "phase_time": self.t0, "source": cut, "cut": cut}
+        if setup:
+            with Checkpointer(store) as ck:
+                ck.write_fragment(0, "shard-0", {"model": {"w": torch.zeros(2)}, "round": 0})
+                ck.write_fragment(0, "coordinator", {"model": {"w": torch.zeros(2)}, "round": 0})
+                ck.commit(0, ["coordinator", "shard-0"], timeout=10)
+            _beat(store, "shard-0", t=self.t0 - 60, round=1, meta={"source": cut, "spec": spec, "cut": cut})
+        self.beat()
+
+    def beat(self):
+        _beat(self.store, "coordinator", t=time.time(), round=1, step=1, started=self.t0 - 100, meta=self.meta)
+
+    def run(self):
+        while not self.halt.wait(0.2):
+            self.beat()
+
+
+@pytest.mark.prefect
+def test_the_watchdog_never_imports_or_runs_a_workload_the_store_names(prefect_harness, tmp_path, monkeypatch, capfd):
+    """Heartbeats naming ``builtins:print`` and a module with a side effect: refused and reported,
+    never imported; the operator's allow-list is the only way in."""
+    from flows.watchdog import watchdog
+
+    marker = tmp_path / "marker"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "evil_workload.py").write_text(EVIL.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))  # importable: a refusal is not an import error
+    root = tmp_path / "runs"
+    runs = [DoomedRun(Store.from_url(str(root / "printer")), "builtins:print"),
+            DoomedRun(Store.from_url(str(root / "evil")), "evil_workload:build")]
+    for r in runs:
+        r.start()
+    try:
+        out = watchdog(store=str(root), timeout_s=2.0, poll_s=0.2, duration_s=1.0, resume=False)
+    finally:
+        for r in runs:
+            r.halt.set()
+    refused = {d["run"]: d for d in out["decisions"] if d["kind"] == "cannot-rerun"}
+    assert set(refused) == {"printer", "evil"}, out["decisions"]
+    assert "'builtins:print'" in refused["printer"]["reason"] and "not imported" in refused["printer"]["reason"]
+    assert "--allow-workload evil_workload:build" in refused["evil"]["reason"]
+    assert not marker.exists() and "evil_workload" not in sys.modules
+    assert "WorkloadConfig(" not in capfd.readouterr().out  # print was never called with a config
+    assert commit.live_generation(Store.from_url(str(root / "evil")), "shard-0") == 0  # nothing fenced either
+    # named by the operator, the same workload is obeyed: fenced, rerun, imported (and it fails: not a workload)
+    runs[1] = DoomedRun(Store.from_url(str(root / "evil")), "evil_workload:build", setup=False)
+    runs[1].start()
+    try:
+        out = watchdog(store=str(root), run_id="evil", timeout_s=2.0, poll_s=0.2, duration_s=1.0, resume=False,
+                       allow_workloads=["evil_workload:build"])
+    finally:
+        runs[1].halt.set()
+    assert [d["kind"] for d in out["decisions"]][:1] == ["fenced"], out["decisions"]
+    assert marker.exists()
