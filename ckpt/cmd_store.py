@@ -175,20 +175,23 @@ def ls(url: UrlArg, storage_options: StorageOptionsOpt = None) -> None:
 
 # --- show ----------------------------------------------------------------------------------------
 
-def describe_manifest(m: "Manifest", verdict: dict | None) -> list[str]:
-    """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact)."""
-    stats: dict[str, int] = {}
-    for f in m.parts.values():
-        for k, v in f.stats.items():
-            stats[k] = stats.get(k, 0) + v
-    blobs = {b.key: b for f in m.parts.values() for b in f.blobs.values()}
+def describe_lineage(lineage: dict | None) -> str:
+    return "-" if not lineage else f"branched from step {lineage.get('step')} of {lineage.get('run')}"
+
+
+def describe_manifest(m: "Manifest", frags: dict, verdict: dict | None) -> list[str]:
+    """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact); ``frags``: the
+    fragment of every part."""
+    stats = m.stats
+    blobs = {b.key: b for f in frags.values() for b in f.blobs.values()}
     depth = max((b.depth for b in blobs.values()), default=0)
-    tensors = sum(len(f.leaves) for f in m.parts.values())
+    tensors = sum(len(f.leaves) for f in frags.values())
     lines = [
         f"step: {m.step}",
         f"digest: {m.digest}",
         f"parent: {'-' if m.parent is None else m.parent}",
         f"created: {m.created}",
+        f"lineage: {describe_lineage(m.lineage)}",
         f"kind: {m.kind}",
         f"layout: {'single writer' if m.single else f'multi-part ({len(m.parts)} parts)'}",
         f"tensors: {tensors}",
@@ -200,14 +203,14 @@ def describe_manifest(m: "Manifest", verdict: dict | None) -> list[str]:
         f"{stats.get('unchanged', 0)} unchanged; {len(blobs)} stored objects needed, longest delta chain {depth}",
         "parts:",
     ]
-    for name, f in m.parts.items():
+    for name, f in frags.items():
         lines.append(
             f"  {name}: generation {f.generation}, {len(f.leaves)} leaves, {fmt_bytes(f.bytes_written)} written, "
             f"{fmt_bytes(f.logical_bytes)} logical, digest {f.digest}"
             + (f", config {f.config_hash}" if f.config_hash else ""))
     lines.append(f"meta: {json.dumps(m.meta, sort_keys=True, default=str)}")
     if not m.single:
-        for name, f in m.parts.items():
+        for name, f in frags.items():
             if f.meta:
                 lines.append(f"  {name} meta: {json.dumps(f.meta, sort_keys=True, default=str)}")
     lines.append(f"validation: {verdict_word(verdict)}"
@@ -221,7 +224,8 @@ def show(url: UrlArg, step: StepOpt = None, storage_options: StorageOptionsOpt =
     with command_errors():
         with open_checkpointer(url, storage_options) as ck:
             m = ck.manifest(step)
-            for line in describe_manifest(m, ck.verdict(m.step)):
+            frags = {name: ck.fragment(m.step, name) for name in m.parts}
+            for line in describe_manifest(m, frags, ck.verdict(m.step)):
                 typer.echo(line)
 
 

@@ -4,6 +4,16 @@ Thread-safety: one Checkpointer serves one writer (a training loop, or one shard
 methods may be called from one thread at a time; ``save_async`` runs the persisting half in a
 background thread of its own. Several processes may read one store at any time, and several
 writers may race on the same step: exactly one commit wins (see ``commit.publish``).
+
+Errors are reported once, where they happen, and leave the Checkpointer usable: a failed
+``save`` raises from that call; a failed ``save_async`` raises from its future's ``result()``,
+or, if nobody asked the future, from the next call. A retry of the same step then works.
+
+Memory: a Checkpointer holds one delta base per part, at most one copy of the state: after a
+save, the bytes of what it saved (a background save's snapshot becomes the base, a synchronous
+save copies into the previous base's buffers); after ``restore(keep_base=True)``, a copy of what
+it restored. Restores allocate only the state they return (or nothing, with ``into=``) plus a few
+chunks per thread.
 """
 
 from __future__ import annotations
@@ -14,17 +24,17 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import commit
-from .chunking import DEFAULT_CHUNK_BYTES
-from .errors import CheckpointError, NoCheckpoint, ObjectNotFound
+from .chunking import DEFAULT_CHUNK_BYTES, Unit, plan_units
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
 from .gc import GcReport, collect_garbage
-from .manifest import Fragment, Manifest, loads_fragment
-from .reader import Problem, restore_part, verify_part
+from .leases import Lease
+from .manifest import MAX_CHAIN, Fragment, Manifest, loads_fragment
+from .reader import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .store import Store
 from .throttle import RateLimiter
@@ -48,7 +58,7 @@ class CommitInfo:
     kind: str  # "keyframe" | "delta"
     chunks: dict[str, int]  # {"keyframe": n, "delta": n, "unchanged": n}
     committed: bool
-    blocked_s: float  # time the caller was blocked (the snapshot)
+    blocked_s: float  # time the caller was blocked (the snapshot; the whole save for save())
     durable_s: float  # from the call until the manifest was published
 
     @property
@@ -57,42 +67,116 @@ class CommitInfo:
         return self.logical_bytes / max(self.bytes_written, 1)
 
 
+class SaveFuture(Future):
+    """What ``save_async`` returns: ``result()`` gives the ``CommitInfo`` or raises the save's error.
+    An error taken from here is not raised again by the Checkpointer's next call."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+        self.observed = False
+
+    def result(self, timeout: float | None = None) -> CommitInfo:
+        try:
+            value = super().result(timeout)
+        except FutureTimeout:
+            raise
+        except BaseException:
+            self.observed = True
+            raise
+        self.observed = True
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        e = super().exception(timeout)
+        self.observed = True
+        return e
+
+
+def base_of(fragment: Fragment, chunk_bytes: int, raw: dict[str, Any] | None = None) -> Base:
+    """A fragment as the base of this writer's next save of its part, with the raw chunk bytes
+    given (by checksum). Units are matched by how this writer plans them; a unit planned
+    differently (another chunk size) has no base, so its next save is a keyframe."""
+    units = {}
+    for unit in plan_units([leaf.spec for leaf in fragment.leaves], chunk_bytes):
+        digest = _unit_digest(unit, fragment)
+        if digest is not None:
+            units[unit.ident] = digest
+    return Base(fragment.step, dict(fragment.blobs), units, dict(raw or {}))
+
+
+def _unit_digest(unit: Unit, fragment: Fragment) -> str | None:
+    """The checksum of the chunk of ``fragment`` that holds exactly ``unit``'s bytes, if any."""
+    leaves = fragment.leaves
+    if unit.packed:
+        digests = {leaves[s.leaf].pack for s in unit.segments}
+        if len(digests) != 1 or any(leaves[s.leaf].offset != s.unit_start for s in unit.segments):
+            return None
+        return digests.pop()
+    (seg,) = unit.segments
+    leaf = leaves[seg.leaf]
+    size = leaf.chunk_bytes
+    if leaf.pack is not None or not size or seg.leaf_start % size or seg.length != min(size, leaf.spec.nbytes - seg.leaf_start):
+        return None
+    return leaf.chunks[seg.leaf_start // size]
+
+
+@dataclass
+class _Encoded:
+    """A part encoded and uploaded, not yet adopted as the base (that waits for the publish)."""
+
+    part: str
+    fragment: Fragment
+    new: Base
+    snap: Snapshot
+    old: Base | None
+    reused: dict[str, bytes]
+
+
 class Checkpointer:
     """Incremental, content-addressed checkpoints of nested tensor states under one URL.
 
     ``url``: a plain path, ``file:///abs/path``, ``memory://name`` or ``s3://bucket/prefix``;
     ``storage_options`` go to fsspec/s3fs (endpoint_url, key, secret, ...).
-    Options: ``chunk_bytes`` (default 4 MiB), ``keyframe_every`` K (restore reads at most K objects
-    per chunk; 1 = keyframes only; default 32), ``delta_budget`` B (a chunk gets a new keyframe
-    once its chain's deltas add up to B times its keyframe's size, so a restore reads at most 1 + B
-    keyframes' worth of bytes per chunk; default 2; None = only K bounds chains), ``zstd_level``,
-    ``threads`` (encode/IO pool size),
-    ``max_upload_bytes_per_s`` (upload bandwidth limit; None = unlimited).
+    Options: ``chunk_bytes`` (default 4 MiB; smaller tensors are packed together up to it),
+    ``keyframe_every`` K (restore reads at most K objects per chunk; 1 = keyframes only; default
+    32), ``delta_budget`` B (a chunk gets a new keyframe once its chain's deltas add up to B times
+    its keyframe's size, so a restore reads at most 1 + B keyframes' worth of bytes per chunk;
+    default 2; None = only K bounds chains), ``zstd_level``, ``threads`` (encode/IO pool size),
+    ``max_upload_bytes_per_s`` (upload bandwidth limit; None = unlimited), ``reuse_buffers``
+    (keep a background save's staging buffers for the next one: faster snapshots, one more copy of
+    the state in memory; default: only for GPU states, whose pinned buffers are slow to allocate).
     """
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
-                 threads: int | None = None, max_upload_bytes_per_s: float | None = None):
-        if keyframe_every < 1:
-            raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
+                 threads: int | None = None, max_upload_bytes_per_s: float | None = None,
+                 reuse_buffers: bool | None = None):
+        if not isinstance(keyframe_every, int) or not 1 <= keyframe_every <= MAX_CHAIN:
+            raise ValueError(f"keyframe_every must be an int in 1..{MAX_CHAIN}, got {keyframe_every!r}")
         if delta_budget is not None and not delta_budget > 0:
             raise ValueError(f"delta_budget must be > 0 (or None for no limit), got {delta_budget}")
-        if chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}; about 1-4 MiB suits most stores")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}; about 1-4 MiB suits most stores")
+        if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
+            raise ValueError(f"zstd_level must be an int in -7..22, got {zstd_level!r}")
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
         self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s),
                                     delta_budget)
+        self.reuse_buffers = reuse_buffers
         self._pool = ThreadPoolExecutor(max_workers=threads or min(32, (os.cpu_count() or 2) * 2),
                                         thread_name_prefix="ckpt-io")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._bases: dict[str, Base] = {}
-        self._spare: dict[str, dict] = {}  # per part: buffers of the replaced base, reused by the next snapshot
+        self._spare: dict[str, dict] = {}  # per part: staging buffers kept for the next snapshot
         # Committed manifests are write-once, so each is read once; only a deletion (GC, possibly by
         # another process) can make an entry stale, and a restore of it then fails on missing chunks.
         self._manifests: dict[int, Manifest] = {}
-        self._inflight: Future | None = None
-        self._inflight_step: int | None = None
+        self._fragments: dict[tuple[int, str], Fragment] = {}
+        self._inflight: SaveFuture | None = None
+        self._marked = False
+        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -102,82 +186,132 @@ class Checkpointer:
     # --- saving ----------------------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, meta: dict | None = None) -> CommitInfo:
-        """Snapshot, encode, upload and commit ``state`` as ``step``; returns when it is durable."""
-        return self.save_async(step, state, meta=meta).result()
+        """Encode, upload and commit ``state`` as ``step``; returns when it is durable.
 
-    def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> "Future[CommitInfo]":
-        """Return once ``state`` is snapshotted; the caller may then change it. At most one save is
-        in flight: this first waits for the previous one, and raises its error if it failed."""
+        CPU tensors are encoded in place from their own memory (no copy of the state), so the state
+        must not change until this returns; use ``save_async`` to go on training meanwhile."""
         commit.check_step(step)
+        self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        snap = self._snapshot(SINGLE_PART, state)
+        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=False)
+        return self._persist(step, snap, meta, t0, blocked=None)
+
+    def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture:
+        """Return once ``state`` is copied; the caller may then change it. At most one save is in
+        flight: this first waits for the previous one (and raises its error if nobody took it
+        from its future)."""
+        commit.check_step(step)
+        self._check_open()
+        t0 = time.perf_counter()
+        self._drain()
+        spare = self._spare.pop(SINGLE_PART, None)
+        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=True, spare=spare)
+        fut = SaveFuture(step)
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(self._persist(step, snap, meta, t0, blocked=snap.seconds))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                fut.set_exception(e)
+
         with self._lock:
-            fut = self._background.submit(self._persist, step, snap, meta, t0)
-            self._inflight, self._inflight_step = fut, step
+            self._inflight = fut
+        self._background.submit(run)
         return fut
 
     def wait(self) -> None:
-        """Block until no save is in flight; raise the error of a failed background save."""
+        """Block until no save is in flight; raise the error of a failed background save that
+        nobody took from its future."""
         self._drain()
 
     def _drain(self) -> None:
         with self._lock:
-            fut, step = self._inflight, self._inflight_step
-            self._inflight = self._inflight_step = None
-        if fut is not None:
-            try:
-                fut.result()
-            except Exception as e:
-                raise CheckpointError(f"the previous background save (step {step}) failed: {e}") from e
-
-    def _snapshot(self, part: str, state: Any) -> Snapshot:
-        return take_snapshot(state, self._pool, spare=self._spare.pop(part, None))
+            fut, self._inflight = self._inflight, None
+        if fut is None:
+            return
+        try:
+            super(SaveFuture, fut).result()  # wait without marking it observed
+        except BaseException as e:  # noqa: BLE001
+            if not fut.observed:
+                fut.observed = True
+                raise CheckpointError(f"the background save of step {fut.step} failed: {e}") from e
 
     def _base(self, part: str) -> Base | None:
         """The delta base of ``part``. A writer that has neither saved nor restored yet starts from
         the blob table of the latest committed checkpoint: its unchanged chunks are then referenced
-        instead of re-encoded (deltas need the base bytes, which only a restore brings)."""
+        instead of re-encoded (deltas need the base bytes, which only a save or a restore brings)."""
         if part not in self._bases:
             latest = self.latest_step()
             if latest is None:
                 return None
-            frag = self._read_manifest(latest).parts.get(part)
-            if frag is None:
+            m = self._read_manifest(latest)
+            if part not in m.parts:
                 return None
-            self._bases[part] = Base(frag.step, {}, dict(frag.blobs))
+            self._bases[part] = base_of(self._fragment(m, part), self.options.chunk_bytes)
         return self._bases[part]
 
-    def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float) -> CommitInfo:
+    def _ensure_marker(self) -> None:
+        if not self._marked:
+            commit.ensure_marker(self.store)
+            self._marked = True
+
+    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> "_Encoded":
+        """Encode ``snap`` as ``part`` of ``step`` against the part's base."""
+        base = self._base(part)
+        try:
+            fragment, new, reused = encode_part(snap, base, self.store, self._pool, self.options, step=step,
+                                                part=part, lease=lease, retain=True, **kw)
+        except BaseException:
+            self._forget_bytes(part)
+            raise
+        return _Encoded(part, fragment, new, snap, base, reused)  # type: ignore[arg-type]
+
+    def _forget_bytes(self, part: str) -> None:
+        """After a failed save: a save that read the caller's memory in place has written over the
+        old base's bytes as it went, so keep only what is certainly right, the last commit's blob table."""
+        base = self._bases.get(part)
+        if base is not None:
+            self._bases[part] = base.without_bytes()
+        self._spare.pop(part, None)
+
+    def _adopt(self, enc: "_Encoded") -> None:
+        """The committed (or published) fragment becomes the part's base, with its bytes."""
+        self._bases[enc.part] = enc.new
+        keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(enc.snap)
+        if keep_spare and enc.old is not None:
+            live = {id(b) for b in enc.new.raw.values()}
+            spare: dict[int, list] = {}
+            for buf in enc.old.raw.values():
+                if id(buf) not in live:
+                    spare.setdefault(buf.nbytes, []).append(buf)
+            self._spare[enc.part] = spare
+
+    def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
+        self._ensure_marker()
         base = self._base(SINGLE_PART)
-        fragment = encode_part(snap, base, self.store, self._pool, self.options, step=step, part=SINGLE_PART)
-        manifest = commit.build_manifest(step, base.step if base else None, {SINGLE_PART: fragment},
-                                         single=True, meta=meta)
-        created = commit.publish(self.store, manifest)
-        self._adopt(SINGLE_PART, fragment, snap.buffers)
+        with Lease(self.store, "save", base.step if base else None) as lease:
+            enc = self._encode(snap, SINGLE_PART, step, lease)
+            manifest = commit.build_manifest(step, base.step if base else None, {SINGLE_PART: (enc.fragment, None)},
+                                             single=True, meta=meta)
+            try:
+                lease.before_publish(enc.reused)
+                created = commit.publish(self.store, manifest)
+            except BaseException:
+                self._forget_bytes(SINGLE_PART)
+                raise
+        self._adopt(enc)
         if not created:
             log.info("step %d was already committed with the same digest: nothing new published", step)
-        return self._info(manifest, created, snap.seconds, time.perf_counter() - t0)
-
-    def _adopt(self, part: str, fragment: Fragment, buffers, *, prepare_spare: bool = True) -> None:
-        """Make a committed fragment the delta base of ``part``; keep the old buffers for reuse."""
-        old = self._bases.get(part)
-        self._bases[part] = new = Base.of(fragment, buffers)
-        # Old buffers are reused by the next snapshot; after the first save there are none yet, so
-        # make them now (this runs in the background half of a save, not while the caller waits).
-        if old is not None and old.leaves:
-            self._spare[part] = old.spare_buffers()
-        elif prepare_spare:
-            self._spare[part] = new.fresh_buffers()
+        durable = time.perf_counter() - t0
+        return self._info(manifest, created, durable if blocked is None else blocked, durable)
 
     @staticmethod
     def _info(m: Manifest, created: bool, blocked: float, durable: float) -> CommitInfo:
-        stats: dict[str, int] = {}
-        for f in m.parts.values():
-            for k, v in f.stats.items():
-                stats[k] = stats.get(k, 0) + v
         return CommitInfo(m.step, m.digest, m.bytes_written, m.logical_bytes,
-                          m.stored_bytes, m.kind, stats, created, blocked, durable)
+                          m.stored_bytes, m.kind, m.stats, created, blocked, durable)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -192,44 +326,89 @@ class Checkpointer:
     def manifest(self, step: int | None = None) -> Manifest:
         return self._read_manifest(self._resolve(step, healthy=False))
 
+    def fragment(self, step: int, part: str) -> Fragment:
+        """The fragment of one part of committed ``step`` (checked against its manifest)."""
+        return self._fragment(self._read_manifest(commit.check_step(step)), part)
+
     def restore(self, step: int | None = None, *, healthy: bool = False, part: str | None = None,
-                device: str | torch.device = "cpu", keep_base: bool = True) -> Any:
+                device: Any = "cpu", into: Any = None, select: list[str] | None = None,
+                keep_base: bool = False) -> Any:
         """The state of ``step`` (None = the latest committed; ``healthy=True``: the latest that
-        passed validation). Tensors land on ``device`` (CPU by default), bit-exact.
+        passed validation), bit-exact and checked against the manifest's digests. Tensors land on
+        ``device`` (CPU by default).
+
+        ``into``: a state of the same structure (e.g. ``{"model": model.state_dict(),
+        "optimizer": opt.state_dict()}``) whose tensors and arrays are filled in place, CPU or GPU;
+        names, shapes and dtypes are checked first and every mismatch is listed in one ValueError
+        before anything changes. The returned state holds those same tensors, with every other
+        value (step counters, hyperparameters) from the checkpoint: pass it to
+        ``optimizer.load_state_dict``. Values the destination lacks (a fresh optimizer's moments)
+        are allocated. ``select``: restore only these top-level keys or '/'-paths (e.g.
+        ``["model"]`` for evaluation): only their objects are read.
 
         A single-writer checkpoint returns its state; a multi-part one returns ``{part: state}``,
-        or one part's state when ``part`` is given. With ``keep_base`` (default) the restored parts
-        are also copied to become the delta bases of this Checkpointer's next saves; readers that
-        will not save pass False and skip that copy.
-
-        Chunks this Checkpointer holds already (its delta base: the last step it saved, or restored
-        with ``keep_base``) are copied, not fetched and decoded: a follower that restores every new
-        step (an evaluator, an inference worker) decodes one link per changed chunk.
+        or one part's state when ``part`` is given. ``keep_base=True`` also keeps a copy of what was
+        restored as the delta base of this Checkpointer's next save (one more copy of the state in
+        memory; without it, the next save writes changed chunks as keyframes). Chunks this
+        Checkpointer holds already (its base) are copied, not fetched: a follower that restores
+        every new step with ``keep_base=True`` decodes one link per changed chunk.
         """
+        self._check_open()
         self._drain()
-        m = self._read_manifest(self._resolve(step, healthy=healthy))
-        names = [part] if part is not None else list(m.parts)
-        out = {}
-        for name in names:
-            if name not in m.parts:
-                raise NoCheckpoint(f"step {m.step} has no part '{name}'; it has {sorted(m.parts)}")
-            frag = m.parts[name]
-            # the caller owns (and will mutate) the restored tensors: a base is a copy of them.
-            # Chunks of the base held now (the last step saved or restored) need not be decoded again.
-            held = self._bases.get(name)
-            state, copies = restore_part(frag, self.store, self._pool, device=device, copy=keep_base,
-                                         known=held.raw_chunks() if held is not None else None)
-            if copies is not None:
-                self._adopt(name, frag, copies, prepare_spare=False)
-            out[name] = state
+        lease = None
+        if step is not None:  # an older step may be garbage-collected while it is read: a read lease
+            lease = Lease(self.store, "read", commit.check_step(step)).try_acquire()
+            if lease.gc_seen:
+                lease.before_publish({})  # wait for that GC to end before reading
+        try:
+            m = self._read_manifest(self._resolve(step, healthy=healthy))
+            names = [part] if part is not None else list(m.parts)
+            if into is not None and part is None and not m.single:
+                into_parts = into
+            else:
+                into_parts = {names[0]: into} if into is not None else {}
+            out = {}
+            for name in names:
+                frag = self._fragment(m, name)
+                held = self._bases.get(name)
+                state, raw = restore_part(frag, self.store, self._pool, device=device, into=into_parts.get(name),
+                                          select=select, keep=keep_base,
+                                          known=held.raw if held is not None else None)
+                if raw is not None:
+                    self._bases[name] = base_of(frag, self.options.chunk_bytes, raw)
+                    self._spare.pop(name, None)
+                out[name] = state
+        finally:
+            if lease is not None:
+                lease.release()
         if part is not None:
             return out[part]
         return out[SINGLE_PART] if m.single else out
 
     def verify(self, step: int | None = None) -> list[Problem]:
-        """Decode every chunk of ``step`` and check all checksums and digests; [] when intact."""
+        """Decode every chunk of ``step`` and check every checksum, digest, the skeleton and the
+        parts the manifest commits; [] when it is intact."""
+        self._check_open()
         m = self._read_manifest(self._resolve(step, healthy=False))
-        return [p for frag in m.parts.values() for p in verify_part(frag, self.store, self._pool)]
+        problems = []
+        for name in m.parts:
+            try:
+                frag = self._fragment(m, name)
+            except CorruptCheckpoint as e:
+                problems.append(Problem(m.step, name, "/", None, None, str(e)))
+                continue
+            problems += inspect_part(frag, self.store, self._pool)[1]
+        return problems
+
+    def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False) -> int:
+        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export);
+        returns its size. Refuses to overwrite ``path`` without ``force``."""
+        from .export import format_of, write_export
+
+        format_of(path)
+        m = self.manifest(step)
+        state = self.restore(m.step, part=part)
+        return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force)
 
     def _read_manifest(self, step: int) -> Manifest:
         """The committed manifest of ``step``, read once per Checkpointer (restoring several parts
@@ -237,6 +416,12 @@ class Checkpointer:
         if step not in self._manifests:
             self._manifests[step] = commit.read_manifest(self.store, step)
         return self._manifests[step]
+
+    def _fragment(self, m: Manifest, part: str) -> Fragment:
+        key = (m.step, part)
+        if key not in self._fragments:
+            self._fragments[key] = commit.load_part(self.store, m, part)
+        return self._fragments[key]
 
     def _resolve(self, step: int | None, *, healthy: bool) -> int:
         if step is not None:
@@ -250,21 +435,31 @@ class Checkpointer:
     # --- health (validation verdicts) ------------------------------------------------------------
 
     def verdict(self, step: int) -> dict | None:
+        """The validation verdict of ``step``; None if there is none or it is not a valid verdict
+        document (then the step counts as not validated, and a warning names the object)."""
         try:
-            return json.loads(self.store.get(commit.validation_key(step)))
+            doc = json.loads(self.store.get(commit.validation_key(step)))
         except ObjectNotFound:
             return None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or not isinstance(doc.get("passed"), bool):
+            log.warning("%s/%s is not a valid verdict: step %d counts as not validated", self.url,
+                        commit.validation_key(step), step)
+            return None
+        return doc
 
     def healthy_steps(self) -> list[int]:
         """Committed steps whose validation passed, ascending. Failed ones are skipped (logged)."""
         healthy = []
         for step in self.steps():
             v = self.verdict(step)
-            if v is not None and v.get("passed") is True:
+            if v is not None and v["passed"] is True:
                 healthy.append(step)
             elif v is not None:
+                failed = v.get("failed") if isinstance(v.get("failed"), list) else []
                 log.warning("skipping checkpoint step %d of %s: its validation failed (%s)", step, self.url,
-                            ", ".join(v.get("failed", [])) or "see validations/%d.json" % step)
+                            ", ".join(map(str, failed)) or "see validations/%d.json" % step)
         return healthy
 
     # --- multi-writer: fragments and the coordinator's commit ------------------------------------
@@ -275,20 +470,29 @@ class Checkpointer:
         generation ``generation``. Raises FencedError if that generation is no longer live."""
         commit.check_step(step)
         commit.check_part_name(part)
+        self._check_open()
         commit.check_live(self.store, part, generation)
-        snap = self._snapshot(part, state)
-        frag = encode_part(snap, self._base(part), self.store, self._pool, self.options, step=step,
-                           part=part, generation=generation, config_hash=config_hash, meta=meta)
-        commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
-        commit.put_fragment(self.store, frag)
-        return frag
+        self._ensure_marker()
+        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=False)
+        base = self._base(part)
+        with Lease(self.store, "save", base.step if base else None) as lease:
+            enc = self._encode(snap, part, step, lease, generation=generation, config_hash=config_hash, meta=meta)
+            try:
+                commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
+                lease.before_publish(enc.reused)
+                commit.put_fragment(self.store, enc.fragment)
+            except BaseException:
+                self._forget_bytes(part)
+                raise
+        self._adopt(enc)
+        return enc.fragment
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
-                      device: str | torch.device = "cpu", adopt: bool = False) -> Any:
+                      device: Any = "cpu", adopt: bool = False) -> Any:
         """The state in a (possibly not yet committed) fragment; generation None = the live one.
         Used by a coordinator to combine the shards of a cut before it commits it. ``adopt=True``
         makes the fragment the delta base of this Checkpointer's next write of ``part`` (as
-        ``restore`` does): a writer that continues from an uncommitted fragment then writes deltas."""
+        ``restore(keep_base=True)`` does)."""
         gen = self.live_generation(part) if generation is None else generation
         key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
         try:
@@ -297,21 +501,25 @@ class Checkpointer:
             raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                f"written step {step} yet") from None
         frag = loads_fragment(data, f"{self.url}/{key}")
-        state, copies = restore_part(frag, self.store, self._pool, device=device, copy=adopt)
-        if copies is not None:
-            self._adopt(part, frag, copies, prepare_spare=False)
+        if (frag.step, frag.part, frag.generation) != (step, part, gen):
+            raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
+                                    f"{frag.generation}")
+        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt)
+        if raw is not None:
+            self._bases[part] = base_of(frag, self.options.chunk_bytes, raw)
         return state
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
-               parent: int | None = None) -> CommitInfo:
-        """Coordinator: wait for a fragment of the live generation of every part, then publish the cut."""
+               parent: int | None = None, lineage: dict | None = None) -> CommitInfo:
+        """Coordinator: wait for a fragment of the live generation of every part, then publish the
+        cut. The manifest names each part's fragment object (it stays O(parts) in size)."""
         t0 = time.perf_counter()
         frags = commit.gather(self.store, commit.check_step(step), [commit.check_part_name(p) for p in parts],
                               timeout=timeout)
         if parent is None:
             prior = [s for s in self.steps() if s < step]
             parent = prior[-1] if prior else None
-        manifest = commit.build_manifest(step, parent, frags, single=False, meta=meta)
+        manifest = commit.build_manifest(step, parent, dict(frags), single=False, meta=meta, lineage=lineage)
         created = commit.publish(self.store, manifest)
         return self._info(manifest, created, 0.0, time.perf_counter() - t0)
 
@@ -326,21 +534,43 @@ class Checkpointer:
 
     def gc(self, policy: RetentionPolicy, *, grace_s: float = 600.0, dry_run: bool = False) -> GcReport:
         """Drop checkpoints the policy does not keep and sweep unreferenced objects (see ckptlib.gc)."""
+        self._check_open()
         self._drain()
         self._manifests.clear()  # GC uncommits steps
+        self._fragments.clear()
         return collect_garbage(self.store, policy, grace_s=grace_s, dry_run=dry_run)
 
     # --- lifetime --------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this Checkpointer of {self.url} is closed; create a new one")
+
     def close(self) -> None:
+        """Wait for a save in flight (raising its error if nobody took it), then free threads and
+        memory. Idempotent."""
+        if self._closed:
+            return
         try:
             self._drain()
         finally:
+            self._closed = True
             self._background.shutdown(wait=True)
             self._pool.shutdown(wait=True)
+            self._bases.clear()
+            self._spare.clear()
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _pinned(snap: Snapshot) -> bool:
+    """Whether a snapshot's buffers are pinned host memory (a GPU state's)."""
+    if not snap.unit_data or "torch" not in __import__("sys").modules:
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.from_numpy(snap.unit_data[0]).is_pinned()

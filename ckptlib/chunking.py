@@ -1,8 +1,23 @@
-"""Split a leaf's bytes into fixed-size chunks. Pure; no copies (numpy views)."""
+"""Which stored chunk holds which bytes of which leaf. Pure; no I/O, no copies.
+
+A *unit* is one stored chunk: either a slice of a large leaf (leaves of at least one chunk are
+cut into fixed-size chunks), or a *pack* of small leaves (each smaller than a chunk) laid end to
+end. Packing keeps the number of objects near ``bytes / chunk_bytes`` instead of one object per
+tensor: a ResNet-50 state has 481 tensors, most of them small.
+
+Packs are made per group (top-level key, element size, float or not; see ``LeafSpec.group``) so
+a partial restore of one key reads only its own packs and byte planes line up; within a group
+leaves are placed first-fit by decreasing size, so packs are nearly full. The plan depends only
+on the leaves' paths, sizes and types: the same state shape gives the same units at every save,
+and a unit's delta base is the unit with the same ``ident`` in the previous checkpoint.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .types import LeafSpec
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB: large enough for zstd and S3, small enough to parallelise
 
@@ -19,5 +34,70 @@ def chunk_ranges(nbytes: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, nbytes)) for start in range(0, nbytes, size)]
 
 
-def chunk_views(raw: np.ndarray, size: int) -> list[np.ndarray]:
-    return [raw[a:b] for a, b in chunk_ranges(raw.nbytes, size)]
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of leaf ``leaf`` from ``leaf_start`` sit at ``unit_start`` in the unit."""
+
+    leaf: int
+    leaf_start: int
+    unit_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    ident: tuple  # what identifies "the same unit" in the previous checkpoint (its delta base)
+    nbytes: int
+    itemsize: int
+    is_float: bool
+    segments: tuple[Segment, ...]
+
+    @property
+    def packed(self) -> bool:
+        return self.ident[0] == "pack"
+
+
+def plan_units(specs: list[LeafSpec], chunk_bytes: int) -> list[Unit]:
+    """The units of a part, in a deterministic order: chunks of large leaves, then packs."""
+    units: list[Unit] = []
+    small: dict[tuple, list[int]] = defaultdict(list)
+    for i, spec in enumerate(specs):
+        size = chunk_size_for(spec.itemsize, chunk_bytes)
+        if spec.nbytes == 0:
+            continue
+        if spec.nbytes < size:
+            small[spec.group].append(i)
+            continue
+        for j, (a, b) in enumerate(chunk_ranges(spec.nbytes, size)):
+            units.append(Unit(("leaf", spec.path, spec.nbytes, size, j), b - a, spec.itemsize, spec.is_float,
+                              (Segment(i, a, 0, b - a),)))
+    for group in sorted(small, key=lambda g: min(small[g])):
+        top, itemsize, is_float = group
+        capacity = chunk_size_for(itemsize, chunk_bytes)
+        for k, members in enumerate(_first_fit_decreasing(small[group], specs, capacity)):
+            segments, offset = [], 0
+            for i in members:
+                segments.append(Segment(i, 0, offset, specs[i].nbytes))
+                offset += specs[i].nbytes
+            layout = tuple((specs[i].path, specs[i].nbytes) for i in members)
+            units.append(Unit(("pack", top, itemsize, is_float, k, layout), offset, itemsize, is_float,
+                              tuple(segments)))
+    return units
+
+
+def _first_fit_decreasing(indices: list[int], specs: list[LeafSpec], capacity: int) -> list[list[int]]:
+    """Bins of leaf indices (each bin's bytes <= capacity), members in state order, bins in the
+    order of their first member."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(indices, key=lambda i: (-specs[i].nbytes, i)):
+        n = specs[i].nbytes
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - n)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])

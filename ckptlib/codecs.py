@@ -38,12 +38,14 @@ def checksum(data: np.ndarray | bytes | memoryview) -> str:
 class Codec(Protocol):
     """One reversible step. ``decode(encode(x, base), base) == x`` for every input.
 
-    Delta codecs (``uses_base``) also have ``apply(data, out)``: ``out`` holds the base's raw bytes
-    and becomes the decoded chunk, in place, so a restore resolves a delta chain inside the
-    destination tensor's memory without a buffer per link.
+    ``uses_base``: a delta codec. Its ``apply(data, out)`` decodes in place: ``out`` holds the
+    base's raw bytes and becomes the decoded chunk, so a restore resolves a delta chain inside the
+    destination tensor's memory without a buffer per link. A codec that can be first in a chain
+    without a base has ``decode_into(data, out)``, writing the raw bytes straight into ``out``.
     """
 
     name: ClassVar[str]
+    uses_base: ClassVar[bool]
 
     def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray: ...
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray: ...
@@ -52,6 +54,8 @@ class Codec(Protocol):
 
 class _InPlaceDelta:
     """``decode`` of a delta codec, by its in-place ``apply`` on a copy of the base."""
+
+    uses_base: ClassVar[bool] = True
 
     def apply(self, data: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
@@ -63,6 +67,40 @@ class _InPlaceDelta:
         out = base.copy()
         self.apply(data, out)
         return out
+
+
+class _Transform:
+    """A codec that needs no base: ``decode_into`` writes the decoded bytes into ``out``."""
+
+    uses_base: ClassVar[bool] = False
+
+    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def decode_into(self, data: np.ndarray, out: np.ndarray) -> None:
+        decoded = self.decode(data, None, out.nbytes)
+        if decoded.nbytes != out.nbytes:
+            raise CorruptCheckpoint(f"chunk decoded to {decoded.nbytes} bytes, expected {out.nbytes}")
+        out[:] = decoded
+
+
+class Raw(_Transform):
+    """The raw bytes as they are: a keyframe of a chunk that does not compress. Restoring it is a
+    copy, which is what makes incompressible state (most fp32 mantissas) as fast to read back as
+    an uncompressed checkpoint."""
+
+    name: ClassVar[str] = "raw"
+
+    def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+        return data
+
+    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
+        if data.nbytes != nbytes:
+            raise CorruptCheckpoint(f"raw chunk holds {data.nbytes} bytes, expected {nbytes}")
+        return data
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name}
 
 
 class XorDelta(_InPlaceDelta):
@@ -91,7 +129,7 @@ def _xor(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-class BytePlane:
+class BytePlane(_Transform):
     """Transpose element bytes into planes (all first bytes, then all second bytes, ...).
 
     Exponent and sign bytes of floats, and the zero high bytes of small deltas, line up into long
@@ -138,7 +176,7 @@ class BytePlane:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize}}
 
 
-class Zstd:
+class Zstd(_Transform):
     """zstd frame with the content size and a frame checksum; one compressor per thread."""
 
     name: ClassVar[str] = "zstd"
@@ -161,6 +199,11 @@ class Zstd:
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         dctx = self._local.__dict__.setdefault("decompressor", zstandard.ZstdDecompressor())
         try:
+            # The frame header declares its content size, and zstd would allocate that much before
+            # finding out it lies: a small hostile chunk could declare gigabytes. Check it first.
+            declared = zstandard.frame_content_size(memoryview(data))
+            if declared != nbytes:
+                raise CorruptCheckpoint(f"zstd frame declares {declared} bytes, the chunk holds {nbytes}")
             out = dctx.decompress(memoryview(data), max_output_size=nbytes, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise CorruptCheckpoint(f"zstd frame does not decode ({e})") from None
@@ -341,7 +384,7 @@ class SparseDelta(_InPlaceDelta):
                                                      "level": self.level, "index": self.index}}
 
 
-REGISTRY: dict[str, type] = {c.name: c for c in (XorDelta, BytePlane, Zstd, ArithDelta, SparseDelta)}
+REGISTRY: dict[str, type] = {c.name: c for c in (Raw, XorDelta, BytePlane, Zstd, ArithDelta, SparseDelta)}
 
 
 def from_configs(configs: list[dict[str, Any]]) -> list[Codec]:
@@ -372,24 +415,21 @@ def decode(data: np.ndarray, codecs: list[Codec], nbytes: int, base: np.ndarray 
 
 
 def decode_into(data: np.ndarray, codecs: list[Codec], out: np.ndarray) -> None:
-    """Decode into ``out`` (1-D uint8 of the raw size). For a delta encoding (its first codec has
-    ``apply``), ``out`` holds the base's raw bytes on entry and is updated in place."""
+    """Decode into ``out`` (1-D uint8 of the raw size). For a delta encoding (its first codec
+    ``uses_base``), ``out`` holds the base's raw bytes on entry and is updated in place."""
     first, inner = codecs[0], codecs[1:]
+    if any(c.uses_base for c in inner):
+        raise CorruptCheckpoint("a delta codec can only be the first of an encoding")
     for codec in reversed(inner):
         data = codec.decode(data, None, out.nbytes)
-    if hasattr(first, "apply"):
-        first.apply(data, out)
-    elif hasattr(first, "decode_into"):
-        first.decode_into(data, out)
+    if first.uses_base:
+        first.apply(data, out)  # type: ignore[attr-defined]
     else:
-        data = first.decode(data, None, out.nbytes)
-        if data.nbytes != out.nbytes:
-            raise CorruptCheckpoint(f"chunk decoded to {data.nbytes} bytes, expected {out.nbytes}")
-        out[:] = data
+        first.decode_into(data, out)  # type: ignore[attr-defined]
 
 
 def uses_base(configs: list[dict[str, Any]]) -> bool:
-    return any(c["name"] in (XorDelta.name, ArithDelta.name, SparseDelta.name) for c in configs)
+    return any(getattr(REGISTRY.get(c.get("name")), "uses_base", False) for c in configs)
 
 
 def keyframe_codecs(itemsize: int, level: int) -> list[Codec]:

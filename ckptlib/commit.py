@@ -29,19 +29,33 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
-from .manifest import Fragment, Manifest, combined_digest, dumps, loads_fragment, loads_manifest
+from .manifest import (Fragment, Manifest, PartRef, combined_digest, document_checksum, dumps, fragment_key,
+                       loads_fragment, loads_manifest)
 from .store import Store
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
 
 
+STORE_MARKER = "ckptlib.json"  # written by the first save: what tells a store from any other folder
+
+
+def ensure_marker(store: Store) -> None:
+    """Mark ``store`` as a ckptlib store (idempotent)."""
+    from .manifest import FORMAT_VERSION
+
+    doc = {"ckptlib": True, "format": FORMAT_VERSION, "created": datetime.now(timezone.utc).isoformat()}
+    store.put_if_absent(STORE_MARKER, json.dumps(doc).encode())
+
+
+def is_store(store: Store) -> bool:
+    """Whether ``store`` holds ckptlib checkpoints: its marker, or (written before markers) a
+    manifest. Garbage collection refuses anything else, so it never deletes in a wrong folder."""
+    return store.exists(STORE_MARKER) or any(_MANIFEST_KEY.match(k) for k in store.list("manifests"))
+
+
 def manifest_key(step: int) -> str:
     return f"manifests/{step}.json"
-
-
-def fragment_key(step: int, part: str, generation: int) -> str:
-    return f"fragments/{step}/{part}.g{generation}.json"
 
 
 def validation_key(step: int) -> str:
@@ -81,10 +95,39 @@ def read_manifest(store: Store, step: int) -> Manifest:
     return m
 
 
-def build_manifest(step: int, parent: int | None, parts: dict[str, Fragment], single: bool,
-                   meta: dict[str, Any] | None = None) -> Manifest:
+def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
+    """The fragment of part ``name`` of a committed manifest: embedded, or read from its object and
+    checked against the manifest (its bytes' checksum, step, part, generation and digest)."""
+    ref = manifest.parts.get(name)
+    if ref is None:
+        raise NoCheckpoint(f"step {manifest.step} has no part '{name}'; it has {sorted(manifest.parts)}")
+    if ref.fragment is not None:
+        return ref.fragment
+    where = f"{store.url}/{ref.key}"
+    try:
+        data = store.get(ref.key)  # type: ignore[arg-type]
+    except ObjectNotFound:
+        raise CorruptCheckpoint(f"{where}, part '{name}' of committed step {manifest.step}, is missing from the "
+                                "store (deleted?); restore another step") from None
+    if document_checksum(data) != ref.checksum:
+        raise CorruptCheckpoint(f"{where} does not match the checksum committed for part '{name}' of step "
+                                f"{manifest.step}: it was replaced or damaged")
+    frag = loads_fragment(data, where)
+    if (frag.step, frag.part, frag.generation, frag.digest) != (manifest.step, name, ref.generation, ref.digest):
+        raise CorruptCheckpoint(f"{where} describes step {frag.step}, part '{frag.part}', generation "
+                                f"{frag.generation}, not what step {manifest.step} committed")
+    return frag
+
+
+def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragment, str | None]], single: bool,
+                   meta: dict[str, Any] | None = None, lineage: dict[str, Any] | None = None) -> Manifest:
+    """A manifest of ``parts`` (name -> (fragment, checksum of its stored bytes, or None to embed it))."""
+    refs = {name: PartRef.of(name, frag, embed=checksum is None, checksum=checksum)
+            for name, (frag, checksum) in parts.items()}
+    stored = sum({b.key: b.size for frag, _ in parts.values() for b in frag.blobs.values()}.values())
     return Manifest(step=step, parent=parent, created=datetime.now(timezone.utc).isoformat(),
-                    digest=combined_digest(parts, single), single=single, parts=parts, meta=dict(meta or {}))
+                    digest=combined_digest({n: r.digest for n, r in refs.items()}, single), single=single,
+                    parts=refs, meta=dict(meta or {}), lineage=lineage, stored_bytes=stored)
 
 
 def publish(store: Store, manifest: Manifest, *, attempts: int = 4) -> bool:
@@ -156,46 +199,56 @@ def check_live(store: Store, part: str, generation: int) -> None:
         )
 
 
-def put_fragment(store: Store, fragment: Fragment) -> None:
-    """Write a fragment with put_if_absent; an identical one already there is success."""
+def put_fragment(store: Store, fragment: Fragment) -> str:
+    """Write a fragment with put_if_absent (an identical one already there is success); returns
+    the checksum of the stored bytes, which the manifest that commits it records."""
     key = fragment_key(fragment.step, fragment.part, fragment.generation)
-    if store.put_if_absent(key, dumps(fragment)):
-        return
-    existing = loads_fragment(store.get(key), f"{store.url}/{key}")
+    data = dumps(fragment)
+    if store.put_if_absent(key, data):
+        return document_checksum(data)
+    stored = store.get(key)
+    existing = loads_fragment(stored, f"{store.url}/{key}")
     if existing.digest != fragment.digest:
         raise CommitConflict(
             f"{store.url}/{key} already holds a different state (digest {existing.digest} != "
             f"{fragment.digest}): the same generation produced two states. Training is not deterministic, "
             "or two attempts share a generation; fence the part to start a new generation."
         )
+    return document_checksum(stored)
 
 
-def gather(store: Store, step: int, parts: list[str], *, timeout: float, poll: float = 0.2) -> dict[str, Fragment]:
-    """Wait until every part has a fragment of its live generation for ``step``; return them.
+def gather(store: Store, step: int, parts: list[str], *, timeout: float,
+           poll: float = 0.2) -> dict[str, tuple[Fragment, str]]:
+    """Wait until every part has a fragment of its live generation for ``step``; return them with
+    the checksums of their stored bytes.
 
     A fragment of a fenced (older) generation is never taken, whoever wrote it.
     """
     deadline = time.monotonic() + timeout
-    found: dict[str, Fragment] = {}
+    found: dict[str, tuple[Fragment, str]] = {}
     while True:
         for part in parts:
             gen = live_generation(store, part)
-            if part in found and found[part].generation == gen:
+            if part in found and found[part][0].generation == gen:
                 continue
             key = fragment_key(step, part, gen)
             try:
-                found[part] = loads_fragment(store.get(key), f"{store.url}/{key}")
+                data = store.get(key)
             except ObjectNotFound:
                 found.pop(part, None)
-        if len(found) == len(parts) and all(found[p].generation == live_generation(store, p) for p in parts):
+                continue
+            found[part] = (loads_fragment(data, f"{store.url}/{key}"), document_checksum(data))
+        if len(found) == len(parts) and all(found[p][0].generation == live_generation(store, p) for p in parts):
             break
         if time.monotonic() > deadline:
             missing = sorted(set(parts) - set(found))
             raise TimeoutError(f"step {step}: no fragment of the live generation from parts {missing} "
                                f"after {timeout:.0f} s in {store.url}")
         time.sleep(poll)
-    hashes = {f.config_hash for f in found.values()}
-    steps = {f.step for f in found.values()}
-    if len(hashes) > 1 or steps != {step}:
-        raise CommitConflict(f"fragments of step {step} disagree: steps {sorted(steps)}, config hashes {sorted(map(str, hashes))}")
+    hashes = {f.config_hash for f, _ in found.values()}
+    steps = {f.step for f, _ in found.values()}
+    wrong = sorted(p for p, (f, _) in found.items() if f.part != p)
+    if len(hashes) > 1 or steps != {step} or wrong:
+        raise CommitConflict(f"fragments of step {step} disagree: steps {sorted(steps)}, config hashes "
+                             f"{sorted(map(str, hashes))}, misnamed parts {wrong}")
     return found

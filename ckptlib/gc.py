@@ -1,25 +1,47 @@
-"""Mark-and-sweep garbage collection of a run's store.
+"""Garbage collection of a run's store: drop checkpoints a policy does not keep, sweep what no
+checkpoint needs. It never deletes what a committed checkpoint, a save in flight or a reader needs.
 
-Order, so that a crash at any point leaves only garbage and never a dangling reference:
-1. uncommit the steps the policy drops (delete their manifests, then their validations/reports);
-2. mark every object a kept manifest needs (its blob tables include whole delta chains);
-3. sweep ``chunks/`` and old ``fragments/``: delete what is unmarked and older than ``grace_s``.
+Order (each step safe to crash after; the argument is in docs/format.md, "Garbage collection"):
 
-A save in flight has written chunks that no manifest names yet, and its deltas build on chunks of
-the newest committed checkpoint. The newest is always kept, and the grace period protects fresh
-unreferenced chunks, so GC never touches a save in flight. Fragments of steps after the newest
-committed one are never deleted. Not safe against a writer whose base is an *older* checkpoint than
-the newest (two independent writers on one run); the training flow has a single committer per run.
+0. Refuse unless the store is a ckptlib store (``commit.is_store``); take ``gc.lock`` (one GC at a
+   time); read the live leases. Steps a lease names (a save's delta base, a step being read) and
+   the newest committed step are kept whatever the policy says.
+1. Plan without deleting anything: read every committed manifest (a damaged one aborts the GC
+   before any delete) and mark every object any of them needs, delta chains included, and every
+   object a pending fragment (of a step after the newest commit) needs.
+2. Sweep garbage: unmarked objects under ``chunks/`` and ``fragments/`` older than ``grace_s``,
+   temp files of killed writes, expired leases. Only while no save holds a lease (a save that
+   re-uses an unreferenced object would otherwise lose it); the leases are read again before each
+   batch of deletes. Keys that are not objects ckptlib writes are skipped and reported, never deleted.
+3. Drop the steps the policy does not keep: for each, its report and verdict, then its manifest
+   last (a crash leaves a committed step whose objects all exist).
+4. Sweep, as in 2, the objects only the dropped manifests needed.
+
+Memory stays bounded by the set of objects the kept checkpoints reference: listings are read page
+by page and manifests one at a time.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, manifest_key, read_manifest, validation_key
+from .commit import committed_steps, is_store, load_part, manifest_key, read_manifest, validation_key
+from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
+from .leases import GcLock, expired_leases, live_leases
+from .manifest import loads_fragment
 from .retention import RetentionPolicy
 from .store import Store
+
+log = logging.getLogger("ckptlib")
+
+_CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
+_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
+_BATCH = 256  # deletes between two looks at the leases and the lock
 
 
 @dataclass
@@ -29,40 +51,148 @@ class GcReport:
     deleted_objects: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     dry_run: bool = False
+    deferred: str | None = None  # why the sweep did not run (a save in flight)
+    skipped: list[str] = field(default_factory=list)  # keys that are not objects ckptlib writes
 
 
-def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = 600.0, dry_run: bool = False) -> GcReport:
+class _Stop(Exception):
+    """A save started, or the lock was lost: stop deleting objects."""
+
+
+def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = 600.0,
+                    dry_run: bool = False) -> GcReport:
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    if not is_store(store):
+        raise CheckpointError(
+            f"{store.url} is not a ckptlib store (no ckptlib.json, no manifests/): garbage collection deletes only "
+            "inside a store. Point it at a run's URL (one that `ckpt ls` lists)."
+        )
+    lock = None if dry_run else GcLock(store).acquire()
+    try:
+        return _collect(store, policy, grace_s, dry_run, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: bool, lock: GcLock | None) -> GcReport:
     steps = committed_steps(store)
-    kept = policy.select(steps)
+    leases = live_leases(store)
+    protected = {lease.step for lease in leases if lease.step is not None} & set(steps)
+    kept = policy.select(steps) | protected | set(steps[-1:])
     dropped = [s for s in steps if s not in kept]
     report = GcReport(sorted(kept), dropped, dry_run=dry_run)
+    newest = steps[-1] if steps else -1
 
-    def delete(key: str, size: int = 0) -> None:
-        report.deleted_objects.append(key)
-        report.freed_bytes += size
-        if not dry_run:
-            store.delete(key)
-
-    sizes: dict[str, int] = {}  # object sizes, known from the manifests about to be dropped
-    for step in dropped:
-        for frag in read_manifest(store, step).parts.values():
-            sizes.update({b.key: b.size for b in frag.blobs.values()})
-    for step in dropped:
-        delete(manifest_key(step))
-        for key in [validation_key(step), *store.list(f"reports/{step}/")]:
-            if store.exists(key):
-                delete(key)
-
-    marked = set().union(*(read_manifest(store, step).blob_keys() for step in kept))
+    # 1. mark (reads only; any damage aborts here, before a single delete)
+    marks: dict[int, set[str]] = {}
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckpt-gc") as pool:
+        for step, keys in zip(steps, pool.map(lambda s: _needed(store, s), steps)):
+            marks[step] = keys
+    kept_marks = set().union(*(marks[s] for s in kept)) if kept else set()
+    dropped_only = set().union(*(marks[s] for s in dropped)) - kept_marks if dropped else set()
+    kept_marks |= _pending_fragment_marks(store, newest)
+    del marks
 
     cutoff = time.time() - grace_s
-    for key in store.list("chunks/"):
-        if key not in marked and store.modified(key) < cutoff:
-            delete(key, sizes.get(key, 0))
 
-    newest = steps[-1] if steps else -1
-    for key in store.list("fragments/"):
-        step_dir = key.split("/")[1]
-        if step_dir.isdigit() and int(step_dir) <= newest and store.modified(key) < cutoff:
-            delete(key)
+    def saving() -> str | None:
+        busy = [lease for lease in live_leases(store) if lease.kind == "save"]
+        if busy:
+            return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
+                    "objects were not swept; run GC again later")
+        if lock is not None and not lock.still_held():
+            return "the GC lock was taken over (this GC ran past its lease): stopped"
+        return None
+
+    def delete(keys: list[tuple[str, int]]) -> None:
+        for start in range(0, len(keys), _BATCH):
+            why = saving()
+            if why:
+                report.deferred = why
+                raise _Stop
+            for key, size in keys[start:start + _BATCH]:
+                report.deleted_objects.append(key)
+                report.freed_bytes += size
+                if not dry_run:
+                    store.delete(key)
+
+    def sweep(protect: set[str], only: set[str] | None = None) -> None:
+        garbage = []
+        for info in store.scan("chunks"):
+            if not _CHUNK_KEY.match(info.key):
+                report.skipped.append(info.key)
+            elif info.key not in protect and (only is None or info.key in only) and info.modified < cutoff:
+                garbage.append((info.key, info.size))
+        for info in store.scan("fragments"):
+            m = _FRAGMENT_KEY.match(info.key)
+            if not m:
+                report.skipped.append(info.key)
+            elif (info.key not in protect and (only is None or info.key in only) and int(m.group(1)) <= newest
+                  and info.modified < cutoff):
+                garbage.append((info.key, info.size))
+        delete(garbage)
+
+    try:
+        # 2. garbage: what no committed manifest needs
+        if not dry_run:
+            for name in store.remove_stale_temp(cutoff):
+                report.deleted_objects.append(name)
+            delete([(key, 0) for key in expired_leases(store, cutoff)])
+        sweep(kept_marks | dropped_only)
+        # 3. uncommit the dropped steps: report and verdict first, the manifest last
+        for step in dropped:
+            for info in list(store.scan(f"reports/{step}")):
+                _delete_one(store, report, info.key, info.size, dry_run)
+            if store.exists(validation_key(step)):
+                _delete_one(store, report, validation_key(step), 0, dry_run)
+            _delete_one(store, report, manifest_key(step), 0, dry_run)
+        # 4. what only the dropped steps needed
+        if dropped_only:
+            sweep(kept_marks, only=dropped_only)
+    except _Stop:
+        log.warning("garbage collection of %s stopped early: %s", store.url, report.deferred)
+    if report.skipped:
+        log.warning("garbage collection of %s skipped %d keys that ckptlib does not write (e.g. %s)", store.url,
+                    len(report.skipped), report.skipped[0])
     return report
+
+
+def _delete_one(store: Store, report: GcReport, key: str, size: int, dry_run: bool) -> None:
+    report.deleted_objects.append(key)
+    report.freed_bytes += size
+    if not dry_run:
+        store.delete(key)
+
+
+def _needed(store: Store, step: int) -> set[str]:
+    """Every object committed ``step`` needs: its parts' blobs (delta chains included) and fragments.
+    A damaged manifest raises: GC must not guess what a committed checkpoint needs."""
+    try:
+        m = read_manifest(store, step)
+        keys: set[str] = set()
+        for name, ref in m.parts.items():
+            if ref.key is not None:
+                keys.add(ref.key)
+            keys.update(b.key for b in load_part(store, m, name).blobs.values())
+        return keys
+    except CorruptCheckpoint as e:
+        raise CheckpointError(f"garbage collection stopped before deleting anything: committed step {step} cannot "
+                              f"be read ({e}). Repair or remove that manifest first.") from None
+
+
+def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
+    """Objects that fragments of steps after the newest commit need (a cut being gathered)."""
+    keys: set[str] = set()
+    for step_dir in store.list_dirs("fragments"):
+        if not step_dir.isdigit() or int(step_dir) <= newest:
+            continue
+        for info in store.scan(f"fragments/{step_dir}"):
+            keys.add(info.key)
+            try:
+                frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")
+            except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
+                continue  # unreadable: it can never be committed; its chunks are not protected by it
+            keys.update(b.key for b in frag.blobs.values())
+    return keys

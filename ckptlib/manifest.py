@@ -1,37 +1,68 @@
 """JSON documents of the format: fragments (one part of a cut) and manifests (the commit point).
 
 The JSON is the format; these frozen dataclasses are typed views of it. Nothing here is ever
-pickled. A manifest embeds its fragments, so one object read is enough to restore or to mark what
-a checkpoint needs (GC), and each fragment's blob table lists every stored object its chunks need,
-delta bases included: a manifest is self-contained.
+pickled or imports torch. Every document read from a store is checked as it is parsed: a
+malformed, truncated or hostile one raises ``CorruptCheckpoint`` naming where, never a raw
+KeyError/TypeError, and nothing in it can make a reader allocate more than it declares (leaf
+sizes are checked in ``LeafSpec.checked``; chunk counts against sizes here).
 
-Layout of a fragment (``FORMAT_VERSION`` 1)::
+Format 2 (written now; format 1 is still read). A fragment::
 
-    {"format": 1, "step": 10, "part": "state", "generation": 0, "config_hash": "...",
-     "skeleton": <JSON with {"__leaf__": i} placeholders>,
-     "leaves": [{"path", "kind", "dtype", "shape", "nbytes", "itemsize", "digest",
-                 "chunk_bytes", "chunks": [<raw checksum>, ...]}],
+    {"format": 2, "checksum": "xxh3-128", "step": 10, "part": "shard-0", "generation": 0,
+     "config_hash": "...", "skeleton": <node, see ckptlib.tree>,
+     "leaves": [{"path", "kind", "dtype", "shape", ["stride"], ["order"], ["param"], ["requires_grad"],
+                 "nbytes", "itemsize", "digest",
+                 "chunk_bytes", "chunks": [<raw checksum>, ...]       (a leaf of one chunk or more)
+                 | "pack": <raw checksum>, "offset": <byte offset>}],  (a small leaf inside a pack)
      "blobs": {<raw checksum>: {"key", "size", "nbytes", "codecs": [...], "base": <raw checksum>|null,
-                                "depth": 0..K-1}},
+                                "depth": 0..}},
      "digest": <logical digest of the part>, "logical_bytes", "bytes_written", "stats", "meta"}
 
-A manifest: ``{"format": 1, "step", "parent", "created", "digest", "single", "parts": {name: fragment},
-"logical_bytes", "bytes_written", "meta"}``. ``single`` manifests come from ``Checkpointer.save``
-and restore to the one part's state; multi-part manifests restore to ``{part: state}``.
+A manifest lists its parts with their digests; a single-writer manifest embeds its one fragment
+(one read restores it), a multi-part one names each part's fragment object and its checksum, so
+its size is O(parts) and a reader of one part parses O(that part's tensors)::
+
+    {"format": 2, "step", "parent", "created", "digest", "single",
+     "parts": {name: {"digest", "generation", "logical_bytes", "bytes_written", "stored_bytes", "stats",
+                      "fragment": {...}  |  "key": "fragments/...", "checksum": <xxh3-128 of its bytes>}},
+     "logical_bytes", "bytes_written", "stored_bytes", "lineage": null | {"run", "step"}, "meta"}
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CorruptCheckpoint, FormatVersionError
-from .tree import LeafSpec
+import xxhash
 
-FORMAT_VERSION = 1
+from .errors import CorruptCheckpoint, FormatVersionError
+from .types import MAX_LEAF_BYTES, LeafSpec
+
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 CHECKSUM = "xxh3-128"  # the hash of chunk checksums and leaf digests, recorded in every fragment
+MAX_CHAIN = 1024  # deepest delta chain a manifest may declare (keyframe_every is at most this)
+MAX_DOCUMENT_BYTES = 1 << 30  # a manifest or fragment larger than this is refused unread
+
+_BLOB_KEY = re.compile(r"^chunks/([0-9a-f]{2})/(\1[0-9a-f]{30})$")
+_CHECKSUM = re.compile(r"^[0-9a-f]{32}$")
+_FRAGMENT_KEY = re.compile(r"^fragments/\d+/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = MAX_LEAF_BYTES) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{what} {v!r} is not an int in [{lo}, {hi}]")
+    return v
+
+
+def _checksum(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not _CHECKSUM.match(v):
+        raise ValueError(f"{what} {str(v)[:40]!r} is not a {CHECKSUM} checksum")
+    return v
 
 
 @dataclass(frozen=True)
@@ -51,23 +82,60 @@ class Blob:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Blob":
-        return cls(d["key"], int(d["size"]), int(d["nbytes"]), tuple(d["codecs"]), d["base"], int(d["depth"]))
+        if not isinstance(d.get("key"), str) or not _BLOB_KEY.match(d["key"]):
+            raise ValueError(f"blob key {str(d.get('key'))[:80]!r} is not chunks/<h2>/<hash>")
+        codecs = d["codecs"]
+        if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
+            raise ValueError(f"blob {d['key']} has no codec list")
+        base = d["base"]
+        if base is not None:
+            _checksum(base, "blob base")
+        return cls(d["key"], _int(d["size"], "blob size"), _int(d["nbytes"], "blob nbytes"), tuple(codecs),
+                   base, _int(d["depth"], "blob depth", 0, MAX_CHAIN))
 
 
 @dataclass(frozen=True)
 class Leaf:
+    """A leaf's spec, digest and where its bytes are: ``chunks`` of ``chunk_bytes`` each, or at
+    ``offset`` inside the packed chunk ``pack``."""
+
     spec: LeafSpec
-    digest: str  # checksum of the leaf's whole raw bytes (chunking-independent)
-    chunk_bytes: int
-    chunks: tuple[str, ...]  # raw checksums, in order
+    digest: str  # checksum of the leaf's whole raw bytes (independent of chunking and packing)
+    chunk_bytes: int | None
+    chunks: tuple[str, ...] = ()  # raw checksums, in order
+    pack: str | None = None
+    offset: int = 0
+
+    def segments(self) -> list[tuple[str, int, int, int]]:
+        """[(raw checksum, start in the leaf, start in that chunk, length)] covering the leaf."""
+        n = self.spec.nbytes
+        if self.pack is not None:
+            return [(self.pack, 0, self.offset, n)] if n else []
+        size = self.chunk_bytes or 1
+        return [(d, j * size, 0, min(size, n - j * size)) for j, d in enumerate(self.chunks)]
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.spec.to_json(), "digest": self.digest, "chunk_bytes": self.chunk_bytes,
-                "chunks": list(self.chunks)}
+        d = {**self.spec.to_json(), "digest": self.digest}
+        if self.pack is not None:
+            d.update(pack=self.pack, offset=self.offset)
+        else:
+            d.update(chunk_bytes=self.chunk_bytes, chunks=list(self.chunks))
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Leaf":
-        return cls(LeafSpec.from_json(d), d["digest"], int(d["chunk_bytes"]), tuple(d["chunks"]))
+        spec = LeafSpec.from_json(d)
+        digest = _checksum(d["digest"], "leaf digest")
+        if "pack" in d:
+            return cls(spec, digest, None, (), _checksum(d["pack"], "pack"), _int(d["offset"], "pack offset"))
+        chunk_bytes = _int(d["chunk_bytes"], "chunk_bytes", 1)
+        if chunk_bytes % spec.itemsize:
+            raise ValueError(f"chunk_bytes {chunk_bytes} of '{spec.path}' is not a multiple of its itemsize")
+        chunks = d["chunks"]
+        if not isinstance(chunks, list) or len(chunks) != math.ceil(spec.nbytes / chunk_bytes):
+            raise ValueError(f"'{spec.path}' lists {len(chunks) if isinstance(chunks, list) else chunks!r} chunks; "
+                             f"{spec.nbytes} bytes in chunks of {chunk_bytes} need {math.ceil(spec.nbytes / chunk_bytes)}")
+        return cls(spec, digest, chunk_bytes, tuple(_checksum(c, "chunk") for c in chunks))
 
 
 @dataclass(frozen=True)
@@ -84,9 +152,10 @@ class Fragment:
     bytes_written: int
     stats: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    format: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "checksum": CHECKSUM, "step": self.step, "part": self.part,
+        return {"format": self.format, "checksum": CHECKSUM, "step": self.step, "part": self.part,
                 "generation": self.generation, "config_hash": self.config_hash,
                 "skeleton": self.skeleton, "leaves": [leaf.to_json() for leaf in self.leaves],
                 "blobs": {k: b.to_json() for k, b in self.blobs.items()}, "digest": self.digest,
@@ -95,21 +164,103 @@ class Fragment:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Fragment":
-        _check_format(d)
+        fmt = _check_format(d)
         if d.get("checksum") != CHECKSUM:
             raise FormatVersionError(
-                f"fragment of part {d.get('part')!r} uses checksum {d.get('checksum')!r}; this ckptlib verifies "
-                f"{CHECKSUM!r}. It was written by another ckptlib version: read it with that version."
+                f"fragment of part {str(d.get('part'))[:64]!r} uses checksum {str(d.get('checksum'))[:40]!r}; this "
+                f"ckptlib verifies {CHECKSUM!r}. It was written by another ckptlib version: read it with that version."
             )
-        return cls(int(d["step"]), d["part"], int(d["generation"]), d.get("config_hash"), d["skeleton"],
-                   tuple(Leaf.from_json(x) for x in d["leaves"]),
-                   {k: Blob.from_json(b) for k, b in d["blobs"].items()}, d["digest"],
-                   int(d["logical_bytes"]), int(d["bytes_written"]), dict(d.get("stats", {})),
-                   dict(d.get("meta", {})))
+        blobs = {_checksum(k, "blob table key"): Blob.from_json(b) for k, b in d["blobs"].items()}
+        leaves = tuple(Leaf.from_json(x) for x in d["leaves"])
+        frag = cls(_int(d["step"], "step", 0, 2**63), str(d["part"]), _int(d["generation"], "generation", 0, 2**63),
+                   d.get("config_hash"), d["skeleton"], leaves, blobs, _checksum(d["digest"], "digest"),
+                   _int(d["logical_bytes"], "logical_bytes", 0, 2**63), _int(d["bytes_written"], "bytes_written", 0, 2**63),
+                   dict(d.get("stats", {})), dict(d.get("meta", {})), fmt)
+        frag.check_consistent()
+        return frag
+
+    def check_consistent(self) -> None:
+        """Every chunk a leaf names is in the blob table with the right size, every delta chain ends
+        at a keyframe of the table, and the digest matches the skeleton and leaves (ValueError)."""
+        for leaf in self.leaves:
+            for digest, _start, at, length in leaf.segments():
+                blob = self.blobs.get(digest)
+                if blob is None:
+                    raise ValueError(f"'{leaf.spec.path}' names chunk {digest}, which is not in the blob table")
+                if at + length > blob.nbytes or (leaf.pack is None and blob.nbytes != length):
+                    raise ValueError(f"'{leaf.spec.path}' takes bytes {at}..{at + length} of chunk {digest}, which "
+                                     f"holds {blob.nbytes}")
+        ok: set[str] = set()  # chunks whose chains were checked already
+        for digest, blob in self.blobs.items():
+            chain, d, b = [digest], digest, blob
+            while b.base is not None and d not in ok:  # bounded by MAX_CHAIN; a loop is refused
+                if b.base in chain or len(chain) > MAX_CHAIN:
+                    raise ValueError(f"the delta chain of chunk {digest} loops or is longer than {MAX_CHAIN}")
+                base = self.blobs.get(b.base)
+                if base is None:
+                    raise ValueError(f"chunk {d} is a delta of {b.base}, which is not in the blob table")
+                if base.nbytes != b.nbytes:
+                    raise ValueError(f"chunk {d} ({b.nbytes} bytes) is a delta of a {base.nbytes}-byte chunk")
+                chain.append(b.base)
+                d, b = b.base, base
+            ok.update(chain)
+        if part_digest(self.skeleton, list(self.leaves), self.format) != self.digest:
+            raise ValueError("its digest does not match its skeleton and leaves")
 
     @property
     def stored_bytes(self) -> int:
         return sum(b.size for b in self.blobs.values())
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """A manifest's entry for one part: its digest and sizes, and its fragment (embedded, or the
+    key of the fragment object with a checksum of its bytes)."""
+
+    name: str
+    digest: str
+    generation: int
+    logical_bytes: int
+    bytes_written: int
+    stored_bytes: int
+    stats: dict[str, int]
+    config_hash: str | None = None
+    fragment: Fragment | None = None  # embedded (single-writer manifests, and every format 1 one)
+    key: str | None = None
+    checksum: str | None = None
+
+    @classmethod
+    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> "PartRef":
+        return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
+                   dict(frag.stats), frag.config_hash, frag if embed else None,
+                   None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"digest": self.digest, "generation": self.generation,
+                             "logical_bytes": self.logical_bytes, "bytes_written": self.bytes_written,
+                             "stored_bytes": self.stored_bytes, "stats": self.stats, "config_hash": self.config_hash}
+        if self.fragment is not None:
+            d["fragment"] = self.fragment.to_json()
+        else:
+            d.update(key=self.key, checksum=self.checksum)
+        return d
+
+    @classmethod
+    def from_json(cls, name: str, d: dict[str, Any]) -> "PartRef":
+        frag = Fragment.from_json(d["fragment"]) if "fragment" in d else None
+        key = checksum = None
+        if frag is None:
+            key, checksum = d["key"], _checksum(d["checksum"], "fragment checksum")
+            if not isinstance(key, str) or not _FRAGMENT_KEY.match(key):
+                raise ValueError(f"part {name!r} names fragment {str(key)[:80]!r}, not fragments/<step>/<part>.g<gen>.json")
+        return cls(name, _checksum(d["digest"], "part digest"), _int(d["generation"], "generation", 0, 2**63),
+                   _int(d["logical_bytes"], "logical_bytes", 0, 2**63), _int(d["bytes_written"], "bytes_written", 0, 2**63),
+                   _int(d["stored_bytes"], "stored_bytes", 0, 2**63), dict(d.get("stats", {})), d.get("config_hash"),
+                   frag, key, checksum)
+
+    @classmethod
+    def from_v1(cls, name: str, d: dict[str, Any]) -> "PartRef":
+        return cls.of(name, Fragment.from_json(d), embed=True)
 
 
 @dataclass(frozen=True)
@@ -119,66 +270,111 @@ class Manifest:
     created: str
     digest: str
     single: bool
-    parts: dict[str, Fragment]
+    parts: dict[str, PartRef]
     meta: dict[str, Any] = field(default_factory=dict)
+    lineage: dict[str, Any] | None = None  # {"run": <url of the run branched from>, "step": <its step>}
+    stored_bytes: int = 0  # bytes of every object this checkpoint needs (deduplicated across parts)
+    format: int = FORMAT_VERSION
 
     @property
     def logical_bytes(self) -> int:
-        return sum(f.logical_bytes for f in self.parts.values())
+        return sum(p.logical_bytes for p in self.parts.values())
 
     @property
     def bytes_written(self) -> int:
-        return sum(f.bytes_written for f in self.parts.values())
-
-    @property
-    def stored_bytes(self) -> int:
-        """Bytes of every object this checkpoint needs (deduplicated across parts)."""
-        return sum({b.key: b.size for f in self.parts.values() for b in f.blobs.values()}.values())
+        return sum(p.bytes_written for p in self.parts.values())
 
     @property
     def kind(self) -> str:
         """'keyframe' if nothing written for this checkpoint is a delta, else 'delta'."""
-        return "delta" if any(f.stats.get("delta", 0) for f in self.parts.values()) else "keyframe"
+        return "delta" if any(p.stats.get("delta", 0) for p in self.parts.values()) else "keyframe"
 
-    def blob_keys(self) -> set[str]:
-        return {b.key for f in self.parts.values() for b in f.blobs.values()}
+    @property
+    def stats(self) -> dict[str, int]:
+        """Chunks by kind over all parts: {"keyframe": n, "delta": n, "unchanged": n}."""
+        total: dict[str, int] = {}
+        for p in self.parts.values():
+            for k, v in p.stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "step": self.step, "parent": self.parent,
+        return {"format": self.format, "step": self.step, "parent": self.parent,
                 "created": self.created, "digest": self.digest, "single": self.single,
+                "parts": {k: p.to_json() for k, p in self.parts.items()},
                 "logical_bytes": self.logical_bytes, "bytes_written": self.bytes_written,
-                "parts": {k: f.to_json() for k, f in self.parts.items()}, "meta": self.meta}
+                "stored_bytes": self.stored_bytes, "lineage": self.lineage, "meta": self.meta}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Manifest":
-        _check_format(d)
-        return cls(int(d["step"]), d.get("parent"), d["created"], d["digest"], bool(d["single"]),
-                   {k: Fragment.from_json(f) for k, f in d["parts"].items()}, dict(d.get("meta", {})))
+        fmt = _check_format(d)
+        raw_parts = d["parts"]
+        if not isinstance(raw_parts, dict):
+            raise ValueError("parts is not an object")
+        if fmt == 1:
+            parts = {name: PartRef.from_v1(name, f) for name, f in raw_parts.items()}
+            stored = sum({b.key: b.size for p in parts.values() for b in p.fragment.blobs.values()}.values())  # type: ignore[union-attr]
+        else:
+            parts = {name: PartRef.from_json(name, p) for name, p in raw_parts.items()}
+            stored = _int(d["stored_bytes"], "stored_bytes", 0, 2**63)
+        parent = d.get("parent")
+        if parent is not None:
+            _int(parent, "parent", 0, 2**63)
+        lineage = d.get("lineage")
+        if lineage is not None and not (isinstance(lineage, dict) and isinstance(lineage.get("run"), str)
+                                        and isinstance(lineage.get("step"), int)):
+            raise ValueError("lineage is not {run, step}")
+        m = cls(_int(d["step"], "step", 0, 2**63), parent, str(d["created"]), _checksum(d["digest"], "digest"),
+                bool(d["single"]), parts, dict(d.get("meta", {})), lineage, stored, fmt)
+        m.check_coverage()
+        return m
+
+    def check_coverage(self) -> None:
+        """The parts listed are the parts committed: the digest covers every part's name and digest
+        (a manifest with a part removed or swapped no longer matches it)."""
+        if self.single and list(self.parts) != ["state"]:
+            raise ValueError(f"a single-writer manifest has exactly the part 'state', not {sorted(self.parts)}")
+        if not self.parts:
+            raise ValueError("it lists no parts")
+        if combined_digest({n: p.digest for n, p in self.parts.items()}, self.single) != self.digest:
+            raise ValueError("its digest does not match its parts (a part was removed, added or replaced)")
 
 
-def part_digest(skeleton: Any, leaves: list[Leaf]) -> str:
-    """Logical digest: structure, names, dtypes, shapes and raw bytes; not chunking or encoding."""
+def fragment_key(step: int, part: str, generation: int) -> str:
+    return f"fragments/{step}/{part}.g{generation}.json"
+
+
+def part_digest(skeleton: Any, leaves: list[Leaf], fmt: int = FORMAT_VERSION) -> str:
+    """Logical digest: structure, names, types, shapes and raw bytes; not chunking or encoding."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     for leaf in leaves:
         s = leaf.spec
-        h.update(f"\0{s.path}\0{s.kind}\0{s.dtype}\0{list(s.shape)}\0{leaf.digest}".encode())
+        if fmt == 1:
+            h.update(f"\0{s.path}\0{s.kind}\0{s.dtype}\0{list(s.shape)}\0{leaf.digest}".encode())
+        else:
+            h.update(b"\0" + json.dumps(s.logical_json(), separators=(",", ":")).encode() + b"\0" + leaf.digest.encode())
     return h.hexdigest()
 
 
-def combined_digest(parts: dict[str, Fragment], single: bool) -> str:
+def combined_digest(part_digests: dict[str, str], single: bool) -> str:
     """The checkpoint's logical digest: the part's own for a single save, else a hash of all parts."""
     if single:
-        (only,) = parts.values()
-        return only.digest
+        (only,) = part_digests.values()
+        return only
     h = hashlib.blake2b(digest_size=16)
-    for name in sorted(parts):
-        h.update(f"{name}\0{parts[name].digest}\0".encode())
+    for name in sorted(part_digests):
+        h.update(f"{name}\0{part_digests[name]}\0".encode())
     return h.hexdigest()
 
 
 def dumps(doc: Fragment | Manifest) -> bytes:
-    return json.dumps(doc.to_json(), separators=(",", ":")).encode()  # key order is part of a state
+    # key order is part of a state; NaN cannot appear (non-finite floats are tagged in the skeleton)
+    return json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+
+def document_checksum(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def loads_manifest(data: bytes, where: str) -> Manifest:
@@ -190,22 +386,28 @@ def loads_fragment(data: bytes, where: str) -> Fragment:
 
 
 def _parse(cls: type, data: bytes, where: str) -> Any:
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than any {cls.__name__.lower()} ckptlib "
+                                f"writes ({MAX_DOCUMENT_BYTES}); it was not written by ckptlib")
     try:
         return cls.from_json(json.loads(data))
-    except FormatVersionError:
+    except (FormatVersionError, CorruptCheckpoint) as e:
+        if isinstance(e, CorruptCheckpoint) and where not in str(e):
+            raise CorruptCheckpoint(f"{where}: {e}") from None
         raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpoint(
-            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {e}). It was damaged or "
-            "written by something else; restore an older step (ckpt ls shows them) and check the store."
+            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {str(e)[:300]}). It was damaged "
+            "or written by something else; restore an older step (ckpt ls shows them) and check the store."
         ) from None
 
 
-def _check_format(d: Any) -> None:
+def _check_format(d: Any) -> int:
     if not isinstance(d, dict) or "format" not in d:
         raise KeyError("format")
-    if d["format"] != FORMAT_VERSION:
+    if d["format"] not in READABLE_FORMATS:
         raise FormatVersionError(
-            f"checkpoint format version {d['format']!r} is not supported by this ckptlib (reads version "
-            f"{FORMAT_VERSION}); install the ckptlib version that wrote it, or a newer one"
+            f"checkpoint format version {str(d['format'])[:20]!r} is not supported by this ckptlib (reads versions "
+            f"{', '.join(map(str, READABLE_FORMATS))}); install the ckptlib version that wrote it, or a newer one"
         )
+    return int(d["format"])

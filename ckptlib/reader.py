@@ -1,33 +1,36 @@
 """Restore one part of a checkpoint: fetch chunks in parallel, resolve delta chains, verify, rebuild.
 
-Called by ``Checkpointer`` (restore, verify). Contract:
+Called by ``Checkpointer`` (restore, verify) and validation. Contract:
 
-* Every chunk is decoded straight into the memory of the leaf it belongs to; a delta chain is
-  resolved keyframe-first, and a chunk that several chains share (deduplicated content) is fetched
-  and decoded once per restore.
-* Every decoded chunk is checked against its raw checksum; a missing, truncated or altered object
-  raises ``CorruptCheckpoint`` naming the step, part, tensor, chunk index and object key.
+* Every chunk is decoded straight into the memory of the leaf it belongs to (a packed chunk into
+  a small buffer, then copied into its leaves); a delta chain is resolved keyframe-first, and a
+  chunk that several chains or leaves share is fetched and decoded once per restore.
+* Nothing is returned unchecked: every decoded chunk is checked against its raw checksum, and
+  every leaf against its digest (so chunks reordered, swapped between tensors or relabelled in a
+  manifest are caught, not returned). A missing, truncated or altered object raises
+  ``CorruptCheckpoint`` naming the step, part, tensor, chunk and object key.
+* Declared sizes are checked before anything is allocated: a manifest cannot make a restore
+  allocate more than its leaves' (checked) sizes, nor more than this machine's memory.
 * Nothing is ever written to the store.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import codecs
-from .chunking import chunk_ranges
-from .errors import CorruptCheckpoint, ObjectNotFound
-from .manifest import Blob, Fragment, part_digest
+from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound
+from .manifest import Blob, Fragment, Leaf
 from .store import Store
-from .tree import empty_leaf, finish_leaf, unflatten
+from .tree import MISSING, bind_into, empty_leaf, finish_leaf, leaf_indices, prune, raw_view, unflatten
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,30 @@ class Problem:
         return f"{where}: {self.reason}"
 
 
-class _Damaged(CorruptCheckpoint):
-    """A stored object is missing or does not decode to its checksum; ``key`` names it."""
+class Damaged(CorruptCheckpoint):
+    """A stored object is missing or does not decode to its checksum."""
 
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"object {key} {reason}")
-        self.key = key
+    def __init__(self, key: str | None, reason: str):
+        super().__init__(f"object {key} {reason}" if key else reason)
+        self.key, self.reason = key, reason
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse to allocate more than this machine has (a damaged or hostile manifest, or a
+    checkpoint too large for this machine), before allocating anything."""
+    memory = physical_memory()
+    if memory is not None and nbytes > memory:
+        raise CheckpointError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB, more than this machine's {memory / 2**30:.1f} GiB of memory; "
+            "restore it on a larger machine, restore part of it (select=...), or check the manifest"
+        )
 
 
 class _ChainDecoder:
@@ -65,15 +86,14 @@ class _ChainDecoder:
     when it does not match, the chain is walked again link by link to name the damaged object.
     """
 
-    def __init__(self, fragment: Fragment, store: Store, known: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, fragment: Fragment, store: Store, tops: list[str], known: Mapping[str, np.ndarray] | None = None):
         self.fragment, self.store = fragment, store
         uses: Counter[str] = Counter()
-        for leaf in fragment.leaves:
-            for digest in leaf.chunks:
-                d: str | None = digest
-                while d is not None and d in fragment.blobs and uses[d] < 2:
-                    uses[d] += 1
-                    d = fragment.blobs[d].base
+        for digest in tops:
+            d: str | None = digest
+            while d is not None and d in fragment.blobs and uses[d] < 2:
+                uses[d] += 1
+                d = fragment.blobs[d].base
         self._shared = {d for d, n in uses.items() if n > 1}
         # raw bytes by checksum: chunks the caller already holds, then shared chunks as decoded
         self._cache: dict[str, np.ndarray] = dict(known or {})
@@ -82,27 +102,32 @@ class _ChainDecoder:
     def _blob(self, digest: str) -> Blob:
         blob = self.fragment.blobs.get(digest)
         if blob is None:
-            raise CorruptCheckpoint(f"chunk {digest} is not in the blob table")
+            raise Damaged(None, f"chunk {digest} is not in the blob table")
         return blob
 
     def _payload(self, blob: Blob) -> np.ndarray:
         try:
             payload = np.frombuffer(self.store.get(blob.key), dtype=np.uint8)
         except ObjectNotFound:
-            raise _Damaged(blob.key, "is missing from the store") from None
+            raise Damaged(blob.key, "is missing from the store (deleted, or never uploaded)") from None
         if payload.nbytes != blob.size:
-            raise _Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
+            raise Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
         return payload
 
     def _apply(self, blob: Blob, out: np.ndarray) -> None:
         """Decode ``blob`` into ``out`` (which holds its base's bytes when it is a delta)."""
-        payload = self._payload(blob)
         if blob.nbytes != out.nbytes:
-            raise _Damaged(blob.key, f"decodes to {blob.nbytes} bytes, the chunk has {out.nbytes}")
+            raise Damaged(blob.key, f"decodes to {blob.nbytes} bytes, the chunk has {out.nbytes}")
+        payload = self._payload(blob)
         try:
-            codecs.decode_into(payload, codecs.from_configs(list(blob.codecs)), out)
+            chain = codecs.from_configs(list(blob.codecs))
+            if chain[0].uses_base != (blob.base is not None):
+                raise CorruptCheckpoint("its codecs and its base disagree on whether it is a delta")
+            codecs.decode_into(payload, chain, out)
         except CorruptCheckpoint as e:
-            raise _Damaged(blob.key, f"does not decode: {e}") from None
+            raise Damaged(blob.key, f"does not decode: {e}") from None
+        except (ValueError, TypeError, IndexError, OverflowError, MemoryError) as e:
+            raise Damaged(blob.key, f"does not decode: {type(e).__name__}: {e}") from None
 
     def fill(self, digest: str, out: np.ndarray) -> None:
         """Write the raw bytes of chunk ``digest`` into ``out``, checked against the digest."""
@@ -114,7 +139,7 @@ class _ChainDecoder:
         if d is not None:
             start = self._cache[d]
             if start.nbytes != out.nbytes:
-                raise CorruptCheckpoint(f"chunk {d} holds {start.nbytes} bytes where {out.nbytes} are expected")
+                raise Damaged(None, f"chunk {d} holds {start.nbytes} bytes where {out.nbytes} are expected")
             out[:] = start
         for link, blob in reversed(chain):
             self._apply(blob, out)
@@ -134,89 +159,184 @@ class _ChainDecoder:
         for d, blob in reversed(chain):
             self._apply(blob, work)
             if codecs.checksum(work) != d:
-                raise _Damaged(blob.key, "decodes to bytes whose checksum does not match")
-        raise CorruptCheckpoint(f"chunk {digest} does not match its checksum")  # not reproducible: flaky storage
+                raise Damaged(blob.key, "decodes to bytes whose checksum does not match")
+        raise Damaged(None, f"chunk {digest} does not match its checksum")  # not reproducible: flaky storage
 
 
-def _decode_into(fragment: Fragment, store: Store, pool: Executor, raws: list[np.ndarray],
-                 copies: list[np.ndarray] | None = None, known: Mapping[str, np.ndarray] | None = None) -> list[Problem]:
-    """Fill every leaf's raw memory (and ``copies``, chunk by chunk while the bytes are in cache);
-    return the problems met (empty when all is intact)."""
-    decoder = _ChainDecoder(fragment, store, known)
-    jobs = [(li, ci, a, b) for li, leaf in enumerate(fragment.leaves)
-            for ci, (a, b) in enumerate(chunk_ranges(leaf.spec.nbytes, leaf.chunk_bytes))]
+@dataclass
+class _Target:
+    """Where one leaf's bytes go: ``raw``, host memory in stored order. That is the destination's
+    own memory, or, when the destination cannot be written as raw host bytes (another device,
+    another layout), the memory of a host copy ``staged`` that is copied into ``obj`` at the end."""
 
-    def fill(job) -> Problem | None:
-        li, ci, start, stop = job
-        leaf = fragment.leaves[li]
-        digest = leaf.chunks[ci] if ci < len(leaf.chunks) else None
+    obj: Any
+    raw: np.ndarray
+    staged: Any = None
+
+
+def _target(leaf: Leaf, dest: Any) -> _Target:
+    if dest is not None:
+        raw = raw_view(dest, leaf.spec)
+        if raw is not None:
+            return _Target(dest, raw)
+        tmp, staging = empty_leaf(leaf.spec)
+        return _Target(dest, staging, tmp)
+    obj, raw = empty_leaf(leaf.spec)
+    return _Target(obj, raw)
+
+
+def _finish_staged(t: _Target, leaf: Leaf) -> None:
+    """Copy a staged leaf into its destination (a GPU tensor, or another memory layout)."""
+    if leaf.spec.kind == "torch":
+        t.obj.detach().copy_(t.staged)
+    else:
+        np.copyto(t.obj, t.staged)
+
+
+def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list[int], *,
+                  dests: Mapping[int, Any] | None = None, known: Mapping[str, np.ndarray] | None = None,
+                  keep: bool = False) -> tuple[dict[int, Any], list[Problem], dict[str, np.ndarray] | None]:
+    """Decode the leaves ``wanted`` (indices) into new objects, or into ``dests`` in place.
+
+    Returns (objects by leaf index: the filled object of every intact leaf, problems, and with
+    ``keep`` a private copy of every chunk decoded, by checksum: a writer's next delta base).
+    ``known``: raw chunks the caller already holds, by checksum (a chain stops there)."""
+    dests = dests or {}
+    leaves = fragment.leaves
+    check_fits(sum(leaves[i].spec.nbytes for i in wanted if i not in dests), f"step {fragment.step}, part '{fragment.part}'")
+    targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
+    # chunk checksum -> [(leaf, start in leaf, start in chunk, length)]
+    placements: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    index_of: dict[tuple[int, str], int] = {}
+    for i in wanted:
+        for n, (digest, start, at, length) in enumerate(leaves[i].segments()):
+            placements[digest].append((i, start, at, length))
+            index_of[(i, digest)] = n
+    decoder = _ChainDecoder(fragment, store, list(placements), known)
+    kept: dict[str, np.ndarray] | None = {} if keep else None
+    kept_lock = threading.Lock()
+    problems: list[Problem] = []
+
+    def fill(digest: str) -> list[Problem]:
+        places = placements[digest]
+        blob = fragment.blobs[digest]
+        i0, start0, at0, length0 = places[0]
+        in_place = len(places) == 1 and at0 == 0 and length0 == blob.nbytes
+        out = targets[i0].raw[start0:start0 + length0] if in_place else np.empty(blob.nbytes, dtype=np.uint8)
         try:
-            if digest is None:
-                raise CorruptCheckpoint(f"the chunk list has {len(leaf.chunks)} entries, the tensor needs more")
-            decoder.fill(digest, raws[li][start:stop])
-            if copies is not None:
-                copies[li][start:stop] = raws[li][start:stop]
+            decoder.fill(digest, out)
         except CorruptCheckpoint as e:
-            blob = fragment.blobs.get(digest) if digest else None
-            key = getattr(e, "key", None) or (blob.key if blob else None)
-            reason = str(e).removeprefix(f"object {key} ") if key else str(e)
-            return Problem(fragment.step, fragment.part, leaf.spec.path, ci, key, reason)
+            key = e.key if isinstance(e, Damaged) else None
+            reason = e.reason if isinstance(e, Damaged) else str(e)
+            return [Problem(fragment.step, fragment.part, leaves[i].spec.path, index_of[(i, digest)],
+                            key or blob.key, reason) for i, *_ in places]
+        if not in_place:
+            for i, start, at, length in places:
+                targets[i].raw[start:start + length] = out[at:at + length]
+        if kept is not None:
+            copy = out if not in_place else out.copy()
+            with kept_lock:
+                kept[digest] = copy
+        return []
+
+    for found in pool.map(fill, list(placements)):
+        problems += found
+    bad = {p.tensor for p in problems}
+
+    def check_leaf(i: int) -> Problem | None:
+        leaf = leaves[i]
+        if leaf.spec.path in bad:
+            return None
+        segments = leaf.segments()
+        whole_chunk = len(segments) == 1 and leaf.pack is None
+        # a leaf of one chunk is covered by that chunk's check; others are hashed whole
+        actual = segments[0][0] if whole_chunk else codecs.checksum(targets[i].raw)
+        if not segments:
+            actual = codecs.checksum(b"")
+        if actual != leaf.digest:
+            return Problem(fragment.step, fragment.part, leaf.spec.path, None, None,
+                           "tensor digest does not match the manifest (chunks reordered, swapped or relabelled)")
         return None
 
-    return [p for p in pool.map(fill, jobs) if p is not None]
+    problems += [p for p in pool.map(check_leaf, wanted) if p is not None]
+    bad = {p.tensor for p in problems}
+    objects = {}
+    for i in wanted:
+        if leaves[i].spec.path in bad:
+            continue
+        t = targets[i]
+        if t.staged is not None:
+            _finish_staged(t, leaves[i])
+        objects[i] = t.obj
+    return objects, problems, kept
 
 
-def _decode_all(fragment: Fragment, store: Store, pool: Executor, copies: list[np.ndarray] | None = None,
-                known: Mapping[str, np.ndarray] | None = None) -> tuple[list[Any], list[np.ndarray], list[Problem]]:
-    """New leaf objects for every leaf, filled from the store: (objects, their raw views, problems)."""
-    objects, raws = [], []
-    for leaf in fragment.leaves:
-        obj, raw = empty_leaf(leaf.spec)
-        objects.append(obj)
-        raws.append(raw)
-    return objects, raws, _decode_into(fragment, store, pool, raws, copies, known)
-
-
-def restore_part(
-    fragment: Fragment, store: Store, pool: Executor, *, device: str | torch.device = "cpu", copy: bool = False,
-    known: Mapping[str, np.ndarray] | None = None,
-) -> tuple[Any, list[np.ndarray] | None]:
-    """(state, None), or with ``copy`` (state, a private copy of every leaf's raw bytes in flatten
-    order: the delta base of a writer that continues from this state). Raises CorruptCheckpoint.
-
-    ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
-    restored): a chain stops there, so following a stream of checkpoints decodes one link per
-    changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
-    copies = [np.empty(leaf.spec.nbytes, dtype=np.uint8) for leaf in fragment.leaves] if copy else None
-    objects, _, problems = _decode_all(fragment, store, pool, copies, known)
+def _raise(problems: list[Problem]) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more problems; run `ckpt verify` for all)" if len(problems) > 1 else ""
         raise CorruptCheckpoint(f"{problems[0]}{more}")
-    leaves = [finish_leaf(obj, leaf.spec, device) for obj, leaf in zip(objects, fragment.leaves)]
-    return unflatten(fragment.skeleton, leaves), copies
 
 
-def verify_part(fragment: Fragment, store: Store, pool: Executor) -> list[Problem]:
-    """Decode everything and check every checksum and digest; report all problems, raise none."""
-    return inspect_part(fragment, store, pool)[1]
+def restore_part(
+    fragment: Fragment, store: Store, pool: Executor, *, device: Any = "cpu", into: Any = None,
+    select: list[str] | None = None, keep: bool = False, known: Mapping[str, np.ndarray] | None = None,
+) -> tuple[Any, dict[str, np.ndarray] | None]:
+    """(state, with ``keep`` a private copy of the raw chunks decoded, by checksum). Raises
+    CorruptCheckpoint, or ValueError listing every mismatch between ``into`` and the checkpoint.
+
+    ``into``: a state of the same structure whose tensors and arrays are filled in place (checked
+    first: names, shapes, dtypes); the returned state holds those objects, with every other value
+    from the checkpoint. ``select``: restore only these top-level keys (or '/'-paths).
+    ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
+    restored): a chain stops there, so following a stream of checkpoints decodes one link per
+    changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
+    specs = [leaf.spec for leaf in fragment.leaves]
+    skeleton = fragment.skeleton
+    if select is not None:
+        try:
+            skeleton = prune(skeleton, list(select))
+        except KeyError as e:
+            raise KeyError(f"step {fragment.step}, part '{fragment.part}': {e.args[0]}") from None
+    wanted = sorted(i for i in leaf_indices(skeleton) if 0 <= i < len(specs))
+    dests: dict[int, Any] = {}
+    aliases: list[tuple[int, int, Any]] = []
+    if into is not None:
+        skeleton, dests, aliases, mismatches = bind_into(skeleton, specs, into)
+        if mismatches:
+            listing = "\n  ".join(mismatches[:50]) + (f"\n  ... and {len(mismatches) - 50} more" if len(mismatches) > 50 else "")
+            raise ValueError(f"cannot restore step {fragment.step} (part '{fragment.part}') into the given state: "
+                             f"{len(mismatches)} mismatch(es); nothing was changed:\n  {listing}")
+    objects, problems, kept = decode_leaves(fragment, store, pool, wanted, dests=dests, known=known, keep=keep)
+    _raise(problems)
+    leaves: list[Any] = [MISSING] * (len(specs) + len(aliases))
+    for i, obj in objects.items():
+        leaves[i] = obj if i in dests else finish_leaf(obj, specs[i], device)
+    for j, source, obj in aliases:
+        src = objects[source]
+        if fragment.leaves[source].spec.kind == "torch":
+            obj.detach().copy_(src.detach().to(obj.device))
+        else:
+            obj[...] = src
+        leaves[j] = obj
+    return unflatten(skeleton, leaves), kept
 
 
 def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[Problem]]:
-    """``verify_part`` that also keeps what it decoded, for validation: one pass over the chunks.
-
-    Returns (leaves, problems): the finished CPU leaf object of every intact leaf in flatten order
-    (None for a leaf with a problem) and every problem found. Raises none for corruption.
-    """
-    objects, raws, problems = _decode_all(fragment, store, pool)
-    bad_tensors = {p.tensor for p in problems}
-    for leaf, raw in zip(fragment.leaves, raws):
-        if leaf.spec.path not in bad_tensors and codecs.checksum(raw) != leaf.digest:
-            problems.append(Problem(fragment.step, fragment.part, leaf.spec.path, None, None,
-                                    "tensor digest does not match the manifest"))
-    if not problems and part_digest(fragment.skeleton, list(fragment.leaves)) != fragment.digest:
-        problems.append(Problem(fragment.step, fragment.part, "/", None, None,
-                                "logical digest does not match the manifest"))
-    bad_tensors = {p.tensor for p in problems}
-    leaves = [None if leaf.spec.path in bad_tensors else finish_leaf(obj, leaf.spec, "cpu")
-              for obj, leaf in zip(objects, fragment.leaves)]
+    """Decode everything and check every checksum, leaf digest and the skeleton; raise nothing
+    for corruption. Returns (the CPU object of every intact leaf in flatten order, None for a
+    damaged one; every problem found). What ``ckpt verify`` and validation run: it decodes all
+    that ``restore`` decodes, so it never calls intact a checkpoint ``restore`` cannot read."""
+    objects, problems, _ = decode_leaves(fragment, store, pool, list(range(len(fragment.leaves))))
+    leaves = [finish_leaf(objects[i], leaf.spec, "cpu") if i in objects else None
+              for i, leaf in enumerate(fragment.leaves)]
+    if not problems:
+        try:
+            unflatten(fragment.skeleton, leaves)
+        except CorruptCheckpoint as e:
+            problems.append(Problem(fragment.step, fragment.part, "/", None, None, str(e)))
     return leaves, problems
+
+
+def verify_part(fragment: Fragment, store: Store, pool: Executor) -> list[Problem]:
+    """Every problem of one part (see ``inspect_part``); [] when it is intact."""
+    return inspect_part(fragment, store, pool)[1]

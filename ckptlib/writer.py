@@ -1,37 +1,46 @@
-"""Save one part of a checkpoint: snapshot -> chunks -> keyframe/delta -> put_if_absent -> Fragment.
+"""Save one part of a checkpoint: snapshot -> units (chunks, packs) -> keyframe/delta -> put_if_absent -> Fragment.
 
 Called by ``Checkpointer`` (the only caller). Contract:
 
-* ``take_snapshot`` is the only step that reads the caller's tensors; after it returns the caller
-  may change them. It copies every leaf into host buffers, reusing spare buffers of a previous
-  snapshot so steady-state saves allocate nothing.
-* ``encode_part`` writes every chunk the part needs that is not already stored, with
+* ``take_snapshot`` is the only step that reads the caller's tensors. With ``copy=True`` (a
+  background save) it copies every leaf into host buffers and the caller may change its state as
+  soon as it returns. With ``copy=False`` (a save the caller waits for) it copies only what it
+  cannot read in place (other devices, layouts, small leaves into their packs): CPU tensors are
+  encoded straight from their memory, which must not change until the save returns.
+* ``encode_part`` writes every unit the part needs that is not already stored, with
   ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
-  nothing and is safe. It writes no fragment and no manifest; publishing is ``commit``'s job.
-* A chunk is ``unchanged`` (its raw checksum is already in the base's blob table: referenced, not
-  written), a ``delta`` against the same chunk position in the base (when the base chunk's chain
-  is shorter than ``keyframe_every``, the chain's deltas stay within ``delta_budget`` keyframes,
-  and the delta pays), or a ``keyframe``.
+  nothing and is safe. It writes no fragment and no manifest; publishing is ``commit``'s job. When
+  one upload fails it stops the others (nothing more is written) and raises that error.
+* A unit is ``unchanged`` (its raw checksum is already in the base's blob table: referenced, not
+  written), a ``delta`` against the unit with the same identity in the base (when the base holds
+  its bytes, its chain is shorter than ``keyframe_every``, the chain's deltas stay within
+  ``delta_budget`` keyframes, and the delta pays), or a ``keyframe`` (raw when it does not compress).
+* With ``retain``, it also returns the bytes of every unit for the next save's deltas: the
+  snapshot's own buffers where it made them, else copies written into the previous base's buffers
+  (so a Checkpointer holds one base at a time, never two).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
-from concurrent.futures import Executor
+from collections import Counter
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import codecs
-from .chunking import chunk_size_for, chunk_views
+from .chunking import Unit, plan_units
+from .leases import Lease
 from .manifest import Blob, Fragment, Leaf, part_digest
 from .store import Store
 from .throttle import RateLimiter
-from .tree import LeafSpec, copy_into, flatten
+from .tree import copy_into, flatten, raw_view
+from .types import LeafSpec
 
 # A delta lengthens the chain a restore must decode, so it is kept only when it is at least this
 # much smaller than a keyframe of the same chunk, and while the chain's deltas, it included, add up
@@ -45,6 +54,9 @@ DEFAULT_DELTA_BUDGET = 2.0
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
 _SPARSE_BELOW = 0.3
+# A keyframe that zstd shrinks by less than this is stored raw: its restore is then a copy
+# (docs/decisions.md, "Raw keyframes").
+RAW_KEYFRAME_ABOVE = 0.98
 
 
 @dataclass(frozen=True)
@@ -58,111 +70,140 @@ class WriteOptions:
 
 @dataclass
 class Snapshot:
-    """Host copies of a state's leaves, in flatten order."""
+    """A state's leaves as raw bytes, in flatten order, and the units they are stored in."""
 
     skeleton: Any
     specs: list[LeafSpec]
-    buffers: list[np.ndarray]
+    units: list[Unit]
+    unit_data: list[np.ndarray]  # raw bytes of each unit (views)
+    leaf_data: list[np.ndarray]  # raw bytes of each leaf (views; a packed leaf's is a slice of its pack)
+    owned: list[bool]  # unit_data[u] is our memory, not the caller's
     seconds: float = 0.0
 
 
 @dataclass
 class Base:
-    """The previous committed version of a part, held in memory: what deltas are taken against."""
+    """The previous version of a part: what deltas are taken against and unchanged units are
+    found in. ``blobs``: the blob table of its fragment (every checksum found there is stored and
+    is referenced, not rewritten); ``units``: unit identity -> raw checksum, as this writer plans
+    units; ``raw``: the raw bytes of chunks, by checksum, where known (after a save, or a restore
+    that kept them; empty otherwise: then changed units are written as keyframes)."""
 
     step: int
-    leaves: dict[str, tuple[Leaf, np.ndarray]]  # path -> (leaf entry, raw bytes)
-    blobs: dict[str, Blob] = field(default_factory=dict)
+    blobs: dict[str, Blob]
+    units: dict[tuple, str] = field(default_factory=dict)
+    raw: dict[str, np.ndarray] = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, fragment: Fragment, buffers: list[np.ndarray]) -> "Base":
-        leaves = {leaf.spec.path: (leaf, buf) for leaf, buf in zip(fragment.leaves, buffers)}
-        return cls(fragment.step, leaves, dict(fragment.blobs))
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.nbytes for b in self.raw.values())
 
-    def raw_chunks(self) -> dict[str, np.ndarray]:
-        """The raw bytes of every chunk this base holds, by checksum (views, not copies)."""
-        out: dict[str, np.ndarray] = {}
-        for leaf, buf in self.leaves.values():
-            out.update(zip(leaf.chunks, chunk_views(buf, leaf.chunk_bytes)))
-        return out
-
-    def spare_buffers(self) -> dict[int, list[np.ndarray]]:
-        spare: dict[int, list[np.ndarray]] = {}
-        for _, buf in self.leaves.values():
-            spare.setdefault(buf.nbytes, []).append(buf)
-        return spare
-
-    def fresh_buffers(self) -> dict[int, list[np.ndarray]]:
-        """A second set of buffers shaped like this base, already faulted in, so that the next
-        snapshot is a plain copy (page faults on fresh memory cost more than the copy itself)."""
-        spare: dict[int, list[np.ndarray]] = {}
-        for _, buf in self.leaves.values():
-            fresh = _host_buffer(buf.nbytes, pinned=_is_pinned(buf))
-            fresh.fill(0)
-            spare.setdefault(buf.nbytes, []).append(fresh)
-        return spare
+    def without_bytes(self) -> "Base":
+        return Base(self.step, self.blobs, self.units)
 
 
-def take_snapshot(state: Any, pool: Executor, spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
-    """Copy every leaf of ``state`` into host memory (the blocking part of a save).
+def _host_buffer(nbytes: int, pinned: bool) -> np.ndarray:
+    if pinned:
+        import torch
 
-    With tensors on a GPU, the host buffers are pinned (page-locked): device-to-host copies into
-    pinned memory run at full bus speed and asynchronously, and the buffers are reused by later
-    snapshots, so pinning is paid once.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def take_snapshot(state: Any, pool: Executor, chunk_bytes: int, *, copy: bool = True,
+                  spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
+    """The leaves of ``state`` as raw bytes (the blocking part of a save).
+
+    With tensors on a GPU the host buffers are pinned (page-locked): device-to-host copies into
+    pinned memory run at full bus speed and asynchronously. ``spare``: buffers of earlier
+    snapshots to reuse, by size (pinning is slow; so are page faults on fresh memory).
     """
     t0 = time.perf_counter()
     skeleton, leaves = flatten(state)
-    on_gpu = any(isinstance(obj, torch.Tensor) and obj.is_cuda for _, obj in leaves)
-    spare = spare or {}
-    buffers = []
-    for spec, _ in leaves:
-        reuse = spare.get(spec.nbytes)
-        buffers.append(reuse.pop() if reuse else _host_buffer(spec.nbytes, pinned=on_gpu))
+    specs = [spec for spec, _ in leaves]
+    units = plan_units(specs, chunk_bytes)
+    on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
+    spare = spare if spare is not None else {}
+
+    def buffer(nbytes: int) -> np.ndarray:
+        reuse = spare.get(nbytes)
+        return reuse.pop() if reuse else _host_buffer(nbytes, pinned=on_gpu)
+
+    leaf_data: list[np.ndarray | None] = [None] * len(specs)
+    to_copy: list[int] = []  # leaves copied into buffers of ours
+    copied: set[int] = set()
+    unit_data: list[np.ndarray] = []
+    owned: list[bool] = []
+    for unit in units:
+        if unit.packed:
+            buf = buffer(unit.nbytes)
+            for seg in unit.segments:
+                leaf_data[seg.leaf] = buf[seg.unit_start:seg.unit_start + seg.length]
+                to_copy.append(seg.leaf)
+            unit_data.append(buf)
+            owned.append(True)
+            continue
+        (seg,) = unit.segments
+        i = seg.leaf
+        if leaf_data[i] is None:
+            view = None if copy else raw_view(leaves[i][1], specs[i])
+            if view is None:
+                view = buffer(specs[i].nbytes)
+                to_copy.append(i)
+                copied.add(i)
+            leaf_data[i] = view
+        unit_data.append(leaf_data[i][seg.leaf_start:seg.leaf_start + seg.length])  # type: ignore[index]
+        owned.append(i in copied)
+    for i, data in enumerate(leaf_data):
+        if data is None:  # zero-byte leaves
+            leaf_data[i] = np.empty(0, dtype=np.uint8)
+
     # torch.copy_ and numpy copies release the GIL: copy in parallel, in a few groups of about equal
     # bytes (one task per leaf would cost more in dispatch than copying a small tensor).
     def copy_group(indices: list[int]) -> None:
         for i in indices:
-            copy_into(leaves[i][1], leaves[i][0], buffers[i], non_blocking=on_gpu)
+            copy_into(leaves[i][1], specs[i], leaf_data[i], non_blocking=on_gpu)  # type: ignore[arg-type]
 
-    list(pool.map(copy_group, _balanced_groups([spec.nbytes for spec, _ in leaves], _SNAPSHOT_GROUPS)))
+    list(pool.map(copy_group, _balanced_groups([specs[i].nbytes for i in to_copy], _SNAPSHOT_GROUPS, to_copy)))
     if on_gpu:
+        import torch
+
         torch.cuda.synchronize()  # the asynchronous copies must land before the caller moves on
-    return Snapshot(skeleton, [spec for spec, _ in leaves], buffers, time.perf_counter() - t0)
+    return Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, time.perf_counter() - t0)  # type: ignore[arg-type]
 
 
 _SNAPSHOT_GROUPS = 8
 
 
-def _balanced_groups(sizes: list[int], n: int) -> list[list[int]]:
-    """Indices split into at most n groups of about equal total size (largest first, greedy)."""
-    groups: list[list[int]] = [[] for _ in range(min(n, len(sizes)))]
+def _balanced_groups(sizes: list[int], n: int, items: list[int]) -> list[list[int]]:
+    """``items`` split into at most n groups of about equal total size (largest first, greedy)."""
+    groups: list[list[int]] = [[] for _ in range(min(n, len(items)))]
     totals = [0] * len(groups)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+    for k in sorted(range(len(items)), key=lambda k: -sizes[k]):
         g = totals.index(min(totals))
-        groups[g].append(i)
-        totals[g] += sizes[i]
+        groups[g].append(items[k])
+        totals[g] += sizes[k]
     return [g for g in groups if g]
 
 
-def _is_pinned(buf: np.ndarray) -> bool:
-    return torch.cuda.is_available() and torch.from_numpy(buf).is_pinned()
-
-
-def _host_buffer(nbytes: int, pinned: bool) -> np.ndarray:
-    if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return np.empty(nbytes, dtype=np.uint8)
-
-
-def _delta_codecs(view: np.ndarray, base_view: np.ndarray, spec: LeafSpec, level: int) -> list:
+def _delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> list:
     """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else."""
-    if not codecs.integer_deltas_apply(spec.itemsize):
-        return codecs.delta_codecs(spec.itemsize, level)
-    uint = np.dtype(f"u{spec.itemsize}")
+    if not codecs.integer_deltas_apply(unit.itemsize):
+        return codecs.delta_codecs(unit.itemsize, level)
+    uint = np.dtype(f"u{unit.itemsize}")
     changed = np.count_nonzero(view.view(uint) != base_view.view(uint))
-    if changed < _SPARSE_BELOW * (view.nbytes // spec.itemsize):
-        return codecs.sparse_codecs(spec.itemsize, level, spec.is_float)
-    return codecs.arith_codecs(spec.itemsize, level, spec.is_float)
+    if changed < _SPARSE_BELOW * (view.nbytes // unit.itemsize):
+        return codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
+    return codecs.arith_codecs(unit.itemsize, level, unit.is_float)
+
+
+def _keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
+    """(codecs, payload) of a keyframe: byte planes + zstd, or the raw bytes when zstd does not pay."""
+    chosen = codecs.keyframe_codecs(unit.itemsize, level)
+    payload = codecs.encode(view, chosen)
+    if payload.nbytes >= RAW_KEYFRAME_ABOVE * view.nbytes:
+        return [codecs.Raw()], view
+    return chosen, payload
 
 
 def _chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
@@ -184,8 +225,8 @@ def _keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float
 
 
 def _chain_cap(keyframe_every: int, position: int) -> int:
-    """The chain bound of the chunk at ``position`` in the part: ``keyframe_every``, lowered by up to
-    a quarter for some positions. Chunks whose chains all started at one save (the first, say) would
+    """The chain bound of the unit at ``position`` in the part: ``keyframe_every``, lowered by up to
+    a quarter for some positions. Units whose chains all started at one save (the first, say) would
     otherwise all reach the bound at the same save, and that save would upload the whole state
     again; staggered, the keyframes spread over a quarter of the cycle. Never above the bound."""
     spread = keyframe_every // 4
@@ -197,6 +238,19 @@ def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, An
     ident = json.dumps([raw_digest, base, codec_configs], sort_keys=True, separators=(",", ":"))
     h = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
     return f"chunks/{h[:2]}/{h}"
+
+
+class _Cancelled(Exception):
+    """An upload skipped because another one of the same save failed."""
+
+
+@dataclass
+class _Encoded:
+    digest: str
+    blob: Blob | None
+    wrote: bool
+    kind: str
+    keep: np.ndarray | None
 
 
 def encode_part(
@@ -211,72 +265,111 @@ def encode_part(
     generation: int = 0,
     config_hash: str | None = None,
     meta: dict[str, Any] | None = None,
-) -> Fragment:
+    lease: Lease | None = None,
+    retain: bool = False,
+) -> tuple[Fragment, Base | None, dict[str, bytes]]:
+    """(fragment, with ``retain`` the base of the next save (this fragment with its bytes),
+    re-used objects' bytes by key when ``lease`` saw a GC running: what ``Lease.before_publish``
+    must check)."""
     known = base.blobs if base else {}
-    jobs = []  # (leaf index, chunk view, base chunk view | None, base raw digest | None, chain bound)
-    sizes = []
-    for i, spec in enumerate(snap.specs):
-        size = chunk_size_for(spec.itemsize, opts.chunk_bytes)
-        sizes.append(size)
-        views = chunk_views(snap.buffers[i], size)
-        prev = base.leaves.get(spec.path) if base else None
-        prev_ok = prev is not None and prev[0].spec.nbytes == spec.nbytes and prev[0].chunk_bytes == size
-        prev_views = chunk_views(prev[1], size) if prev_ok else [None] * len(views)
-        for j, view in enumerate(views):
-            jobs.append((i, view, prev_views[j], prev[0].chunks[j] if prev_ok else None,
-                         _chain_cap(opts.keyframe_every, len(jobs))))
+    prev_units = base.units if base else {}
+    prev_raw = base.raw if base else {}
+    # a buffer may be written over in place only if no other unit still needs it as its base
+    shared = Counter(prev_units.values())
+    failed = threading.Event()
+    reused: dict[str, bytes] = {}
+    reused_lock = threading.Lock()
 
-    def encode_chunk(job):
-        i, view, base_view, base_digest, cap = job
+    def encode_unit(u: int) -> _Encoded:
+        if failed.is_set():
+            raise _Cancelled
+        unit, view = snap.units[u], snap.unit_data[u]
         digest = codecs.checksum(view)
-        if digest in known:
-            return digest, None, False, "unchanged"
-        itemsize = snap.specs[i].itemsize
-        chosen, kind, base_ref, depth = None, "keyframe", None, 0
-        base_blob = known.get(base_digest) if base_digest else None
-        if base_blob is not None and base_blob.depth + 1 < cap:
-            chosen = _delta_codecs(view, base_view, snap.specs[i], opts.zstd_level)
-            payload = codecs.encode(view, chosen, base_view)
-            kind, base_ref, depth = "delta", base_digest, base_blob.depth + 1
-            key_estimate, chain_deltas = _chain_sizes(base_blob, known)
-            chain_deltas += payload.nbytes
-            # The chain's own keyframe estimates this chunk's; only when the estimate says a
-            # keyframe may be better is one encoded to decide on its real size.
-            if _keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
-                key_codecs = codecs.keyframe_codecs(itemsize, opts.zstd_level)
-                key_payload = codecs.encode(view, key_codecs)
-                if _keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
-                    chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
+        prev_digest = prev_units.get(unit.ident)
+        prev_bytes = prev_raw.get(prev_digest) if prev_digest else None
+        if prev_bytes is not None and prev_bytes.nbytes != view.nbytes:
+            prev_digest, prev_bytes = None, None
+        blob, wrote, kind = None, False, "unchanged"
+        if digest not in known:
+            chosen, kind, base_ref, depth = None, "keyframe", None, 0
+            base_blob = known.get(prev_digest) if prev_digest and prev_bytes is not None else None
+            if base_blob is not None and base_blob.depth + 1 < _chain_cap(opts.keyframe_every, u):
+                chosen = _delta_codecs(view, prev_bytes, unit, opts.zstd_level)  # type: ignore[arg-type]
+                payload = codecs.encode(view, chosen, prev_bytes)
+                kind, base_ref, depth = "delta", prev_digest, base_blob.depth + 1
+                key_estimate, chain_deltas = _chain_sizes(base_blob, known)
+                chain_deltas += payload.nbytes
+                # The chain's own keyframe estimates this chunk's; only when the estimate says a
+                # keyframe may be better is one encoded to decide on its real size.
+                if _keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
+                    key_codecs, key_payload = _keyframe(view, unit, opts.zstd_level)
+                    if _keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
+                        chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
+            else:
+                chosen, payload = _keyframe(view, unit, opts.zstd_level)
+            configs = [c.to_config() for c in chosen]
+            key = blob_key(digest, base_ref, configs)
+            opts.limiter.acquire(payload.nbytes)
+            if failed.is_set():
+                raise _Cancelled
+            data = payload.tobytes()
+            wrote = store.put_if_absent(key, data)
+            if not wrote and lease is not None and lease.gc_seen:
+                with reused_lock:
+                    reused[key] = data
+            blob = Blob(key, payload.nbytes, view.nbytes, tuple(configs), base_ref, depth)
+        keep = None
+        if retain:
+            if prev_bytes is not None and prev_digest == digest:
+                keep = prev_bytes  # the base holds these bytes already
+            elif snap.owned[u]:
+                keep = view  # the snapshot's own copy becomes the base
+            else:  # bytes read in place from the caller's tensors: copy, into the old buffer if free
+                reusable = prev_bytes is not None and shared[prev_digest] == 1
+                keep = prev_bytes if reusable else np.empty(view.nbytes, dtype=np.uint8)
+                keep[:] = view  # type: ignore[index]
+        return _Encoded(digest, blob, wrote, kind, keep)
+
+    results = _run_all(pool, encode_unit, len(snap.units), failed)
+    if lease is not None:
+        lease.renew()
+
+    unit_digest = [r.digest for r in results]
+    leaf_units: list[list[int]] = [[] for _ in snap.specs]
+    pack_of: dict[int, tuple[int, int]] = {}  # leaf -> (unit, offset)
+    for u, unit in enumerate(snap.units):
+        for seg in unit.segments:
+            if unit.packed:
+                pack_of[seg.leaf] = (u, seg.unit_start)
+            else:
+                leaf_units[seg.leaf].append(u)
+    # A leaf's digest is the checksum of all its bytes; for a leaf of one chunk that is the chunk's.
+    empty = codecs.checksum(b"")
+    needs_hash = [i for i, spec in enumerate(snap.specs) if spec.nbytes and (i in pack_of or len(leaf_units[i]) > 1)]
+    hashed = dict(zip(needs_hash, pool.map(lambda i: codecs.checksum(snap.leaf_data[i]), needs_hash)))
+    leaves = []
+    for i, spec in enumerate(snap.specs):
+        digest = hashed.get(i) or (unit_digest[leaf_units[i][0]] if leaf_units[i] else empty)
+        if i in pack_of:
+            u, offset = pack_of[i]
+            leaves.append(Leaf(spec, digest, None, (), unit_digest[u], offset))
         else:
-            chosen = codecs.keyframe_codecs(itemsize, opts.zstd_level)
-            payload = codecs.encode(view, chosen)
-        configs = [c.to_config() for c in chosen]
-        key = blob_key(digest, base_ref, configs)
-        opts.limiter.acquire(payload.nbytes)
-        wrote = store.put_if_absent(key, payload.tobytes())
-        return digest, Blob(key, payload.nbytes, view.nbytes, tuple(configs), base_ref, depth), wrote, kind
+            size = snap.units[leaf_units[i][0]].nbytes if leaf_units[i] else spec.itemsize
+            leaves.append(Leaf(spec, digest, size, tuple(unit_digest[u] for u in leaf_units[i])))
 
-    # A leaf's digest is the checksum of all its bytes; for a one-chunk leaf that is the chunk's.
-    multi = [i for i, spec in enumerate(snap.specs) if spec.nbytes > sizes[i]]
-    multi_digests = pool.map(lambda i: codecs.checksum(snap.buffers[i]), multi)
-    results = list(pool.map(encode_chunk, jobs))
-    leaf_digests = dict(zip(multi, multi_digests))
-
-    chunk_lists: list[list[str]] = [[] for _ in snap.specs]
     new_blobs: dict[str, Blob] = {}
     stats = {"keyframe": 0, "delta": 0, "unchanged": 0}
     bytes_written = 0
-    for (i, *_), (digest, blob, wrote, kind) in zip(jobs, results):
-        chunk_lists[i].append(digest)
-        stats[kind] += 1
-        if blob is not None:
-            new_blobs.setdefault(digest, blob)
-            bytes_written += blob.size if wrote else 0
+    for r in results:
+        stats[r.kind] += 1
+        if r.blob is not None:
+            new_blobs.setdefault(r.digest, r.blob)
+            bytes_written += r.blob.size if r.wrote else 0
 
-    # The blob table holds every object the chunks need: new blobs plus the delta chains of both
-    # new and unchanged chunks, so the fragment restores on its own.
+    # The blob table holds every object the units need: new blobs plus the delta chains of both
+    # new and unchanged units, so the fragment restores on its own.
     table: dict[str, Blob] = {}
-    pending = [d for chunks in chunk_lists for d in chunks]
+    pending = list(unit_digest)
     while pending:
         d = pending.pop()
         if d in table:
@@ -286,12 +379,35 @@ def encode_part(
         if blob.base is not None:
             pending.append(blob.base)
 
-    empty = codecs.checksum(b"")
-    leaves = [Leaf(spec, leaf_digests.get(i) or (chunk_lists[i][0] if chunk_lists[i] else empty), sizes[i],
-                   tuple(chunk_lists[i])) for i, spec in enumerate(snap.specs)]
-    return Fragment(
+    fragment = Fragment(
         step=step, part=part, generation=generation, config_hash=config_hash, skeleton=snap.skeleton,
         leaves=tuple(leaves), blobs=table, digest=part_digest(snap.skeleton, leaves),
         logical_bytes=sum(s.nbytes for s in snap.specs), bytes_written=bytes_written, stats=stats,
         meta=dict(meta or {}),
     )
+    new_base = None
+    if retain:
+        new_base = Base(step, dict(table), {unit.ident: r.digest for unit, r in zip(snap.units, results)},
+                        {r.digest: r.keep for r in results if r.keep is not None})
+    return fragment, new_base, reused
+
+
+def _run_all(pool: Executor, fn: Any, n: int, failed: threading.Event) -> list[Any]:
+    """fn(0..n-1) on the pool; on the first error, stop starting new calls, wait for the running
+    ones, and raise that error (so a failed save leaves no upload running behind it)."""
+    futures: list[Future] = [pool.submit(fn, i) for i in range(n)]
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except _Cancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once every upload has stopped
+            if first is None:
+                first = e
+                failed.set()
+                for other in futures:
+                    other.cancel()
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptlib import (Checkpointer, CommitConflict, CorruptCheckpoint, NoCheckpoint, RetentionPolicy,
+from ckptlib import (CheckpointError, Checkpointer, CommitConflict, CorruptCheckpoint, NoCheckpoint, RetentionPolicy,
                      UnsupportedState)
 
 
@@ -140,7 +140,7 @@ def test_keyframe_every_bounds_delta_chains(tmp_path):
             ck.save(step, {"x": x})
         for step in range(8):
             m = ck.manifest(step)
-            assert max(b.depth for b in m.parts["state"].blobs.values()) <= 2
+            assert max(b.depth for b in ck.fragment(step, "state").blobs.values()) <= 2
         assert_same({"x": x}, Checkpointer(str(tmp_path)).restore())
 
 
@@ -158,7 +158,7 @@ def test_delta_budget_ends_a_chain_once_its_deltas_add_up_to_the_budget(tmp_path
     def depths(budget):
         with Checkpointer(str(tmp_path / str(budget)), keyframe_every=32, delta_budget=budget) as ck:
             infos = [ck.save(step, {"x": t}) for step, t in enumerate(series)]
-            blobs = ck.manifest(len(series) - 1).parts["state"].blobs
+            blobs = ck.fragment(len(series) - 1, "state").blobs
             assert_same({"x": series[-1]}, Checkpointer(str(tmp_path / str(budget))).restore())
             return [i.kind for i in infos], max(b.depth for b in blobs.values()), blobs
 
@@ -189,12 +189,12 @@ def test_chains_that_start_together_do_not_all_end_at_the_same_save(tmp_path):
             keyframes.append(ck.save(step, {"x": x}).chunks["keyframe"])
         assert keyframes[0] == 16 and sum(keyframes[1:]) == 16  # each chunk's chain restarted once
         assert max(keyframes[1:]) <= 8
-        assert max(b.depth for b in ck.manifest(11).parts["state"].blobs.values()) <= 7
+        assert max(b.depth for b in ck.fragment(11, "state").blobs.values()) <= 7
 
 
 def test_a_follower_decodes_only_what_changed_since_the_step_it_holds(tmp_path):
-    """Restore step 2, then delete every object step 2 needs: step 3 still restores in the follower
-    (its chains stop at chunks it holds), not in a fresh reader."""
+    """Restore step 2 keeping its bytes, then delete every object step 2 needs: step 3 still
+    restores in the follower (its chains stop at chunks it holds), not in a fresh reader."""
     gen = torch.Generator().manual_seed(1)
     x, frozen = torch.randn(1 << 18, generator=gen), torch.randn(1 << 17, generator=gen)
     states = []
@@ -205,9 +205,9 @@ def test_a_follower_decodes_only_what_changed_since_the_step_it_holds(tmp_path):
             states.append({"x": x, "frozen": frozen})
             ck.save(step, states[-1])
     follower = Checkpointer(str(tmp_path))
-    assert_same(states[2], follower.restore(2))
+    assert_same(states[2], follower.restore(2, keep_base=True))
     store = follower.store
-    for blob in follower.manifest(2).parts["state"].blobs.values():
+    for blob in follower.fragment(2, "state").blobs.values():
         store.delete(blob.key)
     assert_same(states[3], follower.restore(3))
     with pytest.raises(CorruptCheckpoint, match="missing"):
@@ -261,16 +261,40 @@ def test_save_async_snapshots_before_returning(url):
         assert torch.equal(ck.restore(2)["x"], torch.ones(2_000_000))
 
 
-def test_async_error_surfaces_on_result_and_next_save(url):
+def test_a_background_error_taken_from_its_future_is_not_raised_again(url):
     with Checkpointer(url) as ck:
         ck.save(3, {"x": torch.ones(10)})
         fut = ck.save_async(3, {"x": torch.zeros(10)})  # conflicts with the committed step 3
         with pytest.raises(CommitConflict):
             fut.result()
-        with pytest.raises(Exception, match="previous background save \\(step 3\\) failed"):
-            ck.save(4, {"x": torch.ones(10)})
-        ck.save(4, {"x": torch.ones(10)})  # reported once, then the checkpointer works again
+        ck.save(4, {"x": torch.ones(10)})  # reported once: the next call just works
         assert ck.steps() == [3, 4]
+        assert_same({"x": torch.ones(10)}, ck.restore(4))
+
+
+def test_a_background_error_nobody_took_is_raised_once_by_the_next_call(url):
+    with Checkpointer(url) as ck:
+        ck.save(3, {"x": torch.ones(10)})
+        ck.save_async(3, {"x": torch.zeros(10)})  # its future is dropped
+        with pytest.raises(CheckpointError, match="background save of step 3 failed"):
+            ck.save(4, {"x": torch.ones(10)})
+        assert ck.steps() == [3]  # the call that reported it did nothing else
+        ck.save(4, {"x": torch.ones(10)})
+        assert ck.steps() == [3, 4]
+
+
+def test_a_failed_save_raises_once_and_its_retry_succeeds(url):
+    ck = Checkpointer(url)
+    ck.save(3, {"x": torch.ones(10)})
+    with pytest.raises(CommitConflict):
+        ck.save(3, {"x": torch.zeros(10)})
+    ck.save(4, {"x": torch.full((10,), 4.0)})  # not "the previous save failed"
+    assert_same({"x": torch.full((10,), 4.0)}, ck.restore(4))
+    assert_same({"x": torch.ones(10)}, ck.restore(3))
+    ck.close()
+    ck.close()  # idempotent; nothing left to report
+    with pytest.raises(CheckpointError, match="closed"):
+        ck.save(5, {"x": torch.ones(10)})
 
 
 def test_unsupported_state_is_refused_with_path(url):

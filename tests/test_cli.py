@@ -132,7 +132,7 @@ def test_verify_intact(store):
 
 def test_verify_names_the_damaged_tensor_and_chunk(store, tmp_path):
     with Checkpointer(store) as ck:
-        frag = ck.manifest(3).parts["state"]
+        frag = ck.fragment(3, "state")
     leaf = next(leaf for leaf in frag.leaves if leaf.spec.path == "/model/w")
     index = 2
     blob = frag.blobs[leaf.chunks[index]]

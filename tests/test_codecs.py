@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptlib import codecs
-from ckptlib.chunking import chunk_ranges, chunk_size_for, chunk_views
+from ckptlib.chunking import chunk_ranges, chunk_size_for, plan_units
+from ckptlib.types import LeafSpec
 from ckptlib.errors import CorruptCheckpoint
 
 raw_bytes = st.binary(min_size=0, max_size=5000).map(lambda b: np.frombuffer(b, dtype=np.uint8).copy())
@@ -70,9 +71,27 @@ def test_chunks_cover_exactly_and_align(nbytes, itemsize, chunk):
     ranges = chunk_ranges(nbytes, size)
     assert sum(b - a for a, b in ranges) == nbytes
     assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
-    raw = np.arange(nbytes, dtype=np.uint8)
-    views = chunk_views(raw, size)
-    assert np.array_equal(np.concatenate(views) if views else raw, raw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 20_000), st.sampled_from([1, 2, 4, 8]), st.sampled_from(["a", "b"])),
+                      max_size=40), chunk=st.integers(4096, 9000))
+def test_units_cover_every_leaf_byte_once_and_packs_fit_a_chunk(sizes, chunk):
+    specs = [LeafSpec(f"/{top}/{i}", "numpy", f"<u{k}" if k > 1 else "|u1", (n // k,), n - n % k, k)
+             for i, (n, k, top) in enumerate(sizes)]
+    units = plan_units(specs, chunk)
+    covered = {i: [] for i in range(len(specs))}
+    for u in units:
+        assert u.nbytes <= chunk_size_for(u.itemsize, chunk)
+        assert sum(s.length for s in u.segments) == u.nbytes
+        assert len({specs[s.leaf].group for s in u.segments}) == 1  # one group per pack
+        for s in u.segments:
+            covered[s.leaf].append((s.leaf_start, s.leaf_start + s.length))
+    for i, spec in enumerate(specs):
+        ranges = sorted(covered[i])
+        assert sum(b - a for a, b in ranges) == spec.nbytes
+        assert all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1))
+    assert plan_units(specs, chunk) == units  # deterministic
 
 
 @settings(max_examples=150, deadline=None)

@@ -111,7 +111,7 @@ def test_damaged_delta_base_is_the_object_named(tmp_path):
         ck.save(1, {"w": w.clone()})
         w[:10] += 1
         ck.save(2, {"w": w.clone()})
-        frag = ck.manifest(2).parts["state"]
+        frag = ck.fragment(2, "state")
         top = frag.blobs[frag.leaves[0].chunks[0]]
         damaged = frag.blobs[top.base].key
         path = tmp_path / damaged

@@ -43,8 +43,9 @@ def test_fenced_generation_is_refused_and_never_in_the_cut(tmp_path):
     from ckptlib import commit
     from ckptlib.writer import encode_part, take_snapshot
 
-    snap = take_snapshot({"w": torch.full((10,), -1.0)}, zombie._pool)
-    frag = encode_part(snap, None, zombie.store, zombie._pool, zombie.options, step=1, part="shard-0", generation=0)
+    snap = take_snapshot({"w": torch.full((10,), -1.0)}, zombie._pool, zombie.options.chunk_bytes)
+    frag, _, _ = encode_part(snap, None, zombie.store, zombie._pool, zombie.options, step=1, part="shard-0",
+                             generation=0)
     commit.put_fragment(zombie.store, frag)
     live.write_fragment(1, "shard-0", {"w": torch.ones(10)}, generation=1)
     coord.commit(1, ["shard-0"], timeout=5)
@@ -73,8 +74,8 @@ def test_read_fragment_and_delta_against_restored_part(tmp_path):
     Checkpointer(url).write_fragment(1, "shard-0", {"w": w})
     assert torch.equal(Checkpointer(url).read_fragment(1, "shard-0")["w"], w)
     Checkpointer(url).commit(1, ["shard-0"])
-    ck = Checkpointer(url)  # a fresh process: its delta base comes from restore
-    state = ck.restore(part="shard-0")
+    ck = Checkpointer(url)  # a fresh process: its delta base comes from a restore that keeps it
+    state = ck.restore(part="shard-0", keep_base=True)
     state["w"][:100] += 1
     frag = ck.write_fragment(2, "shard-0", state)
     assert frag.stats["delta"] + frag.stats["unchanged"] == sum(frag.stats.values())

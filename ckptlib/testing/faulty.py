@@ -31,9 +31,9 @@ from fnmatch import fnmatchcase
 from typing import Callable
 
 from ckptlib.errors import StoreError
-from ckptlib.store import Store
+from ckptlib.store import Store, WrapperStore
 
-OPS = ("get", "put", "put_if_absent", "exists", "list", "delete", "modified")
+OPS = ("get", "put", "put_if_absent", "exists", "scan", "list", "list_dirs", "delete", "modified")
 _WRITES = ("put", "put_if_absent", "delete")
 
 
@@ -79,13 +79,11 @@ class _State:  # shared by a FaultyStore and its children
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class FaultyStore(Store):
+class FaultyStore(WrapperStore):
     """Same API as ``inner``; faults are injected by the rules added with the methods below."""
 
     def __init__(self, inner: Store, _state: _State | None = None):
-        self.inner = inner
-        self.url = inner.url
-        self.capabilities = inner.capabilities
+        super().__init__(inner)
         self._state = _state or _State()
 
     # ------------------------------------------------------------------ rules
@@ -170,30 +168,18 @@ class FaultyStore(Store):
             raise SimulatedCrash(f"injected crash after {op} {key!r} in {self.url}")
         return result
 
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, lambda: self.inner.get(key))
+    def _forward(self, op: str, key: str, *args):
+        def do(*data):
+            result = getattr(self.inner, op)(key, *data)
+            return list(result) if op == "scan" else result
 
-    def put(self, key: str, data: bytes) -> None:
-        return self._call("put", key, lambda d: self.inner.put(key, d), data)
+        if args:
+            return self._call(op, key, do, args[0])
+        return self._call(op, key, do)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        return self._call("put_if_absent", key, lambda d: self.inner.put_if_absent(key, d), data)
-
-    def exists(self, key: str) -> bool:
-        return self._call("exists", key, lambda: self.inner.exists(key))
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self._call("list", prefix, lambda: self.inner.list(prefix))
-
-    def delete(self, key: str) -> None:
-        return self._call("delete", key, lambda: self.inner.delete(key))
-
-    def modified(self, key: str) -> float:
-        return self._call("modified", key, lambda: self.inner.modified(key))
-
-    def child(self, subpath: str) -> FaultyStore:
+    def _wrap_child(self, inner_child: Store) -> FaultyStore:
         """The inner store's child, wrapped; shares rules, calls and crash state with this one."""
-        return FaultyStore(self.inner.child(subpath), self._state)
+        return FaultyStore(inner_child, self._state)
 
     def __repr__(self) -> str:
         return f"FaultyStore({self.inner!r})"

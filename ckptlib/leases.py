@@ -1,0 +1,222 @@
+"""Leases: how saves, readers and garbage collection stay out of each other's way.
+
+Keys under a run's root::
+
+    leases/<kind>-<id>.json   a save or a read in progress: {"kind", "id", "start", "expires", "step", "host", "pid"}
+    gc.lock                   the garbage collection in progress: {"id", "start", "expires", "host", "pid"}
+
+The protocol (the argument is in docs/format.md, "Garbage collection"):
+
+* A save writes its lease before its first upload and keeps it until its manifest (or fragment)
+  is published. ``step`` is the committed step its deltas build on: GC keeps that step.
+* Right after writing its lease, the save looks at ``gc.lock``. A GC that takes the lock after
+  that moment reads the leases after it, sees this one, and does not sweep. A GC that holds the
+  lock at that moment may have read the leases before; then, before publishing, the save waits
+  for that GC to end and checks that every object it re-used (found already stored instead of
+  writing it) still exists, writing again any that was swept.
+* A GC holds ``gc.lock`` (put-if-absent: one GC at a time), keeps every step named by a live lease,
+  and sweeps objects only while no save lease is live; it looks again before each batch of deletes.
+* Leases and the lock expire (a killed writer cannot block GC forever); long operations renew them.
+  An expired lease protects nothing: a save stalled longer than its lease's time to live (default
+  one hour, renewed while uploads progress) is not protected.
+
+Readers of a step that is not the newest take a read lease the same way (best effort: a reader
+without write access to the store reads unprotected; the newest step is never dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ObjectNotFound, StoreError
+from .store import Store
+
+log = logging.getLogger("ckptlib")
+
+LEASE_PREFIX = "leases/"
+GC_LOCK = "gc.lock"
+DEFAULT_LEASE_TTL_S = 3600.0
+GC_LOCK_TTL_S = 3600.0
+GC_WAIT_S = 600.0  # how long a save waits for a running GC before it gives up
+
+
+@dataclass(frozen=True)
+class LeaseDoc:
+    kind: str  # "save" | "read"
+    id: str
+    start: float
+    expires: float
+    step: int | None  # the step it needs kept (a save's delta base, a reader's step)
+    host: str = ""
+    pid: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "id": self.id, "start": self.start, "expires": self.expires, "step": self.step,
+                "host": self.host, "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "LeaseDoc | None":
+        """The lease, or None for a document that is not one (it then protects nothing)."""
+        try:
+            step = d.get("step")
+            return cls(str(d["kind"]), str(d["id"]), float(d["start"]), float(d["expires"]),
+                       int(step) if step is not None else None, str(d.get("host", "")), int(d.get("pid", 0)))
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Lease:
+    """A save's or a reader's lease (a context manager). ``reused``: keys of objects the save found
+    stored already; ``verify`` checks them before publishing when a GC ran beside the save."""
+
+    def __init__(self, store: Store, kind: str, step: int | None, ttl_s: float = DEFAULT_LEASE_TTL_S):
+        self.store, self.ttl_s = store, ttl_s
+        self.doc = LeaseDoc(kind, uuid.uuid4().hex, _now(), _now() + ttl_s, step, socket.gethostname(), os.getpid())
+        self.key = f"{LEASE_PREFIX}{kind}-{self.doc.id}.json"
+        self.gc_seen = False
+        self.held = False
+        self._renewed = self.doc.start
+
+    def acquire(self) -> "Lease":
+        self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
+        self.held = True
+        self.gc_seen = read_gc_lock(self.store) is not None
+        return self
+
+    def try_acquire(self) -> "Lease":
+        """``acquire``, or nothing when the store cannot be written (a read-only reader)."""
+        try:
+            return self.acquire()
+        except StoreError as e:
+            log.debug("no read lease in %s (%s): reading unprotected", self.store.url, e)
+            return self
+
+    def renew(self) -> None:
+        """Push the expiry forward; cheap to call often (writes at most every ttl/4)."""
+        if self.held and _now() - self._renewed > self.ttl_s / 4:
+            self._renewed = _now()
+            self.doc = LeaseDoc(**{**self.doc.to_json(), "expires": self._renewed + self.ttl_s})
+            self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
+
+    def before_publish(self, reused: dict[str, bytes]) -> None:
+        """If a GC held the lock when this lease was written, wait for it to end, then make sure
+        every re-used object (key -> its encoded bytes) still exists, writing back any it swept."""
+        if not self.gc_seen:
+            return
+        deadline = time.monotonic() + GC_WAIT_S
+        while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now():
+            if time.monotonic() > deadline:
+                raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
+                                 "this save waited for it and gives up. Save again once it has finished.")
+            time.sleep(0.5)
+        for key, data in reused.items():
+            if not self.store.exists(key):
+                log.warning("%s/%s was garbage-collected while this save re-used it: writing it again",
+                            self.store.url, key)
+                self.store.put_if_absent(key, data)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                self.store.delete(self.key)
+            except StoreError as e:  # it expires by itself
+                log.warning("could not remove lease %s/%s: %s", self.store.url, self.key, e)
+
+    def __enter__(self) -> "Lease":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def read_gc_lock(store: Store) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(store.get(GC_LOCK))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return {"expires": 0.0}  # unreadable: an expired lock
+    return doc if isinstance(doc, dict) else {"expires": 0.0}
+
+
+def live_leases(store: Store) -> list[LeaseDoc]:
+    """Unexpired leases. A malformed lease document is ignored (it protects nothing)."""
+    now, out = _now(), []
+    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+        try:
+            doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
+        except (ObjectNotFound, ValueError):
+            continue
+        if doc is not None and doc.expires > now:
+            out.append(doc)
+    return out
+
+
+def expired_leases(store: Store, older_than: float) -> list[str]:
+    """Keys of lease documents that expired (or are malformed) and were last written before ``older_than``."""
+    now, out = _now(), []
+    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+        if info.modified >= older_than:
+            continue
+        try:
+            doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
+        except ObjectNotFound:
+            continue
+        except ValueError:
+            doc = None
+        if doc is None or doc.expires <= now:
+            out.append(info.key)
+    return out
+
+
+class GcLock:
+    """The GC's lock (a context manager): one GC per store at a time; a lock left by a killed GC
+    is taken over once it has expired."""
+
+    def __init__(self, store: Store, ttl_s: float = GC_LOCK_TTL_S):
+        self.store, self.ttl_s = store, ttl_s
+        self.id = uuid.uuid4().hex
+        self._doc = {"id": self.id, "start": _now(), "expires": _now() + ttl_s, "host": socket.gethostname(),
+                     "pid": os.getpid()}
+
+    def acquire(self) -> "GcLock":
+        data = json.dumps(self._doc).encode()
+        if self.store.put_if_absent(GC_LOCK, data):
+            return self
+        held = read_gc_lock(self.store)
+        if held is not None and held.get("expires", 0) > _now():
+            raise StoreError(
+                f"another garbage collection holds {self.store.url}/{GC_LOCK} (host {held.get('host')}, pid "
+                f"{held.get('pid')}, until {time.strftime('%H:%M:%S', time.localtime(held['expires']))}); run GC "
+                "again after it ends, or delete the lock if that process is gone"
+            )
+        self.store.delete(GC_LOCK)  # expired: its GC was killed
+        if not self.store.put_if_absent(GC_LOCK, data):
+            raise StoreError(f"another garbage collection took {self.store.url}/{GC_LOCK} just now; run GC again later")
+        return self
+
+    def still_held(self) -> bool:
+        held = read_gc_lock(self.store)
+        return held is not None and held.get("id") == self.id
+
+    def release(self) -> None:
+        if self.still_held():
+            self.store.delete(GC_LOCK)
+
+    def __enter__(self) -> "GcLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
