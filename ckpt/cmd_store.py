@@ -3,8 +3,10 @@
 Each command opens one run's store (a path, ``file://``, ``memory://`` or ``s3://`` URL) through
 ``ckptlib.Checkpointer`` and does one thing. Contract of every command here:
 
-* ``--storage-options JSON`` is a JSON object of s3fs arguments for ``s3://`` URLs; standard AWS
-  environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) work without it.
+* ``--storage-options @FILE`` (or ``JSON``) gives s3fs arguments for ``s3://`` URLs; without it,
+  ``CKPT_STORAGE_OPTIONS`` (the same two forms), then the standard AWS environment variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Inline JSON shows in ``ps``: prefer a file
+  (``trainrun.credentials``). A URL holding credentials (``s3://key:secret@...``) is refused.
 * An expected failure (a ``ckptlib.CheckpointError``, a bad option, an unwritable output path)
   prints ONE line ``error: <cause and fix>`` to stderr and exits with code 2; no traceback.
   ``verify`` exits with code 1 when it finds damage (and prints one line per problem).
@@ -29,15 +31,15 @@ if TYPE_CHECKING:
     from ckptlib import Checkpointer
     from ckptlib.manifest import Manifest
 
-STORAGE_OPTIONS_EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:8333", "key": "k", "secret": "s"}\''
 WORKLOAD_EXTRA_EXAMPLE = '\'{"d_model": 64}\''
 
 UrlArg = Annotated[str, typer.Argument(
     metavar="URL", help="The run's store: a path, file:///abs/path, memory://name or s3://bucket/prefix.")]
-StorageOptionsOpt = Annotated[Optional[str], typer.Option(
-    "--storage-options", metavar="JSON",
-    help=f"s3fs arguments as a JSON object, e.g. {STORAGE_OPTIONS_EXAMPLE}. AWS_* environment "
-         "variables are honoured without it.")]
+STORAGE_OPTIONS_HELP = ("s3fs arguments for an s3:// store: @FILE of a JSON object (e.g. "
+                        "'{\"endpoint_url\": \"http://127.0.0.1:8333\", \"key\": \"k\", \"secret\": \"s\"}'), or the JSON "
+                        "itself (which `ps` shows to every user). Default: CKPT_STORAGE_OPTIONS, then AWS_* variables.")
+StorageOptionsOpt = Annotated[Optional[str], typer.Option("--storage-options", metavar="@FILE|JSON",
+                                                          help=STORAGE_OPTIONS_HELP)]
 StepOpt = Annotated[Optional[int], typer.Option("--step", min=0, help="Checkpoint step (default: the latest).")]
 
 
@@ -81,8 +83,12 @@ def parse_json_object(text: str | None, option: str, example: str, what: str = "
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any] | None:
-    """The ``--storage-options`` JSON object, or None when not given. ValueError names the fix."""
-    return parse_json_object(text, "--storage-options", STORAGE_OPTIONS_EXAMPLE, " of s3fs arguments")
+    """The s3fs options of ``--storage-options`` (@FILE or JSON), else of ``CKPT_STORAGE_OPTIONS``,
+    else None (s3fs then reads the AWS_* variables). ValueError names the fix, never the content."""
+    from trainrun.credentials import parse_storage_options as parse
+    from trainrun.credentials import storage_options_from_env
+
+    return parse(text) if text is not None and text.strip() else storage_options_from_env()
 
 
 def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:
@@ -93,13 +99,25 @@ def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:
         fail(str(e))
 
 
+def url_or_exit(url: str) -> str:
+    """``url``, unless it holds credentials (``s3://key:secret@...``): one error line (not showing
+    them) and exit 2."""
+    from trainrun.credentials import check_url
+
+    try:
+        return check_url(url)
+    except ValueError as e:
+        fail(str(e))
+    raise AssertionError("unreachable")
+
+
 def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> "Checkpointer":
     """A Checkpointer on ``url``. With ``must_exist``, a local path that does not exist is an error
     (a typo would otherwise look like an empty store)."""
     from ckptlib import Checkpointer, NoCheckpoint
     from ckptlib.store import LocalStore, Store
 
-    store = Store.from_url(url, parse_storage_options(storage_options))
+    store = Store.from_url(url_or_exit(url), parse_storage_options(storage_options))
     if must_exist and isinstance(store, LocalStore) and not os.path.isdir(store.root):
         raise NoCheckpoint(f"no store at {store.root}: the directory does not exist. Check the path "
                            "(`ckpt demo --store PATH` creates a store with a few checkpoints)")
@@ -146,16 +164,14 @@ def console():
 
 
 def _runs_below(url: str) -> list[str]:
-    """Names of sub-directories of a local store root that are runs (have manifests/)."""
-    from ckptlib.store import LocalStore, Store
+    """The runs under a local store root (``trainrun.layout.find_runs``), as paths relative to it."""
+    from ckptlib.store import Store
+    from trainrun.layout import find_runs
 
     try:
-        store = Store.from_url(url)
+        return [p for p in find_runs(Store.from_url(url)) if p]
     except Exception:  # noqa: BLE001 - only a hint
         return []
-    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
-        return []
-    return sorted(d for d in os.listdir(store.root) if os.path.isdir(os.path.join(store.root, d, "manifests")))
 
 
 # --- ls ------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.rounds import initial_cut as write_initial_cut
 from trainrun.rounds import plan_run as plan
-from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_KEYFRAME_EVERY, Cut, RunSpec
+from trainrun.rounds import Cut
+from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_KEYFRAME_EVERY, RunSpec
 
 from .access import storage_options
 from .retry import transient_store_error

@@ -30,8 +30,12 @@ def find_runs(root: str, access: StoreAccess | None = None) -> list[str]:
       retry_condition_fn=transient_store_error)
 def gc_run(run_url: str, keep_last: int, keep_every: int | None, grace_s: float, dry_run: bool,
            keep_latest_healthy: bool = True, access: StoreAccess | None = None) -> dict:
-    """Apply the retention policy to one run; return what was (or would be) deleted."""
+    """Apply the retention policy to one run; return what was (or would be) deleted. A run with no
+    committed checkpoint yet (it only beats) is left alone."""
     with Checkpointer(run_url, storage_options(access)) as ck:
+        if not ck.steps():
+            return {"run": run_url, "kept_steps": [], "dropped_steps": [], "deleted_objects": 0, "deleted_chunks": 0,
+                    "freed_bytes": 0, "latest_healthy": None, "dry_run": dry_run}
         healthy = ck.latest_step(healthy=True) if keep_latest_healthy else None
         policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every,
                                  keep_named=frozenset(() if healthy is None else (healthy,)))

@@ -20,7 +20,8 @@ from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.layout import run_name, shard_part
 from trainrun.rounds import train_shard_round
-from trainrun.spec import DEFAULT_KEYFRAME_EVERY, Cut, RunSettings, RunSpec
+from trainrun.rounds import Cut
+from trainrun.spec import DEFAULT_KEYFRAME_EVERY, RunSettings, RunSpec
 
 from .access import storage_options
 from .retry import loud_failure

@@ -328,36 +328,13 @@ class Partitioned(WrapperStore):
         super().__init__(inner)
         self.lost = lost
 
-    def _check(self, key: str) -> None:
+    def _forward(self, op: str, key: str, *args: Any) -> Any:
         if key.startswith(self.lost):
             raise StoreError(f"chaos partition: {self.url}/{key} cannot be reached")
+        return super()._forward(op, key, *args)
 
-    def get(self, key: str) -> bytes:
-        self._check(key)
-        return super().get(key)
-
-    def put(self, key: str, data: bytes) -> None:
-        self._check(key)
-        super().put(key, data)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        self._check(key)
-        return super().put_if_absent(key, data)
-
-    def exists(self, key: str) -> bool:
-        self._check(key)
-        return super().exists(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        self._check(prefix)
-        return super().list(prefix)
-
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        self._check(prefix)
-        return super().list_dirs(prefix)
-
-    def child(self, subpath: str) -> Partitioned:
-        return Partitioned(self.inner.child(subpath), self.lost)
+    def _wrap_child(self, inner_child: Store) -> Store:
+        return Partitioned(inner_child, self.lost)
 
 
 class StaleFences(WrapperStore):
@@ -373,5 +350,5 @@ class StaleFences(WrapperStore):
             return keys
         return [k for k in keys if not (k.rsplit("/", 1)[1].isdigit() and int(k.rsplit("/", 1)[1]) > self.generation)]
 
-    def child(self, subpath: str) -> StaleFences:
-        return StaleFences(self.inner.child(subpath), self.part, self.generation)
+    def _wrap_child(self, inner_child: Store) -> Store:
+        return StaleFences(inner_child, self.part, self.generation)

@@ -59,7 +59,8 @@ def parse_storage_options(text: str | None, what: str = "--storage-options") -> 
                          '{"endpoint_url": "http://127.0.0.1:8333"}, best in a file: --storage-options @opts.json') \
             from None
     if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object of s3fs arguments, got a JSON {type(value).__name__}")
+        raise ValueError(f"{what} must be a JSON object of s3fs arguments, got a JSON {type(value).__name__}: e.g. "
+                         '{"endpoint_url": "http://127.0.0.1:8333"}')
     return value
 
 

@@ -41,7 +41,8 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
     prev = load_part(ck, cut, COORDINATOR)
     shard_parts = [shard_part(i) for i in range(spec.shards)]
     t_wait = time.perf_counter()
-    frags = ckcommit.gather(ck.store, round, shard_parts, timeout=commit_timeout_s)
+    gathered = ckcommit.gather(ck.store, round, shard_parts, timeout=commit_timeout_s)
+    frags = {p: frag for p, (frag, _) in gathered.items()}
     t_gathered = time.perf_counter()
     states = [ck.read_fragment(round, p, generation=frags[p].generation) for p in shard_parts]
     t_read = time.perf_counter()
@@ -68,17 +69,16 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
         "shard_bytes_written": sum(f.bytes_written for f in frags.values()), "digest": None,
     }
     if publish:
+        # the coordinator's fragment as stored (the manifest records its bytes' checksum), and the
+        # shards' exactly as combined
+        coordinator = ckcommit.gather(ck.store, round, [COORDINATOR], timeout=commit_timeout_s)
         prior = [s for s in ck.steps() if s < round]
-        manifest = ckcommit.build_manifest(round, prior[-1] if prior else None, {COORDINATOR: cfrag, **frags},
+        manifest = ckcommit.build_manifest(round, prior[-1] if prior else None, {**coordinator, **gathered},
                                            single=False,
                                            meta={**(run_meta or {}), "round": round, "loss": loss, "eval_loss": eval_loss})
         created = ckcommit.publish(ck.store, manifest)
-        chunks: dict[str, int] = {}
-        for f in manifest.parts.values():
-            for k, v in f.stats.items():
-                chunks[k] = chunks.get(k, 0) + v
         out.update(committed=True, created=created, digest=manifest.digest, stored_bytes=manifest.stored_bytes,
-                   kind=manifest.kind, chunks=chunks, logical_bytes=manifest.logical_bytes)
+                   kind=manifest.kind, chunks=manifest.stats, logical_bytes=manifest.logical_bytes)
     t_done = time.perf_counter()
     out["seconds"] = {"load": round_s(t_wait - t0), "wait": round_s(t_gathered - t_wait),
                       "read": round_s(t_read - t_gathered), "combine": round_s(t_combined - t_read),

@@ -113,9 +113,11 @@ def elapsed(t0: float) -> float:
 # --- where a run starts ----------------------------------------------------------------------------
 
 def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
-    """The ``config`` of the coordinator part of committed ``step`` (read from the manifest only)."""
-    frag = ck.manifest(step).parts.get(COORDINATOR)
-    if frag is None or not isinstance(frag.skeleton, dict) or "config" not in frag.skeleton:
+    """The ``config`` of the coordinator part of committed ``step`` (its fragment; no chunk read)."""
+    if COORDINATOR not in ck.manifest(step).parts:
+        return None
+    frag = ck.fragment(step, COORDINATOR)
+    if not isinstance(frag.skeleton, dict) or "config" not in frag.skeleton:
         return None
     config = unflatten(frag.skeleton["config"], [])
     return config if isinstance(config, dict) else None
@@ -190,7 +192,7 @@ class ShardRNG:
 def load_part(ck: Checkpointer, cut: Cut, part: str) -> Any:
     """``part``'s state in ``cut``; it becomes ``ck``'s delta base for ``part``."""
     if cut.committed:
-        return ck.restore(cut.step, part=part)
+        return ck.restore(cut.step, part=part, keep_base=True)
     return ck.read_fragment(cut.step, part, generation=cut.generations.get(part), adopt=True)
 
 

@@ -17,7 +17,6 @@ whose verdict passed).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
@@ -29,12 +28,12 @@ from typing import Any
 from .. import commit
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from ..manifest import Fragment, Manifest
-from ..reader import Problem, inspect_part
+from ..reader import Problem, decode_leaves, inspect_part
 from ..store import Store
-from ..tree import unflatten
+from ..tree import finish_leaf, unflatten
 from .checks import CutView, Findings, PartChecks
 from .stats import (loss_of, mode, model_filter, norm_path, optimizer_steps, rel_change, role, skeleton_state,
-                    spec_ok, spec_problem, tensor_stats)
+                    spec_ok, tensor_stats)
 from .thresholds import Thresholds
 from .verdict import previous_healthy_step
 
@@ -49,10 +48,12 @@ PART_COLUMNS = ["part", "role", "present", "generation", "fragment_step", "confi
 
 @dataclass
 class Reference:
-    """The previous healthy checkpoint: its manifest, skeleton states, and the models compared with."""
+    """The previous healthy checkpoint: its manifest, fragments, skeleton states, and the models
+    compared with."""
 
     step: int
     manifest: Manifest
+    fragments: dict[str, Fragment]
     models: dict[str, dict[str, Any]]  # part -> {tensor path: tensor} (model tensors only)
     states: dict[str, Any]  # part -> skeleton state (scalars)
 
@@ -119,6 +120,7 @@ class _Measure:
         assert out.manifest is not None
         self.m: Manifest = out.manifest
         self.step = out.step
+        self.frags: dict[str, Fragment] = {}  # the parts that could be read
         self._ref_shapes: dict[str, dict[str, tuple]] = {}
 
     def base(self, part: str) -> str:
@@ -137,7 +139,14 @@ class _Measure:
         names = sorted(m.parts, key=lambda n: (n not in bases, _natural(n)))
         models: dict[str, dict[str, Any]] = {}
         for name in names:
-            frag = m.parts[name]
+            try:
+                frag = commit.load_part(self.store, m, name)
+            except CorruptCheckpoint as e:  # its fragment is missing, damaged or malformed
+                self.out.problems.append(Problem(self.step, name, "/", None, m.parts[name].key, str(e)))
+                self.out.tensor_rows.append({"part": name, "tensor": "/", "role": "part", "intact": False,
+                                             "problem": str(e)})
+                continue
+            self.frags[name] = frag
             leaves, problems = self._inspect(frag)
             self.out.problems += problems
             state = None
@@ -168,49 +177,32 @@ class _Measure:
             return None
         # the models compared with: each part's base, or the part itself where the base is not there
         wanted = {b if b in m.parts else p for p in parts for b in [self.base(p)]}
-        models, states = {}, {}
-        for name, frag in m.parts.items():
-            states[name] = skeleton_state(frag)
-            if name in wanted or m.single:
-                try:
+        frags, models, states = {}, {}, {}
+        for name in m.parts:
+            try:
+                frag = frags[name] = commit.load_part(self.store, m, name)
+                states[name] = skeleton_state(frag)
+                if name in wanted or m.single:
                     models[name] = self._restore_leaves(frag, model_filter(m.single))
-                except CheckpointError as e:
-                    log.warning("cannot read the model of step %d part %s (%s): no relative change", prev, name, e)
-        return Reference(prev, m, models, states)
+            except CheckpointError as e:
+                log.warning("cannot read part %s of step %d (%s): no reference for it", name, prev, e)
+        return Reference(prev, m, frags, models, states)
 
     def _restore_leaves(self, frag: Fragment, wanted: Callable[[str], bool]) -> dict[str, Any]:
         """The intact leaves of ``frag`` whose path satisfies ``wanted``, by normalised path."""
         idx = [i for i, leaf in enumerate(frag.leaves) if wanted(norm_path(leaf.spec.path))]
         if not idx:
             return {}
-        sub = dataclasses.replace(frag, leaves=tuple(frag.leaves[i] for i in idx),
-                                  skeleton=[{"__leaf__": j} for j in range(len(idx))])
-        leaves, _ = inspect_part(sub, self.store, self.pool)
-        return {norm_path(frag.leaves[i].spec.path): obj for i, obj in zip(idx, leaves) if obj is not None}
+        objects, _, _ = decode_leaves(frag, self.store, self.pool, idx)
+        return {norm_path(frag.leaves[i].spec.path): finish_leaf(obj, frag.leaves[i].spec, "cpu")
+                for i, obj in objects.items()}
 
     def _inspect(self, frag: Fragment) -> tuple[list[Any], list[Problem]]:
-        """Decode a part once: (leaves, problems). A leaf whose recorded spec cannot be decoded
-        (unknown dtype; shape x itemsize != bytes) is reported and skipped, the rest decoded."""
-        bad = {i: why for i, leaf in enumerate(frag.leaves) if (why := spec_problem(leaf.spec))}
-        problems = [Problem(self.step, frag.part, frag.leaves[i].spec.path, None, None, why) for i, why in bad.items()]
-        if not bad:
-            try:
-                leaves, found = inspect_part(frag, self.store, self.pool)
-            except CorruptCheckpoint as e:
-                return [None] * len(frag.leaves), [Problem(self.step, frag.part, "/", None, None, str(e))]
-            return leaves, found
-        keep = [i for i in range(len(frag.leaves)) if i not in bad]
-        sub = dataclasses.replace(frag, leaves=tuple(frag.leaves[i] for i in keep),
-                                  skeleton=[{"__leaf__": j} for j in range(len(keep))])
-        sub_leaves, found = inspect_part(sub, self.store, self.pool)
-        # the sub-part's logical digest cannot match: the part-wide digest is wrong by definition here
-        problems += [p for p in found if p.tensor != "/"]
-        problems.append(Problem(self.step, frag.part, "/", None, None,
-                                "logical digest not checked: the manifest records undecodable tensors"))
-        leaves: list[Any] = [None] * len(frag.leaves)
-        for i, obj in zip(keep, sub_leaves):
-            leaves[i] = obj
-        return leaves, problems
+        """Decode a part once: (leaves, problems); a damaged leaf is None, the rest are measured."""
+        try:
+            return inspect_part(frag, self.store, self.pool)
+        except CorruptCheckpoint as e:
+            return [None] * len(frag.leaves), [Problem(self.step, frag.part, "/", None, None, str(e))]
 
     # -- references --
     def _reference_tensor(self, part: str, path: str) -> Any:
@@ -231,8 +223,9 @@ class _Measure:
         if name is None:
             return None
         if name not in self._ref_shapes:
-            self._ref_shapes[name] = {norm_path(leaf.spec.path): tuple(leaf.spec.shape)
-                                      for leaf in ref.manifest.parts[name].leaves}
+            frag = ref.fragments.get(name)
+            self._ref_shapes[name] = {} if frag is None else {norm_path(leaf.spec.path): tuple(leaf.spec.shape)
+                                                              for leaf in frag.leaves}
         return self._ref_shapes[name].get(path)
 
     # -- rows --
@@ -296,7 +289,7 @@ class _Measure:
     def _extensions(self) -> None:
         ref = self.out.reference
         cut = CutView(step=self.step, manifest=self.m,
-                      states={n: skeleton_state(f) for n, f in self.m.parts.items()},
+                      states={n: skeleton_state(f) for n, f in self.frags.items()},
                       previous=ref.manifest if ref else None, previous_states=ref.states if ref else {},
                       thresholds=self.th)
         leader = None

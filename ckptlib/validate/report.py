@@ -78,7 +78,7 @@ def run_history(store: Store, *, override: Verdict | None = None) -> list[dict]:
         if row["logical_bytes"] is None:
             try:
                 m = commit.read_manifest(store, step)
-                loss, ev = manifest_loss(m)
+                loss, ev = manifest_loss(store, m)
                 row.update(bytes_written=m.bytes_written, logical_bytes=m.logical_bytes, loss=loss,
                            eval_loss=ev, kind=m.kind)
             except CheckpointError as e:

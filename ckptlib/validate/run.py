@@ -151,7 +151,7 @@ def _failures(m: Measurement, gx_results: Mapping[str, Any], checks: Sequence[Ch
     return out
 
 
-def _summary(m: Measurement, tables: Mapping[str, Any]) -> dict[str, Any]:
+def _summary(store: Store, m: Measurement, tables: Mapping[str, Any]) -> dict[str, Any]:
     man = m.manifest
     t = tables["tensors"]
 
@@ -159,7 +159,7 @@ def _summary(m: Measurement, tables: Mapping[str, Any]) -> dict[str, Any]:
         s = t[col].dropna() if col in t else []
         return clean(fn(s)) if len(s) else None
 
-    loss, eval_loss = manifest_loss(man) if man is not None else (None, None)
+    loss, eval_loss = manifest_loss(store, man) if man is not None else (None, None)
     out = {
         "single": man.single if man else None,
         "kind": man.kind if man else None,
@@ -200,5 +200,5 @@ def _verdict(store: Store, m: Measurement, tables: Mapping[str, Any], gx_results
     return Verdict(step=m.step, run=store.url, passed=passed, failed=tuple(failed), failures=tuple(failures),
                    problems=tuple(str(p) for p in m.problems),
                    integrity=tuple(dataclasses.asdict(p) for p in m.problems), expectations=stats,
-                   summary=_summary(m, tables), thresholds=th.to_dict(), report=report_links(store, m.step),
+                   summary=_summary(store, m, tables), thresholds=th.to_dict(), report=report_links(store, m.step),
                    validated_at=datetime.now(timezone.utc).isoformat(), seconds=dict(seconds))

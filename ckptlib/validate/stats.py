@@ -2,7 +2,8 @@
 
 Pure functions of tensors and manifests: NaN/Inf counts, value range and norm over the finite
 values, relative change against a reference tensor, a tensor's role (parameter, Adam moment, ...),
-whether a recorded spec can be decoded, and the scalars of a part's skeleton (no chunk read).
+whether a restored value matches its recorded spec, and the scalars of a part's skeleton (no chunk
+read). Specs themselves are checked by ckptlib when a fragment is read (``LeafSpec.checked``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import commit
+from ..errors import CheckpointError
 from ..manifest import Fragment, Manifest
-from ..tree import _TORCH_DTYPES, unflatten
+from ..store import Store
+from ..tree import unflatten
 
 
 def norm_path(path: str) -> str:
@@ -188,39 +192,24 @@ def loss_of(state: Any, frag: Fragment) -> tuple[float | None, float | None]:
     return loss, ev
 
 
-def manifest_loss(m: Manifest) -> tuple[float | None, float | None]:
+def manifest_loss(store: Store, m: Manifest) -> tuple[float | None, float | None]:
     """The loss of a checkpoint without reading a chunk: the manifest's ``meta``, else the mean of
-    what its parts record (``loss_of``)."""
+    what its parts record (``loss_of``; one read per part whose fragment is not embedded)."""
     loss, ev = scalar(m.meta.get("loss")), scalar(m.meta.get("eval_loss"))
     if loss is not None:
         return loss, ev
-    found = [loss_of(skeleton_state(frag), frag) for frag in m.parts.values()]
+    found = []
+    for name in m.parts:
+        try:
+            frag = commit.load_part(store, m, name)
+        except CheckpointError:
+            continue  # a damaged part records no loss; integrity checks report it
+        found.append(loss_of(skeleton_state(frag), frag))
     losses = [x for x, _ in found if x is not None]
     evals = [e for _, e in found if e is not None]
     if ev is None and evals:
         ev = evals[0]
     return (sum(losses) / len(losses) if losses else None), ev
-
-
-def spec_problem(spec) -> str | None:
-    """Why a recorded tensor spec cannot be decoded, or None."""
-    if spec.kind == "torch":
-        if spec.dtype not in _TORCH_DTYPES:
-            return f"the manifest records unknown torch dtype {spec.dtype!r}"
-        size = torch.empty(0, dtype=_TORCH_DTYPES[spec.dtype]).element_size()
-    else:
-        try:
-            size = np.dtype(spec.dtype).itemsize
-        except TypeError:
-            return f"the manifest records unknown numpy dtype {spec.dtype!r}"
-    if spec.itemsize != size:
-        return f"the manifest records itemsize {spec.itemsize} for dtype {spec.dtype} ({size} bytes)"
-    if any((not isinstance(d, int)) or d < 0 for d in spec.shape):
-        return f"the manifest records an invalid shape {list(spec.shape)}"
-    if spec.nbytes != math.prod(spec.shape) * spec.itemsize:
-        return (f"the manifest records shape {list(spec.shape)} x {spec.itemsize} bytes = "
-                f"{math.prod(spec.shape) * spec.itemsize} bytes, but {spec.nbytes} bytes of data")
-    return None
 
 
 def spec_ok(obj: Any, spec) -> bool:
