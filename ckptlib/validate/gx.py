@@ -1,8 +1,10 @@
 """Great Expectations: the suites built from ``Check``s, judging the tables, and Data Docs pages.
 
-GX runs in an ephemeral context, progress bars off, result format COMPLETE with the ``part``/
-``tensor`` columns as unexpected-index columns, so every failure names its rows. GX contexts share
-module state: every GX call of this process holds ``_GX_LOCK``. GX is imported lazily (about 2 s).
+GX runs in an ephemeral context with in-memory stores and no Data Docs site (the pages are rendered
+to strings and written through the Store by ``report``: GX itself writes no file), progress bars
+off, result format COMPLETE with the ``part``/``tensor`` columns as unexpected-index columns, so
+every failure names its rows. GX contexts share module state: every GX call of this process holds
+``_GX_LOCK``. GX is imported lazily (about 2 s).
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ def run_gx(tables: Mapping[str, Any], checks: Sequence[Check], th: Thresholds, r
     """Validate each DataFrame with its suite; ``{table: ExpectationSuiteValidationResult}``."""
     import great_expectations as gx
     import great_expectations.expectations as gxe
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    from great_expectations.data_context.types.base import (DataContextConfig, InMemoryStoreBackendDefaults,
+                                                            ProgressBarsConfig)
 
     results = {}
     with _GX_LOCK:
-        ctx = gx.get_context(mode="ephemeral")
+        config = DataContextConfig(store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False))
+        ctx = gx.get_context(mode="ephemeral", project_config=config)
         ctx.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
         source = ctx.data_sources.add_pandas("checkpoint")
         for table, df in tables.items():

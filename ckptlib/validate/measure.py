@@ -89,6 +89,8 @@ def measure(store: Store, step: int, th: Thresholds, pool: Any, extensions: Sequ
     """Measure committed ``step`` (see the module docstring). Raises NoCheckpoint, and StoreError
     when the store cannot be read (other than a missing object, which is a finding)."""
     out = Measurement(step, ref_values={"step": step, "config_hash": None})
+    for ext in extensions:  # every check's column exists, even when nothing could be measured
+        out.part_columns += [c.column for c in ext.checks if c.table == "parts" and c.column not in out.part_columns]
     try:
         out.manifest = commit.read_manifest(store, step)
     except NoCheckpoint:
@@ -305,9 +307,6 @@ class _Measure:
                 else:
                     rows[part] = {"part": part, **values}
                     self.out.part_rows.append(rows[part])
-            for c in ext.checks:
-                if c.table == "parts" and c.column not in self.out.part_columns:
-                    self.out.part_columns.append(c.column)
             self.out.ref_values.update(found.reference)
             self.out.summary.update(found.summary)
             leader = leader or found.leader
