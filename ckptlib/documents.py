@@ -151,7 +151,12 @@ def _convert(tp: Any, v: Any, path: str) -> Any:  # noqa: C901 - one branch per 
         return None
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if _is_union(tp):
-        for arm in args:
+        arms = [a for a in args if a is not type(None)]
+        if v is None and len(arms) < len(args):
+            return None
+        if len(arms) == 1:  # X | None holding a value: X's own message says what is wrong inside it
+            return _convert(arms[0], v, path)
+        for arm in arms:
             try:
                 return _convert(arm, v, path)
             except _Mismatch:

@@ -47,8 +47,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from . import commit
 from .documents import Document, DocumentError
@@ -189,7 +190,7 @@ class Heartbeat:
         if self.on_beat is not None:
             try:
                 self.on_beat(doc)
-            except Exception as e:  # a forwarder must never stop training
+            except Exception as e:  # noqa: BLE001 - a forwarder must never stop training
                 log.warning("heartbeat forwarder failed for %s: %s", self.part, e)
         return doc
 

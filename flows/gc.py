@@ -78,7 +78,7 @@ def _publish(store: str, results: list[dict[str, Any]], dry_run: bool) -> None:
         create_table_artifact(rows or [{"run": "-", "kept": "-", "dropped": "-", "objects": 0, "freed_bytes": 0,
                                         "dry_run": dry_run}],
                               key=key, description=f"{'Dry run: ' if dry_run else ''}garbage collection of {store}")
-    except Exception as e:  # the deletes are done; the UI view is secondary
+    except Exception as e:  # noqa: BLE001 - the deletes are done; the UI view is secondary
         get_run_logger().warning("could not create the gc artifact: %s", e)
 
 

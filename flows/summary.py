@@ -150,5 +150,5 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
             f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
             f"* checkpoints: `{summary['run_url']}`, reports: `{summary['reports']}`\n",
             key=key + "-summary", description="Training run summary")
-    except Exception as e:  # artifacts are a convenience; never fail a finished run over them
+    except Exception as e:  # noqa: BLE001 - artifacts are a convenience; never fail a finished run over them
         get_run_logger().warning("could not create artifacts: %s", e)

@@ -81,7 +81,7 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
                            deployment_id=str(deployment.id) if deployment.id else None)
     beat = CoordinatorBeat(store, info, every_s=settings.heartbeat_every_s).start()  # the run lives, for watchdogs
     shard_task = train_shard.with_options(retries=settings.shard_retries, retry_delay_seconds=settings.retry_delay_s)
-    common = dict(spec=spec, access=access, keyframe_every=settings.keyframe_every)
+    common = {"spec": spec, "access": access, "keyframe_every": settings.keyframe_every}
     try:
         with validation_runner(params.validation_runner) as vrunner, \
                 shard_runner(settings.task_runner, spec.shards) as srunner:
@@ -145,7 +145,7 @@ class Validations:
         for step, fut in self.futures.items():
             try:
                 verdicts[step] = fut.result()
-            except Exception as e:  # the store stayed unreachable, or the validator crashed: not healthy
+            except Exception as e:  # noqa: BLE001 - the store stayed unreachable, or the validator crashed: not healthy
                 verdicts[step] = error_verdict(step, self.url, e)
         return verdicts
 

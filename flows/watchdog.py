@@ -42,8 +42,15 @@ from tasks.shard import train_shard
 from trainrun.credentials import StoreAccess, check_url
 from trainrun.layout import check_run_id, run_name, run_url, store_url
 from trainrun.spec import RunSpec
-from trainrun.watchdog import DEFAULT_POLL_S, DEFAULT_TIMEOUT_S, Decision, RerunRequest, Watchdog, describe
-from trainrun.watchdog import watchdog_name
+from trainrun.watchdog import (
+    DEFAULT_POLL_S,
+    DEFAULT_TIMEOUT_S,
+    Decision,
+    RerunRequest,
+    Watchdog,
+    describe,
+    watchdog_name,
+)
 from trainrun.watchdog.decisions import NOTABLE
 
 from .resume import resume_from_deployment

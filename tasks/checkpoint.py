@@ -13,9 +13,9 @@ from prefect.cache_policies import NO_CACHE
 from ckptlib import Checkpointer
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
+from trainrun.rounds import Cut
 from trainrun.rounds import initial_cut as write_initial_cut
 from trainrun.rounds import plan_run as plan
-from trainrun.rounds import Cut
 from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_KEYFRAME_EVERY, RunSpec
 
 from .access import storage_options

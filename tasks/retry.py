@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptlib.errors import CommitConflict, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
-from ckptlib.errors import UnsupportedState
+from ckptlib.errors import (
+    CommitConflict,
+    CorruptCheckpoint,
+    FormatVersionError,
+    NoCheckpoint,
+    ObjectNotFound,
+    StoreError,
+    UnsupportedState,
+)
 
 DETERMINISTIC = (CommitConflict, CorruptCheckpoint, FormatVersionError, UnsupportedState, NoCheckpoint,
                  ValueError, TypeError, ImportError)

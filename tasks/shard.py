@@ -19,8 +19,7 @@ from ckptlib.heartbeat import Beat
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.layout import run_name, shard_part
-from trainrun.rounds import train_shard_round
-from trainrun.rounds import Cut
+from trainrun.rounds import Cut, train_shard_round
 from trainrun.spec import DEFAULT_KEYFRAME_EVERY, RunSettings, RunSpec
 
 from .access import storage_options

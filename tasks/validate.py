@@ -96,7 +96,7 @@ def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
     try:
         create_table_artifact(_table(verdict), key=keys["table"], description=desc)
         create_markdown_artifact(_markdown(verdict), key=keys["markdown"], description=desc)
-    except Exception as e:  # the verdict is stored; the UI view is secondary
+    except Exception as e:  # noqa: BLE001 - the verdict is stored; the UI view is secondary
         logger.warning("could not create the validation artifacts: %s", e)
     try:
         s = verdict.summary
@@ -107,7 +107,7 @@ def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
                    payload={"step": verdict.step, "passed": verdict.passed, "failed": list(verdict.failed),
                             "report_url": verdict.report.get("url"), "bytes_written": s.get("bytes_written"),
                             "ratio": s.get("ratio")})
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - publishing is secondary: the verdict is stored
         logger.warning("could not emit the validation event: %s", e)
 
 
@@ -120,7 +120,7 @@ def validate_step(run_url: str, step: int, access: StoreAccess | None = None,
 
     try:
         logger: Any = get_run_logger()
-    except Exception:  # called as validate_step.fn(...) outside a run
+    except Exception:  # noqa: BLE001 - called as validate_step.fn(...) outside a run
         logger = logging.getLogger("tasks.validate")
     verdict = validate_run_checkpoint(run_url, step, storage_options=storage_options(access),
                                       thresholds=Thresholds.from_dict(thresholds))

@@ -28,7 +28,7 @@ import pytest
 from ckptlib import Checkpointer, commit
 from ckptlib.heartbeat import Heartbeat, read_heartbeat
 from ckptlib.store import Store
-from tasks.watchdog import Watchdog, assess_run
+from trainrun.watchdog import Watchdog, assess_run
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
 TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40, seed=0,
@@ -77,7 +77,7 @@ def _beat(store, part, *, t, gen=0, status="running", round=1, step=5, attempt=1
 def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path):
     store = Store.from_url(str(tmp_path))
     now = 1_000_000.0
-    coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "source": {"step": 1}}
+    coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "cut": {"step": 1}}
     _beat(store, "coordinator", t=now - 0.5, round=2, step=2, started=now - 100, meta=coord_meta)
     _beat(store, "shard-0", t=now - 5, round=2)  # silent
     _beat(store, "shard-1", t=now - 0.2, round=2)  # fresh
@@ -147,20 +147,20 @@ def test_a_dead_or_frozen_process_is_fenced_within_timeout_plus_one_poll(where, 
         os.kill(child.pid, getattr(signal, sig))
         fenced = None
         while fenced is None and time.time() - t_fail < 30:
-            fenced = next((d for d in wd.poll() if d["kind"] == "fenced"), None)
+            fenced = next((d for d in wd.poll() if d.kind == "fenced"), None)
             time.sleep(0.5)
         assert fenced is not None, "never detected"
-        since_failure = fenced["detected"] - t_fail
-        assert 2.0 <= fenced["detection_latency_s"] <= 2.0 + 0.5 + SLACK
+        since_failure = fenced.detected - t_fail
+        assert 2.0 <= fenced.detection_latency_s <= 2.0 + 0.5 + SLACK
         assert since_failure <= 2.0 + 0.5 + SLACK
         doc = commit.read_fence(Store.from_url(url, so), "shard-0", 1)
-        assert doc["by"] == "test-watchdog" and doc["detection_latency_s"] == fenced["detection_latency_s"]
+        assert doc["by"] == "test-watchdog" and doc["detection_latency_s"] == fenced.detection_latency_s
         record(f"detect-{sig.lower()}-{'s3' if so else 'local'}", timeout_s=2.0, poll_s=0.5,
-               detection_latency_s=fenced["detection_latency_s"], since_failure_s=since_failure)
+               detection_latency_s=fenced.detection_latency_s, since_failure_s=since_failure)
         if sig == "SIGSTOP":  # woken up, the zombie notices the fence at its next beat and stops itself
             os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=30) == 3
-            assert read_heartbeat(Store.from_url(url, so), "shard-0")["status"] == "fenced"
+            assert read_heartbeat(Store.from_url(url, so), "shard-0").status == "fenced"
     finally:
         if child.poll() is None:
             child.kill()
@@ -202,9 +202,9 @@ def test_fencing_wins_exactly_once_among_racing_processes_and_watchdogs(where):
     threads = [threading.Thread(target=look, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
-    kinds = sorted(d["kind"] for ds in decided.values() for d in ds)
+    kinds = sorted(d.kind for ds in decided.values() for d in ds)
     assert kinds.count("fenced") == 1 and set(kinds) <= {"fenced", "lost-race"}
-    winner = next(d["by"] for ds in decided.values() for d in ds if d["kind"] == "fenced")
+    winner = next(d.by for ds in decided.values() for d in ds if d.kind == "fenced")
     assert commit.read_fence(store, "shard-0", 1)["by"] == winner
     assert commit.live_generation(store, "shard-0") == 1
 
@@ -223,7 +223,8 @@ def digests(url: str, so: dict | None = None) -> dict[int, str]:
 
 
 def train_with_watchdog(p, *, timeout_s: float = TIMEOUT, poll_s: float = POLL):
-    """``train_run(p)`` with the watchdog flow beside it in a thread (as ``ckpt train`` does)."""
+    """``train_run(p)`` with the watchdog flow beside it in a thread (as ``ckpt train`` does: with the
+    run's own spec; credentials, if any, from this process's environment)."""
     from flows.train import train_run
     from flows.watchdog import stop_event, watchdog
 
@@ -234,7 +235,7 @@ def train_with_watchdog(p, *, timeout_s: float = TIMEOUT, poll_s: float = POLL):
 
     def run():
         out["wd"] = ctx.run(watchdog, store=p.store, run_id=p.run_id, timeout_s=timeout_s, poll_s=poll_s, duration_s=0,
-                            storage_options=p.storage_options_dict(), stop_key=key)
+                            spec=p.spec(), stop_key=key)
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
@@ -337,9 +338,10 @@ def test_hang_and_zombie_drills_reach_the_clean_digest(clean, tmp_path):
 
 @pytest.mark.prefect
 @pytest.mark.slow
-def test_zombie_and_stall_drills_on_s3(clean, s3_url):
+def test_zombie_and_stall_drills_on_s3(clean, s3_url, monkeypatch):
     """On SeaweedFS: a zombie in round 2, and in round 3 a shard that beats on without advancing."""
     store, so = s3_url
+    monkeypatch.setenv("CKPT_STORAGE_OPTIONS", json.dumps(so))  # the watchdog's (as ckpt train's is)
     s, ds = train_with_watchdog(params(store=store, run_id="zombie", storage_options=so,
                                        chaos=["zombie:shard=0,round=2", "stall:shard=1,round=3"]))
     check_run(s["run_url"], so, clean, struck={"shard-0": 2, "shard-1": 3})

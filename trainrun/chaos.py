@@ -230,7 +230,7 @@ def _record(store: Store, chaos: Chaos, part: str, round_step: int) -> bool:
                  round_step=round_step, time=time.time(), pid=os.getpid())
     try:
         return store.put_if_absent(strike_key(part, chaos.round, chaos.attempt), doc.to_json())
-    except Exception as e:  # the record is for measurements (and once-only): strike anyway
+    except Exception as e:  # noqa: BLE001 - the record is for measurements (and once-only): strike anyway
         log.warning("chaos %s: could not record the strike: %s", chaos, e)
         return True
 
@@ -238,7 +238,7 @@ def _record(store: Store, chaos: Chaos, part: str, round_step: int) -> bool:
 def _fenced(store: Store, part: str, generation: int) -> bool:
     try:
         return commit.live_generation(store, part) > generation
-    except Exception:  # a store hiccup is not a fence
+    except Exception:  # noqa: BLE001 - a store hiccup is not a fence
         return False
 
 

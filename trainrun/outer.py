@@ -46,10 +46,10 @@ def outer_step(spec: RunSpec, global_model: dict[str, torch.Tensor], outer_state
     if spec.plain_averaging:
         return mean, opt.state_dict()
     params = [p for g in opt.param_groups for p in g["params"]]
-    for p, name in zip(params, names):
+    for p, name in zip(params, names, strict=True):
         p.grad = p.detach() - mean[name]
     opt.step()
     new = dict(mean)
-    for p, name in zip(params, names):
+    for p, name in zip(params, names, strict=True):
         new[name] = p.detach().clone()
     return new, opt.state_dict()

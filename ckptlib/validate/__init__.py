@@ -31,8 +31,16 @@ from .checks import CHECK_NAMES, CHECKS, VALIDATION_ERROR, Check, CutView, Findi
 from .run import validate_checkpoint
 from .stats import manifest_loss
 from .thresholds import Thresholds
-from .verdict import (VERDICT_FORMAT, Failure, Verdict, error_verdict, format_verdict, list_verdicts,
-                      previous_healthy_step, read_verdict)
+from .verdict import (
+                      VERDICT_FORMAT,
+                      Failure,
+                      Verdict,
+                      error_verdict,
+                      format_verdict,
+                      list_verdicts,
+                      previous_healthy_step,
+                      read_verdict,
+)
 
 __all__ = [
     "CHECKS", "CHECK_NAMES", "VALIDATION_ERROR", "VERDICT_FORMAT", "Check", "CutView", "Failure", "Findings",

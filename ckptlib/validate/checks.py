@@ -112,7 +112,8 @@ class Findings:
 class PartChecks(Protocol):
     """Checks of a layout of parts ckptlib does not know (see the module docstring)."""
 
-    checks: Sequence[Check]
+    @property
+    def checks(self) -> Sequence[Check]: ...
 
     def model_base(self, part: str) -> str: ...
 

@@ -41,8 +41,11 @@ def run_gx(tables: Mapping[str, Any], checks: Sequence[Check], th: Thresholds, r
     """Validate each DataFrame with its suite; ``{table: ExpectationSuiteValidationResult}``."""
     import great_expectations as gx
     import great_expectations.expectations as gxe
-    from great_expectations.data_context.types.base import (DataContextConfig, InMemoryStoreBackendDefaults,
-                                                            ProgressBarsConfig)
+    from great_expectations.data_context.types.base import (
+        DataContextConfig,
+        InMemoryStoreBackendDefaults,
+        ProgressBarsConfig,
+    )
 
     results = {}
     with _GX_LOCK:

@@ -32,8 +32,18 @@ from ..reader import Problem, decode_leaves, inspect_part
 from ..store import Store
 from ..tree import finish_leaf, unflatten
 from .checks import CutView, Findings, PartChecks
-from .stats import (loss_of, mode, model_filter, norm_path, optimizer_steps, rel_change, role, skeleton_state,
-                    spec_ok, tensor_stats)
+from .stats import (
+    loss_of,
+    mode,
+    model_filter,
+    norm_path,
+    optimizer_steps,
+    rel_change,
+    role,
+    skeleton_state,
+    spec_ok,
+    tensor_stats,
+)
 from .thresholds import Thresholds
 from .verdict import previous_healthy_step
 
@@ -158,7 +168,7 @@ class _Measure:
                 self.out.problems.append(Problem(self.step, name, "/", None, None, str(e)))
             if name in bases:
                 keep = model_filter(m.single)
-                models[name] = {norm_path(leaf.spec.path): o for leaf, o in zip(frag.leaves, leaves)
+                models[name] = {norm_path(leaf.spec.path): o for leaf, o in zip(frag.leaves, leaves, strict=True)
                                 if o is not None and keep(norm_path(leaf.spec.path))}
             base = self.base(name)
             self._tensor_rows(name, frag, leaves, problems, models.get(base, {}) if base != name else {})
@@ -240,7 +250,7 @@ class _Measure:
         if "/" in why:  # a part-wide problem (logical digest, skeleton): one row for the part itself
             self.out.tensor_rows.append({"part": part, "tensor": "/", "role": "part", "intact": False,
                                          "problem": why["/"]})
-        for leaf, obj in zip(frag.leaves, leaves):
+        for leaf, obj in zip(frag.leaves, leaves, strict=True):
             path = norm_path(leaf.spec.path)
             kind = role(path, single)
             spec = leaf.spec

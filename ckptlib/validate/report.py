@@ -22,9 +22,8 @@ import html
 import io
 import json
 import logging
-from typing import Any
-
 from collections.abc import Mapping
+from typing import Any
 
 from .. import commit
 from ..errors import CheckpointError
@@ -113,7 +112,7 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
     written = [(_num(r.get("bytes_written")) or 0) / scale for r in history]
     full = [nan if _num(r.get("logical_bytes")) is None else _num(r.get("logical_bytes")) / scale for r in history]
     colors = ["#2e7d32" if r["passed"] else "#c62828" if r["passed"] is False else "#9e9e9e" for r in history]
-    width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1)
+    width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1) or 1)
     ax1.bar(steps, written, width=width, color="#42a5f5", label="bytes written")
     ax1.plot(steps, full, "k--", marker=".", label="full size (logical bytes)")
     ax1.set_ylabel(unit)
@@ -134,7 +133,7 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
     else:
         ax2.text(0.5, 0.5, "no loss recorded", transform=ax2.transAxes, ha="center", color="#757575")
     ax3.scatter(steps, [0] * len(steps), c=colors, s=60, marker="s")
-    for s_, r in zip(steps, history):
+    for s_, r in zip(steps, history, strict=True):
         if r["passed"] is False and len(history) <= 40:
             ax3.annotate("failed", (s_, 0), textcoords="offset points", xytext=(0, -14), ha="center",
                          color="#c62828", fontsize=7)

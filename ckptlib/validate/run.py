@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import commit
@@ -201,4 +201,4 @@ def _verdict(store: Store, m: Measurement, tables: Mapping[str, Any], gx_results
                    problems=tuple(str(p) for p in m.problems),
                    integrity=tuple(dataclasses.asdict(p) for p in m.problems), expectations=stats,
                    summary=_summary(store, m, tables), thresholds=th.to_dict(), report=report_links(store, m.step),
-                   validated_at=datetime.now(timezone.utc).isoformat(), seconds=dict(seconds))
+                   validated_at=datetime.now(UTC).isoformat(), seconds=dict(seconds))

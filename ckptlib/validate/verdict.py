@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .. import commit
@@ -80,7 +80,7 @@ def error_verdict(step: int, run: str, error: BaseException | str,
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     return Verdict(step=step, run=run, passed=False, failed=(VALIDATION_ERROR,), stored=False,
                    failures=(Failure(VALIDATION_ERROR, 1, (text,), what),),
-                   validated_at=datetime.now(timezone.utc).isoformat())
+                   validated_at=datetime.now(UTC).isoformat())
 
 
 def read_verdict(store: Store, step: int) -> Verdict | None:
