@@ -96,11 +96,17 @@ def test_gc_flow_collects_every_run_under_a_root(tmp_path, prefect_harness):
     import torch
 
     from ckptlib import Checkpointer
+    from ckptlib.store import Store
     from flows.gc import gc_store
-    from tasks.gc import runs_in_keys
+    from trainrun.layout import find_runs
 
-    assert runs_in_keys(["manifests/3.json", "a/manifests/1.json", "a/chunks/x", "t/b/manifests/0.json",
-                         "c/fragments/1/x.json"]) == ["", "a", "t/b"]
+    layout = Store.from_url(str(tmp_path / "layout"))
+    for key in ("manifests/3.json", "a/manifests/1.json", "a/chunks/x", "t/b/manifests/0.json", "c/fragments/1/x.json",
+                "d/heartbeats/shard-0.json", "e/f/g/h/manifests/1.json"):
+        layout.put(key, b"{}")
+    assert find_runs(layout) == [""]  # the root is a run: nothing below it is looked at
+    layout.delete("manifests/3.json")
+    assert find_runs(layout) == ["a", "d", "t/b"]  # a run holds manifests/ or heartbeats/, at most 3 levels down
     root = tmp_path / "runs"
     for name, steps in (("a", 5), ("team/b", 3)):
         with Checkpointer(str(root / name), chunk_bytes=4096) as ck:
