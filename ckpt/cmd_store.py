@@ -287,17 +287,21 @@ def gc(url: UrlArg,
        keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the newest N committed steps (N >= 1).")],
        keep_every: Annotated[Optional[int], typer.Option("--keep-every", help="Also keep every step divisible by K.")] = None,
        keep: Annotated[Optional[list[int]], typer.Option("--keep", help="Also keep this step (repeatable).")] = None,
-       grace_seconds: Annotated[float, typer.Option(
-           "--grace-seconds", min=0.0, help="Only delete unreferenced objects older than this (protects saves in flight).")] = 600.0,
+       grace_seconds: Annotated[Optional[float], typer.Option(
+           "--grace-seconds", min=0.0, show_default=False,
+           help="Only delete unreferenced objects older than this (protects saves in flight; default: "
+                "ckptlib.gc.DEFAULT_GRACE_S, 10 minutes).")] = None,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")] = False,
        storage_options: StorageOptionsOpt = None) -> None:
     """Drop checkpoints a retention policy does not keep and sweep objects no kept checkpoint needs."""
     with command_errors():
         from ckptlib import RetentionPolicy
+        from ckptlib.gc import DEFAULT_GRACE_S
 
         policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_named=frozenset(keep or ()))
         with open_checkpointer(url, storage_options) as ck:
-            report = ck.gc(policy, grace_s=grace_seconds, dry_run=dry_run)
+            report = ck.gc(policy, grace_s=DEFAULT_GRACE_S if grace_seconds is None else grace_seconds,
+                           dry_run=dry_run)
         would = "would " if dry_run else ""
         chunks = [k for k in report.deleted_objects if k.startswith("chunks/")]
         typer.echo(f"kept {len(report.kept_steps)} step(s): {_steps_text(report.kept_steps)}")

@@ -307,21 +307,20 @@ def train(
 
     api = PrefectAPI()
     from ckptlib import CheckpointError, Checkpointer
-    from tasks.access import storage_options as resolve
     from trainrun.rounds import RunRefused, plan_run
 
     try:
         from workloads import resolve_factory
 
         resolve_factory(params.workload)
-        so = resolve(params.access())
-        with Checkpointer(url, so) as ck:
-            plan = plan_run(ck, params.spec(), resume=params.resume, run_id=params.run_id)
+        if credentials_block is None:  # a Secret block needs the Prefect API: the flow's plan-run checks then
+            with Checkpointer(url, so) as ck:
+                plan = plan_run(ck, params.spec(), resume=params.resume, run_id=params.run_id)
+            if params.resume:
+                typer.echo(f"{params.run_id}: {plan['note']}")
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:
         api.stop()
         fail(str(e))
-    if params.resume:
-        typer.echo(f"{params.run_id}: {plan['note']}")
 
     from rich.console import Console
     from rich.live import Live

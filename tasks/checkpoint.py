@@ -11,12 +11,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ckptlib import Checkpointer
+from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.rounds import Cut
 from trainrun.rounds import initial_cut as write_initial_cut
 from trainrun.rounds import plan_run as plan
-from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, DEFAULT_KEYFRAME_EVERY, RunSpec
+from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 
 from .access import storage_options
 from .retry import transient_store_error

@@ -16,11 +16,12 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Beat
+from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.layout import run_name, shard_part
 from trainrun.rounds import Cut, train_shard_round
-from trainrun.spec import DEFAULT_KEYFRAME_EVERY, RunSettings, RunSpec
+from trainrun.spec import RunSettings, RunSpec
 
 from .access import storage_options
 from .retry import loud_failure

@@ -214,11 +214,7 @@ def test_cli_options_are_the_schema_and_bad_options_are_one_line_errors(tmp_path
     from ckpt.cli import app
     from ckpt.cmd_train import CLI_FIELDS, train
     from flows.params import TrainParams
-    from trainrun.spec import DEFAULT_KEYFRAME_EVERY
 
-    from ckptlib.writer import DEFAULT_KEYFRAME_EVERY as LIBRARY_KEYFRAME_EVERY
-
-    assert DEFAULT_KEYFRAME_EVERY == LIBRARY_KEYFRAME_EVERY  # written twice so that the form loads no torch
     fields = TrainParams.model_fields
     sig = inspect.signature(train).parameters
     assert set(RunSpec.model_fields) <= set(CLI_FIELDS.values())

@@ -3,7 +3,7 @@
 One schema, written here once. ``flows.params.TrainParams`` (the flow's parameter and the UI form)
 derives from both models and adds where the run lives; ``ckpt train`` builds its options' defaults
 and help texts from the same fields; the runtime, the coordinator's beat and the watchdog's
-reruns carry these very models. Pydantic only: importing this module loads neither torch nor Prefect.
+reruns carry these very models. Importing this module loads neither torch nor Prefect.
 
 * ``RunSpec``: everything that determines the trajectory. Saved as ``config`` in every coordinator
   part (inside the digest) and hashed into every fragment's ``config_hash``; a resume that changes
@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
+
 if TYPE_CHECKING:
     from workloads import WorkloadConfig
 
-DEFAULT_KEYFRAME_EVERY = 32  # = ckptlib.writer.DEFAULT_KEYFRAME_EVERY (checked by a test; importing it loads torch)
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
 TASK_RUNNERS = "threads | dask | dask://HOST:PORT"
 
