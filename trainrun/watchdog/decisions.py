@@ -127,18 +127,22 @@ class Fence(Document):
         return {**{k: full[k] for k in keys}, "rerun": rerun}
 
 
+def read_fence(store: Store, part: str, generation: int) -> Fence | None:
+    """The fence of ``part``'s ``generation``; None if there is none. One that does not parse keeps
+    its part and generation (a fence exists whatever its document says) and says why in ``reason``."""
+    doc = commit.read_fence(store, part, generation)
+    if doc is None:
+        return None
+    try:
+        return Fence.from_dict(doc, commit.fence_key(part, generation))
+    except DocumentError as e:
+        return Fence(part, generation, reason=f"unreadable fence document: {e}")
+
+
 def read_fences(store: Store, part: str) -> list[Fence]:
-    """Every fence of ``part``, oldest first (a fence that does not parse keeps its part and generation)."""
-    out = []
-    for gen in range(1, commit.live_generation(store, part) + 1):
-        doc = commit.read_fence(store, part, gen)
-        if doc is None:
-            continue
-        try:
-            out.append(Fence.from_dict(doc, commit.fence_key(part, gen)))
-        except DocumentError as e:
-            out.append(Fence(part, gen, reason=f"unreadable fence document: {e}"))
-    return out
+    """Every fence of ``part``, oldest first."""
+    fences = (read_fence(store, part, gen) for gen in range(1, commit.live_generation(store, part) + 1))
+    return [f for f in fences if f is not None]
 
 
 def describe(d: Decision) -> str:

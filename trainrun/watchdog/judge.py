@@ -35,6 +35,7 @@ from ckptlib.store import Store
 
 from ..beats import CoordinatorInfo, coordinator_info
 from ..layout import COORDINATOR, run_name, shard_part
+from .decisions import read_fence
 
 DEFAULT_TIMEOUT_S = 30.0  # the default workload beats every 2 s and steps every few ms: 15 beats missed
 DEFAULT_POLL_S = 2.0
@@ -230,9 +231,8 @@ def _replaced(store: Store, view: PartView, beat: Beat, coordinator: PartView | 
               start_timeout_s: float, memory: dict | None, url: str) -> PartView:
     """A fenced attempt's beat: replaced until the live generation beats, then lost if it never does."""
     live, part = view.live, view.part
-    fence = commit.read_fence(store, part, live) or {}
-    fenced_at = fence.get("time")
-    since = float(fenced_at) if isinstance(fenced_at, (int, float)) and not isinstance(fenced_at, bool) else beat.time
+    fence = read_fence(store, part, live)
+    since = fence.time if fence is not None and fence.time is not None else beat.time
     view.state, view.reason = "replaced", f"generation {beat.generation} was fenced; waiting for generation {live} to beat"
     if memory is not None:
         seen = memory.get(("beat", url, part, live))
