@@ -356,7 +356,8 @@ class Checkpointer:
         self._check_open()
         self._drain()
         lease = None
-        if step is not None:  # an older step may be garbage-collected while it is read: a read lease
+        if step is not None and step != self.latest_step():
+            # GC never drops the newest step; an older one may be dropped while it is read: a read lease
             lease = Lease(self.store, "read", commit.check_step(step)).try_acquire()
             if lease.gc_seen:
                 lease.before_publish({})  # wait for that GC to end before reading
