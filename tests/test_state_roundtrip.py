@@ -104,10 +104,9 @@ def rand_array(dtype: str, shape: tuple, seed: int) -> np.ndarray:
     n = int(np.prod(shape))
     if dt.kind == "b":
         return rng.integers(0, 2, size=shape).astype(dt)
-    if dt.kind == "U":
-        chars = np.array(list("aé✓日🎉 z\x00"), dtype=f"{dt.byteorder if dt.byteorder != '|' else '<'}U1")
-        return np.array(["".join(rng.choice(chars, size=dt.itemsize // 4)) for _ in range(n)],
-                        dtype=dt).reshape(shape)
+    if dt.kind == "U":  # valid code points (trailing NULs included: numpy strips them on access)
+        points = np.array([ord(c) for c in "aé✓日🎉 z\x00"], dtype=dt.byteorder.replace("|", "<") + "u4")
+        return rng.choice(points, size=n * (dt.itemsize // 4)).view(dt).reshape(shape).copy()
     raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
     return raw.view(dt).reshape(shape).copy()
 
