@@ -278,6 +278,13 @@ def exact_cases() -> dict[str, Case]:
     C["deep_100_mixed"] = Case(lambda s: functools.reduce(
         lambda acc, i: (acc,) if i % 3 == 0 else ({1: acc} if i % 3 == 1 else collections.OrderedDict(x=acc)),
         range(99), {"leaf": 1}))
+    C["empty_containers"] = Case(lambda s: {"d": {}, "l": [], "t": (), "od": collections.OrderedDict(), "s": ""})
+    C["top_level_state_dict"] = Case(lambda s: _small_model(s).state_dict(), chunk_bytes=SMALL, delta=True)
+    C["top_level_empty_dict"] = Case(lambda s: {})
+    C["colliding_leaf_paths"] = Case(lambda s: {  # different leaves whose '/'-paths are the same string
+        "a/b": rand_tensor(torch.float32, (300,), s), "a": {"b": rand_tensor(torch.float64, (200,), s + 1)},
+        0: rand_tensor(torch.int16, (500,), s + 2), "0": rand_tensor(torch.int16, (500,), s + 3),
+        1.0: rand_array("<f4", (300,), s), "1.0": rand_array("<f4", (300,), s + 1)}, chunk_bytes=SMALL, delta=True)
     C["shared_subtree"] = Case(lambda s: (lambda shared: {"a": shared, "b": shared})([1, {"x": 2}]))
 
     # scalars
@@ -600,6 +607,7 @@ def fresh_process_main(root: str, names: list[str]) -> dict[str, list[str]]:
                     restored = ck.restore(step)
                     expected = expected_value(case, final=step == 2)
                     diffs += [f"step {step}: {d}" for d in differences(expected, restored)]
+                    diffs += [f"step {step}: verify: {p}" for p in ck.verify(step)]
                     if case.check is not None:
                         diffs += [f"step {step}: {d}" for d in case.check(expected, restored)]
                 results[name] = diffs
@@ -863,6 +871,62 @@ def test_save_async_snapshot_is_taken_at_call(tmp_path):
         assert_same(expected, ck.restore())
 
 
+def test_digest_tells_types_apart(tmp_path):
+    """Committing a step that exists with the same digest is a no-op success, so states that differ
+    only in type must have different digests (else the second save silently keeps the first value)."""
+    pairs = {
+        "int_bool": ({"a": 1}, {"a": True}), "int_float": ({"a": 1}, {"a": 1.0}),
+        "float_np": ({"a": 0.5}, {"a": np.float64(0.5)}), "np32_np64": ({"a": np.float32(0.5)}, {"a": np.float64(0.5)}),
+        "list_tuple": ({"a": [1]}, {"a": (1,)}), "set_frozenset": ({"a": {1}}, {"a": frozenset({1})}),
+        "dict_od": ({"a": {"k": 1}}, {"a": collections.OrderedDict(k=1)}),
+        "dict_counter": ({"a": {"k": 1}}, {"a": collections.Counter(k=1)}),
+        "key_int_str": ({0: 1}, {"0": 1}), "key_order": ({"a": 1, "b": 2}, {"b": 2, "a": 1}),
+        "zero_negzero": ({"a": 0.0}, {"a": -0.0}), "bytes_bytearray": ({"a": b"x"}, {"a": bytearray(b"x")}),
+        "tensor_array": ({"a": torch.zeros(3)}, {"a": np.zeros(3, np.float32)}),
+        "tensor_param": ({"a": torch.zeros(3)}, {"a": torch.nn.Parameter(torch.zeros(3))}),
+        "requires_grad": ({"a": torch.zeros(3)}, {"a": torch.zeros(3, requires_grad=True)}),
+        "strides": ({"a": torch.zeros(3, 2)}, {"a": torch.zeros(2, 3).t()}),
+        "dtype_same_bytes": ({"a": torch.zeros(4, dtype=torch.int32)}, {"a": torch.zeros(4, dtype=torch.float32)}),
+        "size_tuple": ({"a": torch.Size([2])}, {"a": (2,)}),
+        "defaultdict_factory": ({"a": collections.defaultdict(list)}, {"a": collections.defaultdict(dict)}),
+        "od_attrs": ({"a": collections.OrderedDict()}, {"a": _od_empty_with_metadata()}),
+        "str_npstr": ({"a": "x"}, {"a": np.str_("x")}),
+        "tied_untied": ((lambda t: {"a": t, "b": t})(torch.ones(2)), {"a": torch.ones(2), "b": torch.ones(2)}),
+    }
+    same = []
+    for name, (a, b) in pairs.items():
+        digests = []
+        for i, st in enumerate((a, b)):
+            with Checkpointer(str(tmp_path / f"{name}{i}"), threads=2) as ck:
+                digests.append(ck.save(1, st).digest)
+        if digests[0] == digests[1]:
+            same.append(name)
+    assert not same, f"states that differ only in type have the same digest: {same}"
+
+
+def _od_empty_with_metadata():
+    od = collections.OrderedDict()
+    od._metadata = {"": {"version": 1}}
+    return od
+
+
+def test_keep_base_follower_then_delta_save(tmp_path):
+    """A follower restores with keep_base=True and saves the next step as deltas against what it
+    restored: the result is still exact for every dtype (many_small, large_multichunk, fp8, strings)."""
+    cases = exact_cases()
+    for name in ("many_small", "large_multichunk", "tensor_float8_e5m2", "numpy_le_U3", "numpy_be_c16"):
+        case, root = cases[name], str(tmp_path / name)
+        with Checkpointer(root, chunk_bytes=SMALL, threads=2) as ck:
+            ck.save(1, case.make(0))
+        nxt = _mix(case.make(0), case.make(1))
+        with Checkpointer(root, chunk_bytes=SMALL, threads=2) as ck:
+            ck.restore(keep_base=True)
+            ck.save(2, nxt)
+        with Checkpointer(root, threads=2) as ck:
+            assert_same(documented(nxt), ck.restore(2))
+            assert ck.verify(2) == []
+
+
 # --- restore(into=...) -------------------------------------------------------------------------
 
 def _into_state(seed: int) -> dict:
@@ -983,6 +1047,42 @@ def test_restore_into_tied_destination_and_untied_destination(tmp_path):
     with Checkpointer(str(tmp_path), threads=2) as ck:
         got = ck.restore(into={"emb.weight": tied_t, "head.weight": tied_t})
     assert got["emb.weight"] is tied_t and got["head.weight"] is tied_t and torch.equal(tied_t, sd["emb.weight"])
+
+
+def test_restore_into_top_level_state_dict(tmp_path):
+    """ck.save(step, model.state_dict()) then ck.restore(into=other_model.state_dict())."""
+    src, dst = _small_model(0), _small_model(1)
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, src.state_dict())
+    dest = dst.state_dict()
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=dest)
+    assert all(got[k] is dest[k] for k in dest)
+    assert_same(src.state_dict(), got)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
+
+
+def test_refused_at_top_level(tmp_path):
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        with pytest.raises(UnsupportedState) as err:
+            ck.save(1, Color.RED)
+        assert "'/'" in str(err.value) and "Color" in str(err.value)
+        assert ck.steps() == []
+
+
+def test_restore_into_non_str_keys(tmp_path):
+    """Arrays under int, float, None and tuple keys (valid state) are filled in place or at least
+    restored; the destination's own arrays there are not reported as extra."""
+    def state(v):
+        return {"by_int": {0: torch.full((2,), v), 1: torch.full((3,), v)}, "by_tuple": {(0, "a"): torch.full((2,), v)},
+                "by_none": {None: np.full(2, v)}, "by_float": {0.5: torch.full((1,), v)}}
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, state(7.0))
+    dest = state(0.0)
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=dest)
+    assert_same(state(7.0), got)
+    assert got["by_int"][0] is dest["by_int"][0] and got["by_none"][None] is dest["by_none"][None]
 
 
 # --- select= -----------------------------------------------------------------------------------
