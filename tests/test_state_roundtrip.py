@@ -904,6 +904,30 @@ def test_digest_tells_types_apart(tmp_path):
     assert not same, f"states that differ only in type have the same digest: {same}"
 
 
+HASHSEED_CHILD = """
+import sys
+from ckptlib import Checkpointer
+state = {"s": {b"alpha", b"beta", b"gamma", b"delta"}, "f": frozenset({(b"x", 1), (b"y", 2)}), "w": [1.5]}
+with Checkpointer(sys.argv[1], threads=2) as ck:
+    print("DIGEST", ck.save(1, state).digest)
+"""
+
+
+def test_digest_does_not_depend_on_hash_seed(tmp_path):
+    """Sets are stored "in a canonical order (digests do not depend on hashing)". A retried save of
+    the same step from another process (another PYTHONHASHSEED) must find the same digest, not a
+    CommitConflict."""
+    digests = []
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed,
+                   PYTHONPATH=os.pathsep.join([_repo_root(), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, "-c", HASHSEED_CHILD, str(tmp_path / "store")], capture_output=True,
+                              text=True, timeout=120, env=env)
+        assert proc.returncode == 0, f"saving step 1 again with PYTHONHASHSEED={seed} failed:\n{proc.stderr[-1500:]}"
+        digests += [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("DIGEST")]
+    assert len(set(digests)) == 1, digests
+
+
 def _od_empty_with_metadata():
     od = collections.OrderedDict()
     od._metadata = {"": {"version": 1}}
