@@ -708,6 +708,20 @@ def _fake_tensor():
         return torch.empty(3)
 
 
+def _dtensor():
+    """A real DTensor on a one-process gloo group (the group is gone again when it is saved)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+    if not dist.is_available():  # pragma: no cover
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        return DTensor.from_local(torch.ones(4), DeviceMesh("cpu", [0]), [Shard(0)])
+    finally:
+        dist.destroy_process_group()
+
+
 def _memmap(tmp: str):
     return np.memmap(os.path.join(tmp, "mm.bin"), dtype="float32", mode="w+", shape=(4,))
 
@@ -755,6 +769,7 @@ REFUSED: dict[str, tuple[Callable[[str], Any], list[str], str]] = {
     "deque": (lambda d: collections.deque([1]), ["deque"], ""),
     "tensor_subclass": (lambda d: torch.zeros(2).as_subclass(MyTensor), ["MyTensor"], ""),
     "fake_tensor": (lambda d: _fake_tensor(), ["FakeTensor"], ""),
+    "dtensor": (lambda d: _dtensor(), ["DTensor"], ""),
     "uninitialized_parameter": (lambda d: _lazy_param(), ["UninitializedParameter"], ""),
     "meta_tensor": (lambda d: torch.empty(3, device="meta"), ["meta"], ""),
     "quantized_tensor": (lambda d: torch.quantize_per_tensor(torch.rand(4), 0.1, 1, torch.quint8), ["quantized"], ""),

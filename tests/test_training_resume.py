@@ -311,7 +311,7 @@ def _spawn(store: str, final: str, resume: bool, sleep_s: float) -> subprocess.P
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     ref_store, run_store = str(tmp_path / "ref"), str(tmp_path / "run")
-    victim = _spawn(run_store, str(tmp_path / "never.pt"), False, 0.08)
+    victim = _spawn(run_store, str(tmp_path / "never.pt"), False, 0.1)
     resumed = _spawn(run_store, str(tmp_path / "resumed.pt"), True, 0.0)  # imports now, waits for stdin
     try:
         # the uninterrupted reference run, here, while the children start (same code, one thread too)
@@ -325,15 +325,18 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
             random.setstate(rngs[2])
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and victim.poll() is None:
-            if os.path.isdir(os.path.join(run_store, "manifests")) and Checkpointer(run_store).steps():
-                break
+            if os.path.isdir(os.path.join(run_store, "manifests")):
+                with Checkpointer(run_store, threads=1) as watcher:
+                    if watcher.steps():
+                        break
             time.sleep(0.05)
         time.sleep(0.3)  # land somewhere in the middle of training (maybe inside a save)
         assert victim.poll() is None, "the run ended before it could be killed: make sleep_s larger"
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
         assert victim.returncode == -signal.SIGKILL
-        committed = Checkpointer(run_store).steps()
+        with Checkpointer(run_store, threads=1) as ck:
+            committed = ck.steps()
         assert committed and committed[-1] < N_STEPS and not os.path.exists(tmp_path / "never.pt")
 
         out, err = resumed.communicate("go\n", timeout=120)
@@ -351,8 +354,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     assert not diffs, "resumed run is not bit-identical to the uninterrupted one:\n  " + "\n  ".join(diffs)
 
     # every checkpoint both runs committed holds the same logical state (same digest)
-    ref_ck, run_ck = Checkpointer(ref_store), Checkpointer(run_store)
-    assert ref_ck.steps() == list(range(EVERY, N_STEPS + 1, EVERY))
-    for s in run_ck.steps():
-        assert run_ck.manifest(s).digest == ref_ck.manifest(s).digest, f"step {s} digests differ"
-    assert run_ck.verify() == []
+    with Checkpointer(ref_store, threads=2) as ref_ck, Checkpointer(run_store, threads=2) as run_ck:
+        assert ref_ck.steps() == list(range(EVERY, N_STEPS + 1, EVERY))
+        for s in run_ck.steps():
+            assert run_ck.manifest(s).digest == ref_ck.manifest(s).digest, f"step {s} digests differ"
+        assert run_ck.verify() == []
