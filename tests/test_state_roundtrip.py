@@ -933,7 +933,7 @@ def test_digest_does_not_depend_on_hash_seed(tmp_path):
     the same step from another process (another PYTHONHASHSEED) must find the same digest, not a
     CommitConflict."""
     digests = []
-    for seed in ("1", "2", "3"):
+    for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed,
                    PYTHONPATH=os.pathsep.join([_repo_root(), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, "-c", HASHSEED_CHILD, str(tmp_path / "store")], capture_output=True,
