@@ -133,6 +133,13 @@ class _Encoded:
     reused: dict[str, bytes]
 
 
+def default_threads(store: Store) -> int:
+    """Encode/IO threads: twice the cores (numpy, zstd and hashing release the GIL); at least 16
+    for a remote store, where most of a thread's time is a request in flight."""
+    cores = (os.cpu_count() or 2) * 2
+    return min(32, cores) if store.capabilities.atomic_rename else min(64, max(16, cores))
+
+
 class Checkpointer:
     """Incremental, content-addressed checkpoints of nested tensor states under one URL.
 
@@ -165,8 +172,7 @@ class Checkpointer:
         self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s),
                                     delta_budget)
         self.reuse_buffers = reuse_buffers
-        self._pool = ThreadPoolExecutor(max_workers=threads or min(32, (os.cpu_count() or 2) * 2),
-                                        thread_name_prefix="ckpt-io")
+        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(self.store), thread_name_prefix="ckpt-io")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._bases: dict[str, Base] = {}
         self._spare: dict[str, dict] = {}  # per part: staging buffers kept for the next snapshot
