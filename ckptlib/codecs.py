@@ -252,11 +252,16 @@ def _zigzag(d: np.ndarray) -> np.ndarray:
     return (d << d.dtype.type(1)) ^ (signed >> signed.dtype.type(8 * d.itemsize - 1)).view(d.dtype)
 
 
-def _unzigzag(z: np.ndarray) -> np.ndarray:
+def _unzigzag(z: np.ndarray, inplace: bool = False) -> np.ndarray:
+    """Inverse of _zigzag; with ``inplace``, ``z`` (a buffer of the caller's) is overwritten."""
     t = z.dtype.type
     low = z & t(1)
     np.negative(low, out=low)
-    low ^= z >> t(1)
+    if inplace:
+        z >>= t(1)
+        low ^= z
+    else:
+        low ^= z >> t(1)
     return low
 
 
@@ -300,7 +305,8 @@ class ArithDelta(_InPlaceDelta):
         """Add this delta's differences to ``acc`` (the chunk's elements as ordered integers)."""
         if acc.nbytes != data.nbytes:
             raise CorruptCheckpoint("arith_delta chunk has no base of the right size")
-        acc += _unzigzag(data.view(acc.dtype))
+        z = data.view(acc.dtype)
+        acc += _unzigzag(z, inplace=z.flags.writeable)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize, "ordered_float": self.ordered_float}}
