@@ -377,8 +377,6 @@ class Checkpointer:
         if step is not None and step != self.latest_step():
             # GC never drops the newest step; an older one may be dropped while it is read: a read lease
             lease = Lease(self.store, "read", commit.check_step(step)).try_acquire()
-            if lease.gc_seen:
-                lease.before_publish({})  # wait for that GC to end before reading
         try:
             m = self._read_manifest(self._resolve(step, healthy=healthy))
             names = [part] if part is not None else list(m.parts)
