@@ -91,6 +91,9 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckpt-gc") as pool:
         for step, keys in zip(steps, pool.map(lambda s: _needed(store, s), steps)):
             marks[step] = keys
+            if lock is not None and len(marks) % 256 == 0 and not lock.renew():
+                raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
+                                      "nothing was deleted: run it again")
     kept_marks = set().union(*(marks[s] for s in kept)) if kept else set()
     dropped_only = set().union(*(marks[s] for s in dropped)) - kept_marks if dropped else set()
     kept_marks |= _pending_fragment_marks(store, newest)
@@ -103,8 +106,8 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         if busy:
             return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
                     "objects were not swept; run GC again later")
-        if lock is not None and not lock.still_held():
-            return "the GC lock was taken over (this GC ran past its lease): stopped"
+        if lock is not None and not lock.renew():
+            return "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
         return None
 
     def delete(keys: list[tuple[str, int]]) -> None:
