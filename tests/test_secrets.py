@@ -42,6 +42,17 @@ def vault(tmp_path_factory):
         server.stop(grace=1.0)
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """A training run in this process sets torch's (process-wide) thread count; later tests compare
+    with fresh processes, so put it back."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 class ProcessList(threading.Thread):
     """``ps`` snapshots (every process's command line) every 0.1 s until stopped."""
 
