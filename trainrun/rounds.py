@@ -273,7 +273,9 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, c
         del coord, mine
         rng = ShardRNG(spec.seed, shard, round)
         strikes = {c.strike_step(spec.steps_per_round): c for c in chaos}
-        hb.beat(step=int(wl.data_position))
+        # loaded and built: say so now (round_step 0), so that a watchdog times the steps from here
+        # (before this beat it allows the start timeout: loading is slow in a fresh process)
+        hb.beat(step=int(wl.data_position), force=True)
         t_train = time.perf_counter()
         losses = []
         for k in range(1, spec.steps_per_round + 1):

@@ -3,8 +3,8 @@
 What counts as dead (one shard attempt)
 ---------------------------------------
 ``silent``   its last beat (status running) is older than ``timeout_s`` (``start_timeout_s`` while it
-             has not made its first step: loading the cut and building the workload in a fresh
-             process take seconds on a busy machine);
+             is still loading: its beat has no ``round_step`` until the attempt has loaded the cut
+             and built its workload, which take seconds in a fresh process on a busy machine);
 ``stalled``  it beats, but its step has not changed for ``timeout_s`` (needs a watchdog that has
              looked at it before: ``memory`` keeps the first beat with that step);
 ``lost``     it was fenced and rerun, and the new generation has not beaten for ``start_timeout_s``
@@ -184,8 +184,8 @@ def _assess_shard(store: Store, part: str, beat: Beat | None, coordinator: PartV
         view.state = "abandoned"  # no coordinator says the run goes on, and this died long ago: leave it
         view.reason = f"no heartbeat for {age:.0f} s and no coordinator: an abandoned run, not rerun"
         return view
-    # before its first step an attempt is still starting (loading the cut, building the workload: a
-    # fresh worker process on a busy machine takes seconds), so the start timeout applies
+    # an attempt still loading (no round_step yet: it beats round_step 0 once loaded and built) is
+    # starting: a fresh worker process on a busy machine takes seconds, so the start timeout applies
     limit = start_timeout_s if beat.round_step is None else timeout_s
     if age > limit:
         view.state = "silent"
