@@ -36,6 +36,7 @@ from .leases import GcLock, expired_leases, live_leases
 from .manifest import loads_fragment
 from .retention import RetentionPolicy
 from .store import Store
+from .store.base import is_clean_key
 
 log = logging.getLogger("ckptlib")
 
@@ -148,7 +149,10 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         # 3. uncommit the dropped steps: report and verdict first, the manifest last
         for step in dropped:
             for info in list(store.scan(f"reports/{step}")):
-                _delete_one(store, report, info.key, info.size, dry_run)
+                if is_clean_key(info.key):
+                    _delete_one(store, report, info.key, info.size, dry_run)
+                else:
+                    report.skipped.append(info.key)
             if store.exists(validation_key(step)):
                 _delete_one(store, report, validation_key(step), 0, dry_run)
             _delete_one(store, report, manifest_key(step), 0, dry_run)
@@ -193,6 +197,8 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
         if not step_dir.isdigit() or int(step_dir) <= newest:
             continue
         for info in store.scan(f"fragments/{step_dir}"):
+            if not _FRAGMENT_KEY.match(info.key):
+                continue  # not a fragment (the sweep reports it)
             keys.add(info.key)
             try:
                 frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")

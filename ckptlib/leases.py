@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ObjectNotFound, StoreError
-from .store import Store
+from .store import ObjectInfo, Store
 
 log = logging.getLogger("ckptlib")
 
@@ -49,7 +50,8 @@ DEFAULT_LEASE_TTL_S = 3600.0
 # A running GC renews its lock at least every GC_LOCK_TTL_S / 4 seconds, so the lock of a GC that
 # was killed expires within two minutes and nothing waits on it longer than that.
 GC_LOCK_TTL_S = 120.0
-GC_WAIT_S = 600.0  # how long a save waits for a GC that keeps renewing its lock before it gives up
+GC_WAIT_S = 600.0
+_LEASE_KEY = re.compile(r"^leases/(save|read)-[0-9a-f]{32}\.json$")  # how long a save waits for a GC that keeps renewing its lock before it gives up
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,15 @@ def read_gc_lock(store: Store) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {"expires": 0.0}
 
 
+def _lease_keys(store: Store) -> list[ObjectInfo]:
+    """Lease objects; other keys under leases/ (not written by ckptlib) are not leases."""
+    return [info for info in store.scan(LEASE_PREFIX.rstrip("/")) if _LEASE_KEY.match(info.key)]
+
+
 def live_leases(store: Store) -> list[LeaseDoc]:
     """Unexpired leases. A malformed lease document is ignored (it protects nothing)."""
     now, out = _now(), []
-    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+    for info in _lease_keys(store):
         try:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
         except (ObjectNotFound, ValueError):
@@ -172,7 +179,7 @@ def live_leases(store: Store) -> list[LeaseDoc]:
 def expired_leases(store: Store, older_than: float) -> list[str]:
     """Keys of lease documents that expired (or are malformed) and were last written before ``older_than``."""
     now, out = _now(), []
-    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+    for info in _lease_keys(store):
         if info.modified >= older_than:
             continue
         try:
