@@ -338,8 +338,17 @@ class Checkpointer:
         return commit.committed_steps(self.store)
 
     def latest_step(self, *, healthy: bool = False) -> int | None:
-        steps = self.healthy_steps() if healthy else self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step (``healthy``: the newest whose validation passed), or None.
+        One listing of the manifests; ``healthy`` then reads verdicts from the newest step back
+        until one passed (not every step's, as ``healthy_steps`` does)."""
+        steps = self.steps()
+        if not healthy:
+            return steps[-1] if steps else None
+        for step in reversed(steps):
+            v = self.verdict(step)
+            if v is not None and v["passed"] is True:
+                return step
+        return None
 
     def manifest(self, step: int | None = None) -> Manifest:
         return self._read_manifest(self._resolve(step, healthy=False))
@@ -505,23 +514,30 @@ class Checkpointer:
         return enc.fragment
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
-                      device: Any = "cpu", adopt: bool = False) -> Any:
+                      device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
+                      fragment: Fragment | None = None) -> Any:
         """The state in a (possibly not yet committed) fragment; generation None = the live one.
         Used by a coordinator to combine the shards of a cut before it commits it. ``adopt=True``
         makes the fragment the delta base of this Checkpointer's next write of ``part`` (as
-        ``restore(keep_base=True)`` does)."""
+        ``restore(keep_base=True)`` does). ``select``: only these top-level keys or '/'-paths
+        (as in ``restore``). ``fragment``: that fragment, already read (e.g. by ``commit.gather``):
+        it is not read again."""
         gen = self.live_generation(part) if generation is None else generation
         key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
-        try:
-            data = self.store.get(key)
-        except ObjectNotFound:
-            raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
-                               f"written step {step} yet") from None
-        frag = loads_fragment(data, f"{self.url}/{key}")
+        frag = fragment
+        if frag is None:
+            try:
+                data = self.store.get(key)
+            except ObjectNotFound:
+                raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
+                                   f"written step {step} yet") from None
+            frag = loads_fragment(data, f"{self.url}/{key}")
         if (frag.step, frag.part, frag.generation) != (step, part, gen):
             raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
                                     f"{frag.generation}")
-        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt)
+        if adopt and select is not None:
+            raise ValueError("adopt=True needs the whole part (it becomes the delta base): drop select")
+        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select)
         if raw is not None:
             self._bases[part] = base_of(frag, self.options.chunk_bytes, raw)
         return state

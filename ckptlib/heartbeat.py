@@ -48,6 +48,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -216,17 +217,21 @@ def read_heartbeat(store: Store, part: str) -> Beat | None:
         return None
 
 
-def read_heartbeats(store: Store) -> dict[str, Beat]:
-    """Every part's latest beat: ``{part: Beat}`` (unreadable ones left out, logged)."""
-    out = {}
+def read_heartbeats(store: Store, *, threads: int = 1) -> dict[str, Beat]:
+    """Every part's latest beat: ``{part: Beat}`` (unreadable ones left out, logged). One listing,
+    then one read per part, ``threads`` at a time (a watchdog of a thousand shards on S3 reads them
+    in parallel: each read is a round trip)."""
+    parts = []
     for key in store.list("heartbeats/"):
         name = key.rsplit("/", 1)[1]
         if name.endswith(".json"):
             try:
-                part = commit.check_part_name(name[: -len(".json")])
+                parts.append(commit.check_part_name(name[: -len(".json")]))
             except ValueError:
                 continue  # not a heartbeat this module wrote
-            beat = read_heartbeat(store, part)
-            if beat is not None:
-                out[beat.part] = beat
-    return out
+    if threads > 1 and len(parts) > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(parts)), thread_name_prefix="ckpt-beats") as pool:
+            beats = list(pool.map(lambda p: read_heartbeat(store, p), parts))
+    else:
+        beats = [read_heartbeat(store, p) for p in parts]
+    return {b.part: b for b in beats if b is not None}

@@ -1,13 +1,20 @@
-"""Where shard tasks run, by one parameter: ``threads`` | ``dask`` | ``dask://HOST:PORT``.
+"""Where shard tasks run, by one parameter: ``threads`` | ``dask`` | ``dask://HOST:PORT`` | ``pool:DEPLOYMENT``.
 
 * ``threads``: the flow's own ThreadPoolTaskRunner (one process; shards are threads).
 * ``dask``: a temporary local Dask cluster of processes (``prefect_dask.DaskTaskRunner``), one worker
   process per shard (at least 2), one thread each; it lives as long as the flow run.
-* ``dask://HOST:PORT``: an existing Dask scheduler (``dask scheduler`` + ``dask worker`` on many
-  machines). Every worker must import this project (and the workload's module) and reach the store,
-  so use an s3:// store there.
+* ``dask://HOST:PORT``: an existing scheduler (``dask scheduler`` + ``dask worker`` on many
+  machines, ``deployments/dask_cluster.py``). Every worker must import this project (and the
+  workload's module) and reach the store, so use an s3:// store there. A worker that dies mid-task
+  is Dask's business: the scheduler runs the task again on another worker.
+* ``pool:FLOW/DEPLOYMENT`` (e.g. ``pool:train-shard/shard``): each shard of each round is a flow run
+  of that deployment of ``flows/shard.py`` on a Prefect work pool (``DeploymentRunner``): Prefect
+  workers run flow runs, not task runs. Any number of workers on any machines pick them up.
+  A flow run that crashes (its process died: ``Crashed``) is started again, like Dask's rerun of a
+  lost task, up to the shard task's retries; one whose whole machine died stays ``Running`` in
+  Prefect and is the watchdog's (silent heartbeats: fenced and rerun).
 
-Only shard tasks go to Dask. The cut runs in the flow's process (a thread). Validations run in one
+Only shard tasks go elsewhere. The cut runs in the flow's process (a thread). Validations run in one
 separate worker process (``validation_runner``): they are Python-heavy (pandas, Great Expectations)
 and, as threads, would hold the GIL against the shards' training loops; in their own process they
 only share the CPU. They never take a worker slot from the next round's shards.
@@ -15,9 +22,16 @@ only share the CPU. They never take a worker slot from the next round's shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextvars
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+log = logging.getLogger("flows.runners")
+
+POOL_PREFIX = "pool:"
 
 
 @contextmanager
@@ -25,6 +39,13 @@ def shard_runner(spec: str, shards: int) -> Iterator[Any]:
     """A started task runner for shard tasks, or None for the flow's own (threads)."""
     if spec == "threads":
         yield None
+        return
+    if spec.startswith(POOL_PREFIX):
+        runner = DeploymentRunner(spec[len(POOL_PREFIX):])
+        try:
+            yield runner
+        finally:
+            runner.close()
         return
     from prefect_dask import DaskTaskRunner
 
@@ -34,7 +55,7 @@ def shard_runner(spec: str, shards: int) -> Iterator[Any]:
     elif spec.startswith("dask://"):
         runner = DaskTaskRunner(address="tcp://" + spec[len("dask://"):])
     else:
-        raise ValueError(f"unknown task runner {spec!r}: use threads, dask or dask://HOST:PORT")
+        raise ValueError(f"unknown task runner {spec!r}: use threads, dask, dask://HOST:PORT or pool:FLOW/DEPLOYMENT")
     with runner:
         yield runner
 
@@ -44,6 +65,175 @@ def submit(runner: Any, task: Any, **parameters: Any) -> Any:
     if runner is None:
         return task.submit(**parameters)
     return runner.submit(task, parameters)
+
+
+# --- shards as flow runs on a work pool -------------------------------------------------------------
+
+class DeploymentRunner:
+    """Runs ``train-shard`` tasks as flow runs of ``deployment`` (``flows/shard.py``) on its work pool.
+
+    ``submit(task, parameters)`` starts one flow run (``run_deployment(..., timeout=0)``) and
+    returns a ``DeploymentFuture``. One thread looks at the states of every flow run in flight with
+    one API call every ``poll_s`` seconds (not one call per shard), fires the futures' callbacks
+    when their runs end, and starts a crashed run again (up to the task's ``retries``).
+
+    What crosses to the workers: the task's parameters as flow parameters (JSON, small), with the
+    store's credentials reduced to the Secret block's name: options held in memory (``ckpt train
+    --storage-options``) are never sent, so workers use their own environment or the block. The
+    shard's result is read from the store (its fragment), not from Prefect's result storage.
+    """
+
+    def __init__(self, deployment: str, *, poll_s: float = 1.0):
+        if deployment.count("/") != 1 or not all(deployment.split("/")):
+            raise ValueError(f"pool runner needs FLOW/DEPLOYMENT, e.g. pool:train-shard/shard, got {deployment!r}")
+        self.deployment, self.poll_s = deployment, poll_s
+        self._ctx = contextvars.copy_context()  # the Prefect API of the flow run that made us
+        self._pending: dict[Any, DeploymentFuture] = {}  # flow run id -> future
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._ctx.run, args=(self._watch,), name="ckpt-pool-runner", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Any, parameters: dict[str, Any]) -> DeploymentFuture:
+        delay = task.retry_delay_seconds
+        fut = DeploymentFuture(self, dict(parameters), retries=int(task.retries or 0),
+                               retry_delay_s=float((delay[0] if isinstance(delay, list) else delay) or 0.0))
+        self._start(fut)
+        return fut
+
+    def _start(self, fut: DeploymentFuture) -> None:
+        from prefect.deployments import run_deployment
+
+        # called from the flow's thread, or from the watcher thread (which runs in a copy of its context)
+        flow_run = run_deployment(self.deployment, parameters=fut.flow_parameters(), timeout=0, as_subflow=False,
+                                  tags=["ckpt", "shard"])
+        with self._lock:
+            fut.flow_run_id = flow_run.id
+            self._pending[flow_run.id] = fut
+
+    def _watch(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                ids = list(self._pending)
+            if not ids:
+                continue
+            try:
+                with get_client(sync_client=True) as client:
+                    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
+            except Exception as e:  # noqa: BLE001 - the API is briefly away: look again
+                log.warning("pool runner: cannot read the shard flow runs' states: %s", e)
+                continue
+            for run in runs:
+                state = run.state
+                if state is None or not state.is_final():
+                    continue
+                with self._lock:
+                    fut = self._pending.pop(run.id, None)
+                if fut is None:
+                    continue
+                if state.is_crashed() and fut.crashes < fut.retries:
+                    fut.crashes += 1
+                    log.warning("shard %s round %s: flow run %s crashed (%s); starting it again (%d/%d)",
+                                fut.parameters.get("shard"), fut.parameters.get("round"), run.name,
+                                state.message, fut.crashes, fut.retries)
+                    try:
+                        self._start(fut)
+                        continue
+                    except Exception as e:  # noqa: BLE001
+                        fut._finish(state.type.value, f"could not start it again: {e}")
+                        continue
+                fut._finish(state.type.value, state.message)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class DeploymentFuture:
+    """A shard task run as a flow run (the interface ``flows/train.py`` uses of a PrefectFuture:
+    ``add_done_callback``, ``result``)."""
+
+    def __init__(self, runner: DeploymentRunner, parameters: dict[str, Any], *, retries: int, retry_delay_s: float):
+        self.runner, self.parameters = runner, parameters
+        self.retries, self.retry_delay_s = retries, retry_delay_s
+        self.crashes = 0
+        self.flow_run_id: Any = None
+        self._done = threading.Event()
+        self._state: str | None = None
+        self._message: str | None = None
+        self._callbacks: list[Callable[[DeploymentFuture], None]] = []
+        self._lock = threading.Lock()
+
+    def flow_parameters(self) -> dict[str, Any]:
+        """The shard flow's parameters: the task's, with no secret (only a block's name) and the
+        attempt numbering carried on past crashed runs."""
+        p = self.parameters
+        access = p.get("access")
+        return {"run_url": p["run_url"], "spec": p["spec"].to_dict(), "shard": p["shard"], "round": p["round"],
+                "cut": p["cut"].to_dict(), "credentials_block": getattr(access, "block", None),
+                "keyframe_every": p["keyframe_every"], "chaos": list(p.get("chaos") or []),
+                "heartbeat_every_s": p["heartbeat_every_s"], "heartbeat_events": p["heartbeat_events"],
+                "attempt_offset": int(p.get("attempt_offset") or 0) + self.crashes,
+                "retries": self.retries, "retry_delay_s": self.retry_delay_s}
+
+    def _finish(self, state: str, message: str | None) -> None:
+        with self._lock:
+            self._state, self._message = state, message
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def add_done_callback(self, fn: Callable[[DeploymentFuture], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """The shard's result, read from its fragment of the round (its live generation's); raises
+        RuntimeError when the flow run did not complete."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"shard {self.parameters['shard']} round {self.parameters['round']}: its flow run "
+                               f"{self.flow_run_id} has not ended after {timeout} s")
+        if self._state != "COMPLETED":
+            raise RuntimeError(f"shard {self.parameters['shard']} round {self.parameters['round']}: flow run "
+                               f"{self.flow_run_id} of {self.runner.deployment} ended {self._state}: {self._message}")
+        return shard_result(self.parameters)
+
+
+def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
+    """What ``train_shard`` returned, rebuilt from the store: the live generation's fragment of the
+    round (``status: fenced`` when there is none: the attempt was fenced before it wrote)."""
+    from ckptlib import commit
+    from ckptlib.errors import ObjectNotFound
+    from ckptlib.manifest import loads_fragment
+    from ckptlib.store import Store
+    from tasks.access import storage_options
+    from trainrun.layout import shard_part
+
+    shard, round_ = int(parameters["shard"]), int(parameters["round"])
+    part = shard_part(shard)
+    store = Store.from_url(parameters["run_url"], storage_options(parameters.get("access")))
+    gen = commit.live_generation(store, part)
+    key = commit.fragment_key(round_, part, gen)
+    try:
+        frag = loads_fragment(store.get(key), f"{store.url}/{key}")
+    except ObjectNotFound:
+        return {"shard": shard, "round": round_, "part": part, "status": "fenced", "generation": gen}
+    m = frag.meta
+    seconds = {k: float(m.get(f"{k}_s") or 0.0) for k in ("load", "build", "train")}
+    return {"shard": shard, "round": round_, "part": part, "generation": gen, "attempt": m.get("attempt"),
+            "status": "finished", "loss": m.get("loss"), "bytes_written": frag.bytes_written,
+            "logical_bytes": frag.logical_bytes, "chunks": dict(frag.stats), "digest": frag.digest,
+            "seconds": {**seconds, "write": 0.0, "total": sum(seconds.values())}}
 
 
 @contextmanager

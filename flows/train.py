@@ -33,7 +33,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from ckptlib.commit import live_generation
+from ckptlib.commit import live_generation, live_generations
 from ckptlib.store import Store
 from ckptlib.validate import Verdict, error_verdict
 from tasks.access import storage_options
@@ -97,7 +97,8 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
             for r in range(start + 1, settings.rounds + 1):
                 t0 = time.perf_counter()
                 beat.update(round=r, phase="shards", cut=cut)
-                generations = [live_generation(store, shard_part(i)) for i in range(spec.shards)]
+                live = live_generations(store)  # one listing for every shard
+                generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
                 futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round=r, cut=cut,
                                   chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
                                   heartbeat_events=settings.heartbeat_events)
@@ -168,11 +169,12 @@ def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: 
             done = set()
         while not finished.empty():
             done.add(finished.get_nowait())
+        fences = live_generations(store)  # one listing per look, however many shards are pending
         for i in sorted(pending):
             part = shard_part(i)
             if i in done:
                 results[i] = _settle(futures[i], store, round, part, generations[i], i)
-            elif (live := superseded(store, part, round, generations[i])) is not None:
+            elif (live := superseded(store, part, round, generations[i], fences.get(part, 0))) is not None:
                 results[i] = {"shard": i, "round": round, "part": part, "status": "replaced",
                               "generation": generations[i], "live_generation": live}
             else:

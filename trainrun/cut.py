@@ -3,8 +3,8 @@
 ::
 
     frags  = gather(store, r, shard parts)         # wait for every shard's fragment of its live generation
-    states = read those very fragments
-    model  = outer_step(previous global model, states)   # trainrun.outer
+    mean   = the shards' models from those very fragments, streamed (ShardMean)
+    model  = outer_step(previous global model, mean)      # trainrun.outer
     coord  = write the coordinator's fragment of step r
     publish(manifest of exactly frags + coord)     # only when ``publish``: every C-th round and the last
 
@@ -16,23 +16,35 @@ generations this cut returns (``Cut(committed=False)``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
+from ckptlib.manifest import Fragment
 
 from .layout import COORDINATOR, shard_part
-from .outer import outer_step
+from .outer import ShardMean, outer_step
 from .rounds import Cut, apply_threads, elapsed, load_part, round_s
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
+
+READ_AHEAD = 8  # shards' models read at once: store latency overlaps; memory holds this many models
 
 
 def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish: bool,
               commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> dict[str, Any]:
     """The cut after round ``round`` from the shards of the live generation; commits step ``round``
-    when ``publish``. Returns small JSON: loss, sizes, the digest, the generations combined, timings."""
+    when ``publish``. Returns small JSON: loss, sizes, the digest, the generations combined, timings.
+
+    Cost in the shard count N: one fence listing per look of the gather, N fragment reads, and of
+    each shard only its model (not its optimizer state) read, ``READ_AHEAD`` at a time and added to
+    the mean in shard order (memory: the accumulator and ``READ_AHEAD`` models, whatever N). The
+    manifest names each part's fragment: O(N) small entries, never the shards' tensors."""
     from workloads import build_workload
 
     t0 = time.perf_counter()
@@ -44,18 +56,25 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
     gathered = ckcommit.gather(ck.store, round, shard_parts, timeout=commit_timeout_s)
     frags = {p: frag for p, (frag, _) in gathered.items()}
     t_gathered = time.perf_counter()
-    states = [ck.read_fragment(round, p, generation=frags[p].generation) for p in shard_parts]
+    mean = ShardMean(prev["model"])
+    losses = []
+    for state in _shard_models(ck, round, [frags[p] for p in shard_parts]):
+        mean.add(state["model"])
+        losses.append(float(state["loss"]))
     t_read = time.perf_counter()
-    model, outer_state = outer_step(spec, prev["model"], prev["outer_optimizer"], [s["model"] for s in states])
-    loss = math.fsum(float(s["loss"]) for s in states) / len(states)
+    model, outer_state = outer_step(spec, prev["model"], prev["outer_optimizer"], mean)
+    loss = math.fsum(losses) / len(losses)
     wl = build_workload(spec.workload_config(), 0, spec.shards)
     wl.model.load_state_dict(model)
     eval_loss = float(wl.evaluate())
     t_combined = time.perf_counter()
-    del states, wl
+    del mean, wl
     coord = {"model": model, "outer_optimizer": outer_state, "round": round,
              "global_step": round * spec.steps_per_round, "config": spec.to_dict(),
              "metrics": {"loss": loss, "eval_loss": eval_loss}}
+    reshards = _reshards(prev, cut, spec)
+    if reshards:  # only a resharded run has the key: every other run's digests stay as they were
+        coord["reshards"] = reshards
     generations = {p: f.generation for p, f in frags.items()}
     cfrag = ck.write_fragment(round, COORDINATOR, coord, generation=ck.live_generation(COORDINATOR),
                               config_hash=spec.config_hash(),
@@ -72,10 +91,9 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
         # the coordinator's fragment as stored (the manifest records its bytes' checksum), and the
         # shards' exactly as combined
         coordinator = ckcommit.gather(ck.store, round, [COORDINATOR], timeout=commit_timeout_s)
-        prior = [s for s in ck.steps() if s < round]
-        manifest = ckcommit.build_manifest(round, prior[-1] if prior else None, {**coordinator, **gathered},
-                                           single=False,
-                                           meta={**(run_meta or {}), "round": round, "loss": loss, "eval_loss": eval_loss})
+        manifest = ckcommit.build_manifest(round, _parent(ck, cut, round), {**coordinator, **gathered}, single=False,
+                                           meta={**(run_meta or {}), "round": round, "loss": loss, "eval_loss": eval_loss,
+                                                 **({"reshards": reshards} if reshards else {})})
         created = ckcommit.publish(ck.store, manifest)
         out.update(committed=True, created=created, digest=manifest.digest, stored_bytes=manifest.stored_bytes,
                    kind=manifest.kind, chunks=manifest.stats, logical_bytes=manifest.logical_bytes)
@@ -85,6 +103,42 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
                       "write": round_s(t_written - t_combined), "commit": round_s(t_done - t_written),
                       "total": elapsed(t0)}
     return out
+
+
+def _shard_models(ck: Checkpointer, step: int, frags: list[Fragment]) -> Iterator[dict[str, Any]]:
+    """``{"model", "loss"}`` of each fragment, in the order given, read ``READ_AHEAD`` at a time (the
+    fragments are already read: only the models' chunks are fetched)."""
+    def read(f: Fragment) -> dict[str, Any]:
+        return ck.read_fragment(step, f.part, generation=f.generation, fragment=f, select=["model", "loss"])
+
+    with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="cut-read") as pool:
+        rest = iter(frags)
+        pending = deque(pool.submit(read, f) for f in itertools.islice(rest, READ_AHEAD))
+        while pending:
+            state = pending.popleft().result()
+            nxt = next(rest, None)
+            if nxt is not None:
+                pending.append(pool.submit(read, nxt))
+            yield state
+
+
+def _reshards(prev: dict[str, Any], cut: Cut, spec: RunSpec) -> list[dict[str, Any]]:
+    """The run's shard count changes so far: the previous cut's, plus one when this round's shard
+    count differs from the cut's (the first round after a resume with another ``--shards``)."""
+    done = list(prev.get("reshards") or [])
+    before = (prev.get("config") or {}).get("shards")
+    if isinstance(before, int) and before != spec.shards:
+        done.append({"step": cut.step, "shards": [before, spec.shards]})
+    return done
+
+
+def _parent(ck: Checkpointer, cut: Cut, round: int) -> int | None:
+    """The committed step before ``round``: the cut's when it is committed (no listing: a run with
+    thousands of checkpoints lists them only when it publishes every C-th round)."""
+    if cut.committed:
+        return cut.step
+    prior = [s for s in ck.steps() if s < round]
+    return prior[-1] if prior else None
 
 
 def next_cut(result: dict[str, Any]) -> Cut:

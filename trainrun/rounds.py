@@ -50,6 +50,7 @@ from ckptlib.tree import unflatten
 from .chaos import Chaos, strike
 from .layout import COORDINATOR, shard_part
 from .outer import outer_optimizer
+from .reshard import cut_shards, reshard_state
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec, describe_changes
 
 log = logging.getLogger("trainrun.rounds")
@@ -126,8 +127,12 @@ def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
 def plan_run(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "") -> dict[str, Any]:
     """Where a run starts. Raises RunRefused when it must not start (see the resume rules).
 
-    Returns ``{"start_step": int | None, "committed": [...], "healthy": [...], "note": str, "seconds"}``;
-    ``start_step`` None means "from scratch" (write step 0 first).
+    Returns ``{"start_step": int | None, "committed": int, "latest": int | None, "note": str,
+    "reshard": {"step", "shards": [old, new]} | None, "seconds"}``; ``start_step`` None means "from
+    scratch" (write step 0 first). A resume with another ``shards`` (and every other trajectory field
+    the same) reshards from the last healthy step (``trainrun.reshard``) when that step is the
+    latest committed one. Cost: one listing of the manifests, and verdicts read from the newest
+    step back to the first healthy one (not every step's: runs may hold thousands).
     """
     t0 = time.perf_counter()
     out = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id)
@@ -144,24 +149,37 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str) -> dict
             f"--resume (same --run-id and --store), or start a new run with another --run-id.")
     if not steps:
         note = "nothing to resume: starting from scratch" if resume else "new run"
-        return {"start_step": None, "committed": [], "healthy": [], "note": note}
+        return {"start_step": None, "committed": 0, "latest": None, "note": note, "reshard": None}
     old = stored_config(ck, steps[-1])
     if old is None:
         raise RunRefused(f"{where}: step {steps[-1]} has no coordinator config; it was not written by a "
                          "training run. Choose another --run-id.")
-    changes = describe_changes(old, spec.to_dict())
-    if changes:
+    new = spec.to_dict()
+    changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k, "<absent>") != new.get(k, "<absent>")]
+    if changed and changed != ["shards"]:
         raise RunRefused(
             f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
-            f"{'; '.join(changes)}. Resume with the run's settings (only --rounds, --checkpoint-every, "
-            f"--keyframe-every, --task-runner may change), or start a new --run-id.")
-    healthy = ck.healthy_steps()
-    if not healthy:
-        return {"start_step": None, "committed": steps, "healthy": [],
+            f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only --rounds, --shards, "
+            f"--checkpoint-every, --keyframe-every, --task-runner may change), or start a new --run-id.")
+    healthy = ck.latest_step(healthy=True)
+    base = {"committed": len(steps), "latest": steps[-1], "reshard": None}
+    if changed:
+        if healthy != steps[-1]:
+            what = f"step {healthy}" if healthy is not None else "no step"
+            raise RunRefused(
+                f"cannot reshard {where} from {old['shards']} to {spec.shards} shards yet: its latest committed "
+                f"step {steps[-1]} is not validated ({what} is healthy). Resharding starts a new trajectory from "
+                f"the latest committed step, which later steps of the old trajectory would contradict. Validate "
+                f"step {steps[-1]} (`ckpt validate {ck.url} --step {steps[-1]}`), or resume once with "
+                f"--shards {old['shards']}, then resume with --shards {spec.shards}.")
+        return {**base, "start_step": healthy, "reshard": {"step": healthy, "shards": [old["shards"], spec.shards]},
+                "note": f"resuming from healthy step {healthy} with {spec.shards} shards instead of {old['shards']} "
+                        f"(resharded: a new trajectory from step {healthy})"}
+    if healthy is None:
+        return {**base, "start_step": None,
                 "note": "no validated checkpoint yet: starting from scratch (committed steps are recomputed "
                         "identically)"}
-    return {"start_step": healthy[-1], "committed": steps, "healthy": healthy,
-            "note": f"resuming from healthy step {healthy[-1]}"}
+    return {**base, "start_step": healthy, "note": f"resuming from healthy step {healthy}"}
 
 
 # --- per-shard generators ---------------------------------------------------------------------------
@@ -266,7 +284,9 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, c
     loss = float("nan")
     try:
         coord = load_part(ck, cut, COORDINATOR)
-        mine = load_part(ck, cut, part)
+        # a cut of another shard count (a resumed run with new --shards): merged or split (trainrun.reshard)
+        mine = load_part(ck, cut, part) if cut_shards(ck, cut) == spec.shards else \
+            reshard_state(ck, cut, shard, spec.shards)
         t_loaded = time.perf_counter()
         wl = build_workload(spec.workload_config(), shard, spec.shards)
         wl.load_state_dict({**mine, "model": coord["model"]})
@@ -288,6 +308,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round: int, c
         state = {**wl.checkpoint_state(), "rng": rng.state(), "round": round, "loss": loss}
         frag = ck.write_fragment(round, part, state, generation=generation, config_hash=spec.config_hash(),
                                  meta={"round": round, "loss": loss, "attempt": attempt, "host": socket.gethostname(),
+                                       "load_s": round_s(t_loaded - t0), "build_s": round_s(t_train - t_loaded),
                                        "train_s": round_s(t_trained - t_train)})
         t_written = time.perf_counter()
     except BaseException as e:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from workloads import WorkloadConfig
 
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
-TASK_RUNNERS = "threads | dask | dask://HOST:PORT"
+TASK_RUNNERS = "threads | dask | dask://HOST:PORT | pool:FLOW/DEPLOYMENT"
 
 
 class RunSpec(BaseModel):
@@ -101,7 +101,8 @@ class RunSettings(BaseModel):
                                 "at most this many objects per chunk (chains also end once their deltas add up "
                                 "to twice a keyframe: ckptlib's delta_budget).")
     task_runner: str = Field("threads", description=f"Where shard tasks run: {TASK_RUNNERS} (an existing Dask "
-                             "cluster; the store must then be reachable from every worker, e.g. S3).")
+                             "cluster, or flow runs of a train-shard deployment on a work pool; the store must then "
+                             "be reachable from every worker, e.g. S3).")
     chaos: list[str] = Field(default_factory=list, description="Fault injection for drills, e.g. "
                              "crash:shard=1,round=2 (the shard raises once; Prefect retries it); hang, zombie, stall, "
                              "kill and stop (the last two dask only) are silent failures for the watchdog "
@@ -120,6 +121,8 @@ class RunSettings(BaseModel):
     def _check_runner(cls, v: str) -> str:
         if v in ("threads", "dask") or (v.startswith("dask://") and ":" in v[len("dask://"):]):
             return v
+        if v.startswith("pool:") and v.count("/") == 1 and all(v[len("pool:"):].split("/")):
+            return v  # a deployment of the train-shard flow on a work pool (flows/runners.py)
         raise ValueError(f"task runner {v!r} is not one of {TASK_RUNNERS}")
 
     @field_validator("chaos")

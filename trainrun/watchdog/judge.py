@@ -39,6 +39,7 @@ from .decisions import read_fence
 
 DEFAULT_TIMEOUT_S = 30.0  # the default workload beats every 2 s and steps every few ms: 15 beats missed
 DEFAULT_POLL_S = 2.0
+BEAT_READERS = 32  # beats read at once: a look at 1,000 shards on S3 is ~1,000 GETs, latency-bound
 DEAD_STATES = ("silent", "stalled", "lost", "missing")
 ABANDONED_AFTER_MIN_S = 600.0
 # A beat this much older than the coordinator's session start belongs to a previous session.
@@ -114,13 +115,20 @@ class RunView:
 
 def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: float | None = None,
                coordinator_timeout_s: float | None = None, now: float | None = None,
-               memory: dict | None = None) -> RunView:
+               memory: dict | None = None, with_committed: bool = True) -> RunView:
     """Judge every part of one run at wall time ``now`` (default: the clock). ``memory`` (a dict the
-    caller keeps between looks) enables ``stalled``; without it only silence counts."""
+    caller keeps between looks) enables ``stalled``; without it only silence counts.
+
+    What one look costs, on S3, for N shards: a listing of ``heartbeats/`` and N beat reads (in
+    parallel), one listing of ``fences/`` (every part's generation), one listing of the current
+    round's ``fragments/<round>/`` when a shard beats as running, and a fence read per replaced
+    shard; listings are one request per 1,000 keys. Nothing depends on how many rounds the run has
+    had, but ``with_committed`` (the latest committed step, for ``ckpt status``: a listing of
+    ``manifests/``, one request per 1,000 checkpoints); the watchdog leaves it out."""
     now = time.time() if now is None else now
     start_timeout_s = start_timeout_for(timeout_s) if start_timeout_s is None else start_timeout_s
     coordinator_timeout_s = timeout_s if coordinator_timeout_s is None else coordinator_timeout_s
-    beats = read_heartbeats(store)
+    beats = read_heartbeats(store, threads=BEAT_READERS)
     cbeat = beats.pop(COORDINATOR, None)
     coordinator, info, session_start = None, None, None
     if cbeat is not None:
@@ -138,35 +146,63 @@ def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: flo
     else:
         parts = sorted(beats, key=lambda p: (len(p), p))
     active = coordinator is None or coordinator.state == "running"
+    look = _Look(store)
     shards = []
     for part in parts:
         beat = beats.get(part)
         if beat is not None and session_start is not None and beat.time < session_start - SESSION_SLACK_S:
             beat = None  # a beat of a previous run of this run id
-        shards.append(_assess_shard(store, part, beat, coordinator, info, now=now, timeout_s=timeout_s,
+        shards.append(_assess_shard(look, part, beat, coordinator, info, now=now, timeout_s=timeout_s,
                                     start_timeout_s=start_timeout_s, memory=memory if active else None, url=url))
-    committed = None
-    try:
-        steps = commit.committed_steps(store)
-        committed = steps[-1] if steps else None
-    except StoreError:
-        pass
+    committed = latest_committed(store) if with_committed else None
     return RunView(url, run_name(url), coordinator, shards, committed, info)
 
 
-def _assess_shard(store: Store, part: str, beat: Beat | None, coordinator: PartView | None,
+def latest_committed(store: Store) -> int | None:
+    """The run's latest committed step (None: none, or the store cannot be read now)."""
+    try:
+        steps = commit.committed_steps(store)
+    except StoreError:
+        return None
+    return steps[-1] if steps else None
+
+
+class _Look:
+    """What one look reads once for every shard: the live generations (one listing of ``fences/``)
+    and, per round asked about, which fragments exist (one listing of ``fragments/<round>/``)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._live: dict[str, int] | None = None
+        self._fragments: dict[int, set[str]] = {}
+
+    def live(self, part: str) -> int:
+        if self._live is None:
+            self._live = commit.live_generations(self.store)
+        return self._live.get(part, 0)
+
+    def fragment_done(self, step: int, part: str, generation: int) -> bool:
+        if step not in self._fragments:
+            try:
+                self._fragments[step] = set(self.store.list(f"fragments/{step}"))
+            except StoreError:
+                self._fragments[step] = set()
+        return commit.fragment_key(step, part, generation) in self._fragments[step]
+
+
+def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartView | None,
                   info: CoordinatorInfo | None, *, now: float, timeout_s: float, start_timeout_s: float,
                   memory: dict | None, url: str) -> PartView:
-    live = commit.live_generation(store, part)
+    live = look.live(part)
     coord_running = coordinator is not None and coordinator.state == "running"
     c_round = coordinator.round if coordinator is not None else None
     if beat is not None and coord_running and c_round is not None and beat.round < c_round:
-        return _waiting(store, part, live, beat, coordinator, info, now=now, start_timeout_s=start_timeout_s)
+        return _waiting(look, part, live, beat, coordinator, info, now=now, start_timeout_s=start_timeout_s)
     if beat is None:
-        return _waiting(store, part, live, None, coordinator, info, now=now, start_timeout_s=start_timeout_s)
+        return _waiting(look, part, live, None, coordinator, info, now=now, start_timeout_s=start_timeout_s)
     view = PartView.of(part, "running", live, beat, now)
     if beat.generation < live:  # the beat is a fenced attempt's: the live generation has not beaten yet
-        return _replaced(store, view, beat, coordinator, now=now, start_timeout_s=start_timeout_s,
+        return _replaced(look, view, beat, coordinator, now=now, start_timeout_s=start_timeout_s,
                          memory=memory, url=url)
     if memory is not None:
         memory[("beat", url, part, beat.generation)] = beat.time
@@ -176,7 +212,7 @@ def _assess_shard(store: Store, part: str, beat: Beat | None, coordinator: PartV
     if coordinator is not None and not coord_running:
         view.state = coordinator.state if coordinator.state in ("finished", "failed") else "waiting"
         return view
-    if _fragment_done(store, beat.round, part, beat.generation):
+    if look.fragment_done(beat.round, part, beat.generation):
         view.state = "done"  # it wrote its fragment; only its final beat is missing
         return view
     age = beat.age(now)
@@ -194,18 +230,19 @@ def _assess_shard(store: Store, part: str, beat: Beat | None, coordinator: PartV
         view.failure_time = beat.time
         return view
     if memory is not None:
-        key = ("progress", url, part, beat.generation, beat.attempt, beat.round)
+        # one entry per part (not per round: a watchdog's memory must not grow with the run's history)
+        key, attempt = ("progress", url, part), (beat.generation, beat.attempt, beat.round)
         first = memory.get(key)
-        if first is None or first[0] != beat.step:
-            memory[key] = (beat.step, beat.time)
-        elif beat.time - first[1] > timeout_s:
+        if first is None or first[:2] != (attempt, beat.step):
+            memory[key] = (attempt, beat.step, beat.time)
+        elif beat.time - first[2] > timeout_s:
             view.state = "stalled"
-            view.reason = f"beats but no progress for {beat.time - first[1]:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
-            view.failure_time = first[1]
+            view.reason = f"beats but no progress for {beat.time - first[2]:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
+            view.failure_time = first[2]
     return view
 
 
-def _waiting(store: Store, part: str, live: int, prior: Beat | None, coordinator: PartView | None,
+def _waiting(look: _Look, part: str, live: int, prior: Beat | None, coordinator: PartView | None,
              info: CoordinatorInfo | None, *, now: float, start_timeout_s: float) -> PartView:
     """No beat in this round yet (``prior``: a beat of an earlier round): waiting, done or missing."""
     view = PartView.of(part, "waiting", live, prior, now)
@@ -214,7 +251,7 @@ def _waiting(store: Store, part: str, live: int, prior: Beat | None, coordinator
             and info.phase == "shards":
         c_round = coordinator.round
         waited = now - info.phase_time
-        if _fragment_done(store, c_round, part, live):
+        if look.fragment_done(c_round, part, live):
             view.state = "done"
         elif waited > start_timeout_s:
             view.state = "missing"
@@ -227,11 +264,11 @@ def _waiting(store: Store, part: str, live: int, prior: Beat | None, coordinator
     return view
 
 
-def _replaced(store: Store, view: PartView, beat: Beat, coordinator: PartView | None, *, now: float,
+def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | None, *, now: float,
               start_timeout_s: float, memory: dict | None, url: str) -> PartView:
     """A fenced attempt's beat: replaced until the live generation beats, then lost if it never does."""
     live, part = view.live, view.part
-    fence = read_fence(store, part, live)
+    fence = read_fence(look.store, part, live)
     since = fence.time if fence is not None and fence.time is not None else beat.time
     view.state, view.reason = "replaced", f"generation {beat.generation} was fenced; waiting for generation {live} to beat"
     if memory is not None:
@@ -239,7 +276,7 @@ def _replaced(store: Store, view: PartView, beat: Beat, coordinator: PartView | 
         if seen is not None:
             since = max(since, seen)
     coord_running = coordinator is not None and coordinator.state == "running"
-    if _fragment_done(store, beat.round, part, live):
+    if look.fragment_done(beat.round, part, live):
         view.state, view.reason = "done", None
     elif (coordinator is None or coord_running) and now - since > start_timeout_s:
         view.state = "lost"
@@ -255,17 +292,12 @@ def _where(beat: Beat) -> str:
     return f"at step {beat.round_step}/{beat.steps_per_round} of round {beat.round}"
 
 
-def _fragment_done(store: Store, step: int, part: str, generation: int) -> bool:
-    try:
-        return store.exists(commit.fragment_key(step, part, generation))
-    except StoreError:
-        return False
-
-
-def superseded(store: Store, part: str, round: int, generation: int) -> int | None:
+def superseded(store: Store, part: str, round: int, generation: int, live: int | None = None) -> int | None:
     """The live generation if it is newer than ``generation`` and has written its fragment of ``round``:
-    the training flow then stops waiting for the attempt of ``generation`` (it may never return)."""
-    live = commit.live_generation(store, part)
+    the training flow then stops waiting for the attempt of ``generation`` (it may never return).
+    ``live``: the part's live generation when the caller has just read it (``commit.live_generations``:
+    one listing for all shards), else it is read here."""
+    live = commit.live_generation(store, part) if live is None else live
     if live > generation and store.exists(commit.fragment_key(round, part, live)):
         return live
     return None

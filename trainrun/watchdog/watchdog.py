@@ -49,7 +49,7 @@ from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, 
 from ..rounds import stored_config
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
-from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, start_timeout_for
+from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, latest_committed, start_timeout_for
 from .rerun import RerunRefused, RerunRequest, plan_rerun
 
 log = logging.getLogger("trainrun.watchdog")
@@ -140,7 +140,8 @@ class Watchdog:
     def _poll_run(self, url: str, store: Store) -> list[Decision]:
         now = self.clock()
         view = assess_run(store, url, timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
-                          coordinator_timeout_s=self.coordinator_timeout_s, now=now, memory=self.memory)
+                          coordinator_timeout_s=self.coordinator_timeout_s, now=now, memory=self.memory,
+                          with_committed=False)  # a look must not grow with the run's history
         self.views[url] = view
         out = self._running_again(url, view)
         if view.coordinator is not None and view.coordinator.state == "dead":
@@ -253,7 +254,7 @@ class Watchdog:
         self.memory[mkey] = True
         d = replace(self._decision("run-dead", url, c, self.clock()),
                     flow_run_id=info.flow_run_id if info else None, deployment_id=info.deployment_id if info else None,
-                    committed=view.committed, run_id=(info.run_id if info else "") or view.run)
+                    committed=latest_committed(store), run_id=(info.run_id if info else "") or view.run)
         try:
             first = store.put_if_absent(run_dead_key(ident), d.to_json())
         except StoreError as e:

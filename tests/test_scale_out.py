@@ -1,0 +1,173 @@
+"""Scale-out, for real, at a small scale (docs/scale.md; the measurements are in bench/):
+
+* shards in separate Dask worker processes started from the ``dask`` CLI (own working directories,
+  the store on SeaweedFS S3, credentials in the workers' environment), one worker killed mid-round
+  like a machine (SIGKILL of its process group), then the run resumed with another shard count;
+* shards as flow runs of the ``train-shard/shard`` deployment spread over two Prefect workers of one
+  process work pool, one worker killed mid-round with the flow run it was running;
+* the watchdog simulator: a look's requests do not grow with the run's history, the watchdog's
+  memory does not grow with rounds, and a silent shard is fenced within 1 s of the timeout.
+
+Every run here reaches the digest of a clean run with the same settings (threads, local store).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from ckptlib import Checkpointer
+from ckptlib.heartbeat import read_heartbeats
+from ckptlib.store import Store
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+SETTINGS = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=60, seed=0,
+                heartbeat_every_s=0.1, retry_delay_s=0.2, validation_runner="threads")
+
+
+def params(**kw):
+    from flows.params import TrainParams
+
+    return TrainParams(**{**SETTINGS, **kw})
+
+
+def digests(url: str, storage_options: dict | None = None) -> dict[int, str]:
+    with Checkpointer(url, storage_options) as ck:
+        return {s: ck.manifest(s).digest for s in ck.steps()}
+
+
+@pytest.fixture(scope="module")
+def clean(prefect_harness, tmp_path_factory):
+    """The reference: a clean run (threads, local store)."""
+    from flows.train import train_run
+
+    s = train_run(params(store=str(tmp_path_factory.mktemp("clean")), run_id="clean"))
+    return digests(s["run_url"])
+
+
+def worker_env(storage_options: dict) -> dict[str, str]:
+    """A worker machine's environment: the project, the Prefect API, the store's credentials."""
+    from prefect.settings import PREFECT_API_URL
+
+    from bench.common import ROOT
+
+    return {"PYTHONPATH": str(ROOT), "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1",
+            "CKPT_STORAGE_OPTIONS": json.dumps(storage_options), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+class KillMidRound(threading.Thread):
+    """Watches the run's heartbeats; the first time a shard beats mid-round (round >= 2, some steps
+    done, its fragment not written yet) from a process of a watched machine, kills that machine."""
+
+    def __init__(self, store: Store, machines: dict[int, object], pids_of, kill):
+        super().__init__(daemon=True)
+        self.store, self.machines, self.pids_of, self.kill = store, machines, pids_of, kill
+        self.killed: dict | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and self.killed is None:
+            for beat in read_heartbeats(self.store).values():
+                if beat.part == "coordinator" or beat.status != "running" or beat.round < 2 or not beat.round_step:
+                    continue
+                if self.store.exists(f"fragments/{beat.round}/{beat.part}.g{beat.generation}.json"):
+                    continue
+                for m in self.machines:
+                    if beat.pid in self.pids_of(m):
+                        self.kill(m)
+                        self.killed = {"machine": m, "part": beat.part, "round": beat.round,
+                                       "round_step": beat.round_step, "time": time.time()}
+                        return
+            time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_dask_cli_workers_on_s3_survive_a_killed_worker_and_reshard(clean, s3_url, tmp_path, monkeypatch):
+    from deployments.dask_cluster import DaskCluster
+    from flows.train import train_run
+
+    store, so = s3_url
+    # the flow's process reaches the store with its own environment too: no credentials in any parameter
+    monkeypatch.setenv("CKPT_STORAGE_OPTIONS", json.dumps(so))
+    with DaskCluster.start(tmp_path / "dask", workers=3, env=worker_env(so)) as dc:
+        url = f"{store}/dask-cli"
+        killer = KillMidRound(Store.from_url(url, so), {0: None, 1: None, 2: None}, dc.worker_pids, dc.kill_worker)
+        killer.start()
+        try:
+            s = train_run(params(store=store, run_id="dask-cli", task_runner=dc.runner))
+        finally:
+            killer.stop.set()
+        assert killer.killed is not None, "no shard was caught mid-round: the round was over too soon"
+        assert dc.alive_workers() == 2
+        assert s["final_digest"] == clean[3] and digests(url, so) == clean
+        pids = {b.pid for b in read_heartbeats(Store.from_url(url, so)).values() if b.part != "coordinator"}
+        assert not pids & {p for i in range(3) for p in [0]}  # shards ran in the workers' processes ...
+        assert all(b.host for b in read_heartbeats(Store.from_url(url, so)).values())
+        # ... and a resume with another shard count continues from the last step on the same cluster
+        r = train_run(params(store=store, run_id="dask-cli", task_runner=dc.runner, resume=True, shards=3, rounds=4))
+    with Checkpointer(url, so) as ck:
+        assert sorted(ck.manifest(4).parts) == ["coordinator", "shard-0", "shard-1", "shard-2"]
+        assert ck.restore(4, part="coordinator")["reshards"] == [{"step": 3, "shards": [2, 3]}]
+        assert ck.healthy_steps() == [0, 1, 2, 3, 4]
+    assert r["committed"] == [4] and {k: v for k, v in digests(url, so).items() if k <= 3} == clean
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_work_pool_shards_survive_a_killed_prefect_worker(clean, s3_url, tmp_path, monkeypatch):
+    from ckpt.cmd_train import BesideWatchdog
+    from deployments.shard_pool import PrefectWorkers, deploy_shard_flow
+    from flows.train import train_run
+
+    store, so = s3_url
+    monkeypatch.setenv("CKPT_STORAGE_OPTIONS", json.dumps(so))
+    pool = "test-shards"
+    runner = deploy_shard_flow(pool, name="test")
+    assert runner == "pool:train-shard/test"
+    with PrefectWorkers.start(tmp_path / "workers", pool, workers=2, env=worker_env(so)) as workers:
+        url = f"{store}/pool"
+        killer = KillMidRound(Store.from_url(url, so), {0: None, 1: None}, workers.pids, workers.kill)
+        p = params(store=store, run_id="pool", task_runner=runner)
+        guard = BesideWatchdog(p, timeout_s=4.0).start()  # the machine died: its shard is silent
+        killer.start()
+        try:
+            s = train_run(p)
+        finally:
+            killer.stop.set()
+            guard.stop()
+        assert killer.killed is not None, "no shard was caught mid-round: the round was over too soon"
+    assert s["final_digest"] == clean[3] and digests(url, so) == clean
+    fenced = [d for d in guard.decisions() if d["kind"] == "fenced"]
+    assert [(d["part"], d["round"]) for d in fenced] == [(killer.killed["part"], killer.killed["round"])]
+    hosts = {r["shard"]: r for x in s["rounds_log"] for r in x["shards"]}
+    assert hosts  # the rounds' shard results were read back from the store
+
+
+def test_watchdog_simulator_look_cost_memory_and_detection(tmp_path):
+    from bench.watchdog_sim import BeatSimulator, add_history, detection_jitter, look, watchdog
+
+    url = str(tmp_path / "sim")
+    store = Store.from_url(url)
+    shards, timeout = 20, 3.0
+    with BeatSimulator(store, shards, every_s=0.2, round=301) as sim:
+        wd = watchdog(url, None, timeout)
+        look(wd)
+        first = look(wd)
+        # listings of the heartbeats, the fences and this round's fragments, one read per beat;
+        # nothing per round of history
+        assert first["by_verb"] == {"LIST": 3, "GET": shards + 1}, first
+        add_history(store, 300)
+        later = look(wd)
+        assert later["requests"] == first["requests"], (first, later)
+        for _ in range(5):
+            sim.next_round()
+            look(wd)
+        assert len(wd.memory) <= 2 * shards, sorted(map(str, wd.memory))  # per part, not per round
+        assert not [d for d in wd.decisions if d.kind == "fenced"], wd.decisions  # healthy shards are left alone
+        jitter = detection_jitter(sim, wd, trials=2, poll_s=0.2, timeout_s=timeout)
+    assert all(0 <= j["jitter_s"] < 1.0 for j in jitter), jitter
