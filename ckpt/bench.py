@@ -62,8 +62,9 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -234,7 +235,7 @@ class PeakRss:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         if self.method == "vmhwm-reset":
             _reset_hwm()
         elif self.method == "sampling-1ms":

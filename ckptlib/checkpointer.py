@@ -38,8 +38,15 @@ from .reader import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .store import Store
 from .throttle import RateLimiter
-from .writer import (DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, Base, Snapshot, WriteOptions, encode_part,
-                     take_snapshot)
+from .writer import (
+    DEFAULT_DELTA_BUDGET,
+    DEFAULT_KEYFRAME_EVERY,
+    Base,
+    Snapshot,
+    WriteOptions,
+    encode_part,
+    take_snapshot,
+)
 
 log = logging.getLogger("ckptlib")
 
@@ -276,7 +283,7 @@ class Checkpointer:
             commit.ensure_marker(self.store)
             self._marked = True
 
-    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> "_Encoded":
+    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> _Encoded:
         """Encode ``snap`` as ``part`` of ``step`` against the part's base."""
         base = self._base(part)
         try:
@@ -295,7 +302,7 @@ class Checkpointer:
             self._bases[part] = base.without_bytes()
         self._spare.pop(part, None)
 
-    def _adopt(self, enc: "_Encoded") -> None:
+    def _adopt(self, enc: _Encoded) -> None:
         """The committed (or published) fragment becomes the part's base, with its bytes."""
         self._bases[enc.part] = enc.new
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(enc.snap)
@@ -474,9 +481,10 @@ class Checkpointer:
             if v is not None and v["passed"] is True:
                 healthy.append(step)
             elif v is not None:
-                failed = v.get("failed") if isinstance(v.get("failed"), list) else []
+                failed = v.get("failed")
+                failed = failed if isinstance(failed, list) else []
                 log.warning("skipping checkpoint step %d of %s: its validation failed (%s)", step, self.url,
-                            ", ".join(map(str, failed)) or "see validations/%d.json" % step)
+                            ", ".join(map(str, failed)) or f"see validations/{step}.json")
         return healthy
 
     # --- multi-writer: fragments and the coordinator's commit ------------------------------------
@@ -577,7 +585,7 @@ class Checkpointer:
             self._bases.clear()
             self._spare.clear()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

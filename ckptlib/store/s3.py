@@ -40,7 +40,7 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
-def _s3_filesystem(options: dict[str, Any]):
+def _s3_filesystem(options: dict[str, Any]) -> tuple[Any, str | None]:
     """An s3fs filesystem with our timeouts and retries; ``options`` (s3fs kwargs) win."""
     import s3fs
 
@@ -93,8 +93,8 @@ class S3Store(Store):
 
     def _error(self, exc: BaseException, op: str, key: str | None) -> StoreError:
         """Turn an s3fs/botocore exception into one StoreError naming the cause and the fix."""
-        from botocore.exceptions import (ConnectionError as BotoConnectionError, HTTPClientError,
-                                         NoCredentialsError, PartialCredentialsError)
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError, NoCredentialsError, PartialCredentialsError
 
         code = _s3_code(exc)
         what = f"{op} {key!r} in {self.url}" if key else f"{op} {self.url}"

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Callable
+from typing import Any
 
 from ckptlib.errors import StoreError
 from ckptlib.store import Store, WrapperStore
@@ -88,7 +89,8 @@ class FaultyStore(WrapperStore):
 
     # ------------------------------------------------------------------ rules
 
-    def _add(self, kind: str, op: str, pattern: str, times: int | None, allowed=OPS, seconds=0.0):
+    def _add(self, kind: str, op: str, pattern: str, times: int | None, allowed: tuple[str, ...] = OPS,
+             seconds: float = 0.0) -> FaultyStore:
         if not any(fnmatchcase(o, op) for o in allowed):
             raise ValueError(f"{kind} rule for op {op!r} matches none of {allowed}")
         with self._state.lock:
@@ -135,7 +137,7 @@ class FaultyStore(WrapperStore):
 
     # ------------------------------------------------------------------ the wrapper
 
-    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None):
+    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None) -> Any:
         state = self._state
         with state.lock:
             if state.crashed:
@@ -168,8 +170,8 @@ class FaultyStore(WrapperStore):
             raise SimulatedCrash(f"injected crash after {op} {key!r} in {self.url}")
         return result
 
-    def _forward(self, op: str, key: str, *args):
-        def do(*data):
+    def _forward(self, op: str, key: str, *args: Any) -> Any:
+        def do(*data: Any) -> Any:
             result = getattr(self.inner, op)(key, *data)
             return list(result) if op == "scan" else result
 
