@@ -226,10 +226,9 @@ def test_a_stalled_s3_endpoint_fails_within_a_minute_naming_it():
     endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
     start = time.monotonic()
     try:
-        with pytest.raises(StoreError) as err:
-            with Checkpointer("s3://stalled-bucket/run", {"endpoint_url": endpoint, "key": "k", "secret": "s",
-                                                          "skip_instance_cache": True}) as ck:
-                ck.save(1, states()[0])
+        options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "skip_instance_cache": True}
+        with pytest.raises(StoreError) as err, Checkpointer("s3://stalled-bucket/run", options) as ck:
+            ck.save(1, states()[0])
         took = time.monotonic() - start
     finally:
         server.close()
