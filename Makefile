@@ -20,12 +20,13 @@ STAMP := $(VENV)/.installed
 
 .venv: $(STAMP)
 
-# Reinstall only when pyproject.toml changes. torch goes first, so that the `torch>=2.4` of
-# pyproject.toml is already satisfied and pip never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# Reinstall only when pyproject.toml or constraints.txt change. torch goes first, so that the
+# `torch>=2.4` of pyproject.toml is already satisfied and pip never pulls a multi-GB CUDA build;
+# constraints.txt pins a resolved set of everything else, so pip does not backtrack.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install '$(TORCH_SPEC)'
-	$(VENV)/bin/python -m pip install -e '.[test]'
+	$(VENV)/bin/python -m pip install -c constraints.txt -e '.[all,test]'
 	touch $@
 
 demo: $(STAMP)

@@ -30,9 +30,11 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 def bench(
     workloads: Annotated[str, typer.Option(
         "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, or module:factory.")
-    ] = "tinylm,recsys,finetune",
+    ] = "tinylm,recsys,finetune,finetune-bf16",
     saves: Annotated[int, typer.Option("--saves", help="Checkpoints per series (means are over all but the first).")] = 17,
-    steps_between: Annotated[int, typer.Option("--steps-between", help="Training steps between checkpoints.")] = 10,
+    steps_between: Annotated[Optional[int], typer.Option(
+        "--steps-between", help="Training steps between checkpoints (default: 10; finetune-bf16: 1, every step).")
+    ] = None,
     size: Annotated[str, typer.Option("--size", help="Workload size preset: bench or small.")] = "bench",
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the records as a JSON list.")] = None,
     store: Annotated[Optional[str], typer.Option(
@@ -45,10 +47,27 @@ def bench(
     workload_extra: Annotated[Optional[str], typer.Option(
         "--workload-extra", metavar="JSON", help="Workload knobs as a JSON object, e.g. '{\"d_model\": 1024}'.")
     ] = None,
+    s3: Annotated[bool, typer.Option(
+        "--s3", help="Instead: ckptlib on S3 against torch.save + upload / download + torch.load, on a ResNet-50 "
+                     "state (481 tensors). Starts SeaweedFS on loopback unless --s3-endpoint env.")] = False,
+    s3_endpoint: Annotated[str, typer.Option(
+        "--s3-endpoint", help="local (start SeaweedFS) or env (AWS_ENDPOINT_URL and credentials).")] = "local",
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
         import os
+
+        if s3:
+            from .bench_s3 import render_s3, run_s3_benchmark
+
+            if s3_endpoint not in ("local", "env"):
+                raise ValueError(f"--s3-endpoint must be local or env, got {s3_endpoint!r}")
+            result = run_s3_benchmark(s3_endpoint, progress=lambda m: typer.echo(m, err=True))
+            if json_out:
+                with open(json_out, "w") as f:
+                    json.dump(result, f, indent=1)
+            typer.echo(render_s3(result))
+            return
 
         if store is not None and not os.path.isdir(store):
             raise ValueError(f"--store {store!r} is not an existing directory: create it or drop the option")
@@ -73,9 +92,9 @@ def bench(
         if json_out:
             with open(json_out, "w") as f:
                 json.dump(records, f, indent=1)
-        out.print(render_table(records, title=f"checkpoint benchmark: size={size}, {saves} saves, "
-                                              f"{steps_between} steps apart, device={device}, "
-                                              f"means over saves 2..{saves}"))
+        apart = f"{steps_between} steps apart" if steps_between else "10 steps apart (finetune-bf16: 1)"
+        out.print(render_table(records, title=f"checkpoint benchmark: size={size}, {saves} saves, {apart}, "
+                                              f"device={device}, means over saves 2..{saves}"))
         for target in check_targets(records):
             out.print(str(target), markup=False)
         for r in records:

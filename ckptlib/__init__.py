@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Checkpointer": "checkpointer", "CommitInfo": "checkpointer", "SaveFuture": "checkpointer",
-    "RetentionPolicy": "retention", "Problem": "reader", "Store": "store",
+    "RetentionPolicy": "retention", "Problem": "reader", "Store": "store", "branch": "branch",
     "CheckpointError": "errors", "CommitConflict": "errors", "CorruptCheckpoint": "errors", "FencedError": "errors",
     "FormatVersionError": "errors", "NoCheckpoint": "errors", "ObjectNotFound": "errors", "StoreError": "errors",
     "UnsupportedState": "errors",
@@ -27,6 +27,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from .branch import branch
     from .checkpointer import Checkpointer, CommitInfo, SaveFuture
     from .errors import (CheckpointError, CommitConflict, CorruptCheckpoint, FencedError, FormatVersionError,
                          NoCheckpoint, ObjectNotFound, StoreError, UnsupportedState)

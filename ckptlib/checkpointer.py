@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commit
-from .chunking import DEFAULT_CHUNK_BYTES, Unit, plan_units
+from .chunking import DEFAULT_CHUNK_BYTES, Unit, auto_chunk_bytes, plan_units
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
 from .gc import GcReport, collect_garbage
 from .leases import Lease
@@ -93,16 +93,17 @@ class SaveFuture(Future):
         return e
 
 
-def base_of(fragment: Fragment, chunk_bytes: int, raw: dict[str, Any] | None = None) -> Base:
+def base_of(fragment: Fragment, chunk_bytes: int | None, raw: dict[str, Any] | None = None) -> Base:
     """A fragment as the base of this writer's next save of its part, with the raw chunk bytes
-    given (by checksum). Units are matched by how this writer plans them; a unit planned
-    differently (another chunk size) has no base, so its next save is a keyframe."""
+    given (by checksum). Units are matched by how this writer plans them (``chunk_bytes``, or the
+    fragment's own); a unit planned differently has no base, so its next save is a keyframe."""
+    size = chunk_bytes or fragment.chunk_bytes or DEFAULT_CHUNK_BYTES
     units = {}
-    for unit in plan_units([leaf.spec for leaf in fragment.leaves], chunk_bytes):
+    for unit in plan_units([leaf.spec for leaf in fragment.leaves], size):
         digest = _unit_digest(unit, fragment)
         if digest is not None:
             units[unit.ident] = digest
-    return Base(fragment.step, dict(fragment.blobs), units, dict(raw or {}))
+    return Base(fragment.step, dict(fragment.blobs), units, dict(raw or {}), size)
 
 
 def _unit_digest(unit: Unit, fragment: Fragment) -> str | None:
@@ -133,12 +134,20 @@ class _Encoded:
     reused: dict[str, bytes]
 
 
+def default_threads(store: Store) -> int:
+    """Encode/IO threads: twice the cores (numpy, zstd and hashing release the GIL); at least 16
+    for a remote store, where most of a thread's time is a request in flight."""
+    cores = (os.cpu_count() or 2) * 2
+    return min(32, cores) if store.capabilities.atomic_rename else min(64, max(16, cores))
+
+
 class Checkpointer:
     """Incremental, content-addressed checkpoints of nested tensor states under one URL.
 
     ``url``: a plain path, ``file:///abs/path``, ``memory://name`` or ``s3://bucket/prefix``;
     ``storage_options`` go to fsspec/s3fs (endpoint_url, key, secret, ...).
-    Options: ``chunk_bytes`` (default 4 MiB; smaller tensors are packed together up to it),
+    Options: ``chunk_bytes`` (default: what the part was saved with before, else about 1/32 of the
+    state between 256 KiB and 4 MiB; smaller tensors are packed together up to it),
     ``keyframe_every`` K (restore reads at most K objects per chunk; 1 = keyframes only; default
     32), ``delta_budget`` B (a chunk gets a new keyframe once its chain's deltas add up to B times
     its keyframe's size, so a restore reads at most 1 + B keyframes' worth of bytes per chunk;
@@ -149,7 +158,7 @@ class Checkpointer:
     """
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+                 chunk_bytes: int | None = None, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
                  reuse_buffers: bool | None = None):
@@ -157,7 +166,7 @@ class Checkpointer:
             raise ValueError(f"keyframe_every must be an int in 1..{MAX_CHAIN}, got {keyframe_every!r}")
         if delta_budget is not None and not delta_budget > 0:
             raise ValueError(f"delta_budget must be > 0 (or None for no limit), got {delta_budget}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 4096):
             raise ValueError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}; about 1-4 MiB suits most stores")
         if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
             raise ValueError(f"zstd_level must be an int in -7..22, got {zstd_level!r}")
@@ -165,8 +174,7 @@ class Checkpointer:
         self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s),
                                     delta_budget)
         self.reuse_buffers = reuse_buffers
-        self._pool = ThreadPoolExecutor(max_workers=threads or min(32, (os.cpu_count() or 2) * 2),
-                                        thread_name_prefix="ckpt-io")
+        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(self.store), thread_name_prefix="ckpt-io")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._bases: dict[str, Base] = {}
         self._spare: dict[str, dict] = {}  # per part: staging buffers kept for the next snapshot
@@ -194,7 +202,7 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False)
         return self._persist(step, snap, meta, t0, blocked=None)
 
     def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture:
@@ -206,7 +214,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._drain()
         spare = self._spare.pop(SINGLE_PART, None)
-        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=True, spare=spare)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True, spare=spare)
         fut = SaveFuture(step)
 
         def run() -> None:
@@ -252,6 +260,16 @@ class Checkpointer:
                 return None
             self._bases[part] = base_of(self._fragment(m, part), self.options.chunk_bytes)
         return self._bases[part]
+
+    def _chunk_size(self, part: str) -> int | Any:
+        """The chunk size of ``part``'s next save: the option, else its base's (so deltas line up),
+        else one chosen from the state's size."""
+        if self.options.chunk_bytes is not None:
+            return self.options.chunk_bytes
+        base = self._base(part)
+        if base is not None and base.chunk_bytes:
+            return base.chunk_bytes
+        return auto_chunk_bytes
 
     def _ensure_marker(self) -> None:
         if not self._marked:
@@ -356,10 +374,9 @@ class Checkpointer:
         self._check_open()
         self._drain()
         lease = None
-        if step is not None:  # an older step may be garbage-collected while it is read: a read lease
+        if step is not None and step != self.latest_step():
+            # GC never drops the newest step; an older one may be dropped while it is read: a read lease
             lease = Lease(self.store, "read", commit.check_step(step)).try_acquire()
-            if lease.gc_seen:
-                lease.before_publish({})  # wait for that GC to end before reading
         try:
             m = self._read_manifest(self._resolve(step, healthy=healthy))
             names = [part] if part is not None else list(m.parts)
@@ -473,7 +490,7 @@ class Checkpointer:
         self._check_open()
         commit.check_live(self.store, part, generation)
         self._ensure_marker()
-        snap = take_snapshot(state, self._pool, self.options.chunk_bytes, copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
         base = self._base(part)
         with Lease(self.store, "save", base.step if base else None) as lease:
             enc = self._encode(snap, part, step, lease, generation=generation, config_hash=config_hash, meta=meta)

@@ -20,6 +20,18 @@ from dataclasses import dataclass
 from .types import LeafSpec
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB: large enough for zstd and S3, small enough to parallelise
+MIN_AUTO_CHUNK_BYTES = 256 << 10
+
+
+def auto_chunk_bytes(state_bytes: int) -> int:
+    """The chunk size for a state of ``state_bytes``: about 1/32 of it as a power of two, between
+    256 KiB and 4 MiB. A restore decodes a few chunks per core at a time, so chunks small against
+    the state keep its memory beside the state small (docs/decisions.md, "Memory"); 4 MiB is large
+    enough for zstd and for S3 requests."""
+    size = MIN_AUTO_CHUNK_BYTES
+    while size < DEFAULT_CHUNK_BYTES and size * 2 * 32 <= state_bytes:
+        size *= 2
+    return size
 
 
 def chunk_size_for(itemsize: int, chunk_bytes: int) -> int:

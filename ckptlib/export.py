@@ -99,9 +99,14 @@ def flatten_for_safetensors(state: Any) -> tuple[dict[str, Any], dict[str, str]]
                                    "export to .pt instead")
         return name
 
+    seen: set[int] = set()
+
     def walk(obj: Any, name: str, path: str) -> None:
         if isinstance(obj, (torch.Tensor, np.ndarray)):
             t = obj.detach().cpu().contiguous() if isinstance(obj, torch.Tensor) else _numpy_to_tensor(obj, path)
+            if t.untyped_storage().data_ptr() in seen and t.numel():
+                t = t.clone()  # tied weights: safetensors holds each name's own bytes
+            seen.add(t.untyped_storage().data_ptr())
             if t.is_complex():
                 raise UnsupportedState(f"'{path or '/'}' is a complex tensor ({t.dtype}), which safetensors cannot "
                                        "hold; export to .pt instead, or store torch.view_as_real(t)")
@@ -113,7 +118,11 @@ def flatten_for_safetensors(state: Any) -> tuple[dict[str, Any], dict[str, str]]
             for i, v in enumerate(obj):
                 walk(v, f"{name}.{i}" if name else str(i), f"{path}/{i}")
         else:
-            metadata[claim(name or "__root__")] = json.dumps(to_weights_only(obj, path), default=_json_default)
+            try:
+                metadata[claim(name or "__root__")] = json.dumps(to_weights_only(obj, path), default=_json_default)
+            except (TypeError, ValueError) as e:
+                raise UnsupportedState(f"'{path or '/'}' cannot be written as safetensors metadata (JSON: {e}); "
+                                       "export to .pt instead") from None
 
     walk(state, "", "")
     return tensors, metadata
@@ -155,7 +164,7 @@ def write_export(state: Any, path: str, *, info: dict[str, Any], force: bool = F
 
             try:
                 save_file(tensors, tmp, metadata=metadata)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, RuntimeError) as e:
                 raise UnsupportedState(f"safetensors cannot hold this state ({e}); export to .pt instead") from None
         else:
             import torch

@@ -36,6 +36,7 @@ from .leases import GcLock, expired_leases, live_leases
 from .manifest import loads_fragment
 from .retention import RetentionPolicy
 from .store import Store
+from .store.base import is_clean_key
 
 log = logging.getLogger("ckptlib")
 
@@ -90,6 +91,9 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckpt-gc") as pool:
         for step, keys in zip(steps, pool.map(lambda s: _needed(store, s), steps)):
             marks[step] = keys
+            if lock is not None and len(marks) % 256 == 0 and not lock.renew():
+                raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
+                                      "nothing was deleted: run it again")
     kept_marks = set().union(*(marks[s] for s in kept)) if kept else set()
     dropped_only = set().union(*(marks[s] for s in dropped)) - kept_marks if dropped else set()
     kept_marks |= _pending_fragment_marks(store, newest)
@@ -102,8 +106,8 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         if busy:
             return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
                     "objects were not swept; run GC again later")
-        if lock is not None and not lock.still_held():
-            return "the GC lock was taken over (this GC ran past its lease): stopped"
+        if lock is not None and not lock.renew():
+            return "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
         return None
 
     def delete(keys: list[tuple[str, int]]) -> None:
@@ -144,7 +148,10 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         # 3. uncommit the dropped steps: report and verdict first, the manifest last
         for step in dropped:
             for info in list(store.scan(f"reports/{step}")):
-                _delete_one(store, report, info.key, info.size, dry_run)
+                if is_clean_key(info.key):
+                    _delete_one(store, report, info.key, info.size, dry_run)
+                else:
+                    report.skipped.append(info.key)
             if store.exists(validation_key(step)):
                 _delete_one(store, report, validation_key(step), 0, dry_run)
             _delete_one(store, report, manifest_key(step), 0, dry_run)
@@ -189,6 +196,8 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
         if not step_dir.isdigit() or int(step_dir) <= newest:
             continue
         for info in store.scan(f"fragments/{step_dir}"):
+            if not _FRAGMENT_KEY.match(info.key):
+                continue  # not a fragment (the sweep reports it)
             keys.add(info.key)
             try:
                 frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")

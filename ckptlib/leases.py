@@ -16,12 +16,15 @@ The protocol (the argument is in docs/format.md, "Garbage collection"):
   writing it) still exists, writing again any that was swept.
 * A GC holds ``gc.lock`` (put-if-absent: one GC at a time), keeps every step named by a live lease,
   and sweeps objects only while no save lease is live; it looks again before each batch of deletes.
-* Leases and the lock expire (a killed writer cannot block GC forever); long operations renew them.
-  An expired lease protects nothing: a save stalled longer than its lease's time to live (default
-  one hour, renewed while uploads progress) is not protected.
+* Leases and the lock expire (a killed writer cannot block GC forever, a killed GC cannot block saves
+  for more than two minutes); long operations renew them. An expired lease protects nothing: a save
+  stalled longer than its lease's time to live (default one hour, renewed while uploads progress)
+  is not protected.
 
 Readers of a step that is not the newest take a read lease the same way (best effort: a reader
-without write access to the store reads unprotected; the newest step is never dropped).
+without write access to the store reads unprotected; the newest step is never dropped). A reader
+does not wait for a GC that runs as it starts: that GC may still drop its step, and the restore
+then fails with "missing from the store"; every later GC keeps the step while the lease lives.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -36,15 +40,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ObjectNotFound, StoreError
-from .store import Store
+from .store import ObjectInfo, Store
 
 log = logging.getLogger("ckptlib")
 
 LEASE_PREFIX = "leases/"
 GC_LOCK = "gc.lock"
 DEFAULT_LEASE_TTL_S = 3600.0
-GC_LOCK_TTL_S = 3600.0
-GC_WAIT_S = 600.0  # how long a save waits for a running GC before it gives up
+# A running GC renews its lock at least every GC_LOCK_TTL_S / 4 seconds, so the lock of a GC that
+# was killed expires within two minutes and nothing waits on it longer than that.
+GC_LOCK_TTL_S = 120.0
+GC_WAIT_S = 600.0
+_LEASE_KEY = re.compile(r"^leases/(save|read)-[0-9a-f]{32}\.json$")  # how long a save waits for a GC that keeps renewing its lock before it gives up
 
 
 @dataclass(frozen=True)
@@ -151,10 +158,15 @@ def read_gc_lock(store: Store) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {"expires": 0.0}
 
 
+def _lease_keys(store: Store) -> list[ObjectInfo]:
+    """Lease objects; other keys under leases/ (not written by ckptlib) are not leases."""
+    return [info for info in store.scan(LEASE_PREFIX.rstrip("/")) if _LEASE_KEY.match(info.key)]
+
+
 def live_leases(store: Store) -> list[LeaseDoc]:
     """Unexpired leases. A malformed lease document is ignored (it protects nothing)."""
     now, out = _now(), []
-    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+    for info in _lease_keys(store):
         try:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
         except (ObjectNotFound, ValueError):
@@ -167,7 +179,7 @@ def live_leases(store: Store) -> list[LeaseDoc]:
 def expired_leases(store: Store, older_than: float) -> list[str]:
     """Keys of lease documents that expired (or are malformed) and were last written before ``older_than``."""
     now, out = _now(), []
-    for info in store.scan(LEASE_PREFIX.rstrip("/")):
+    for info in _lease_keys(store):
         if info.modified >= older_than:
             continue
         try:
@@ -210,6 +222,16 @@ class GcLock:
     def still_held(self) -> bool:
         held = read_gc_lock(self.store)
         return held is not None and held.get("id") == self.id
+
+    def renew(self) -> bool:
+        """Push the expiry forward if due (cheap to call often); False if the lock is no longer ours."""
+        if time.time() < self._doc["expires"] - 3 * self.ttl_s / 4:
+            return True
+        if not self.still_held():
+            return False
+        self._doc = {**self._doc, "expires": _now() + self.ttl_s}
+        self.store.put(GC_LOCK, json.dumps(self._doc).encode())
+        return True
 
     def release(self) -> None:
         if self.still_held():

@@ -8,7 +8,7 @@ sizes are checked in ``LeafSpec.checked``; chunk counts against sizes here).
 
 Format 2 (written now; format 1 is still read). A fragment::
 
-    {"format": 2, "checksum": "xxh3-128", "step": 10, "part": "shard-0", "generation": 0,
+    {"format": 2, "checksum": "xxh3-128", "step": 10, "part": "shard-0", "generation": 0, "chunk_bytes": 1048576,
      "config_hash": "...", "skeleton": <node, see ckptlib.tree>,
      "leaves": [{"path", "kind", "dtype", "shape", ["stride"], ["order"], ["param"], ["requires_grad"],
                  "nbytes", "itemsize", "digest",
@@ -153,9 +153,11 @@ class Fragment:
     stats: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     format: int = FORMAT_VERSION
+    chunk_bytes: int | None = None  # the writer's chunk size (format 2); its next save plans alike
 
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "checksum": CHECKSUM, "step": self.step, "part": self.part,
+                "chunk_bytes": self.chunk_bytes,
                 "generation": self.generation, "config_hash": self.config_hash,
                 "skeleton": self.skeleton, "leaves": [leaf.to_json() for leaf in self.leaves],
                 "blobs": {k: b.to_json() for k, b in self.blobs.items()}, "digest": self.digest,
@@ -175,7 +177,8 @@ class Fragment:
         frag = cls(_int(d["step"], "step", 0, 2**63), str(d["part"]), _int(d["generation"], "generation", 0, 2**63),
                    d.get("config_hash"), d["skeleton"], leaves, blobs, _checksum(d["digest"], "digest"),
                    _int(d["logical_bytes"], "logical_bytes", 0, 2**63), _int(d["bytes_written"], "bytes_written", 0, 2**63),
-                   dict(d.get("stats", {})), dict(d.get("meta", {})), fmt)
+                   dict(d.get("stats", {})), dict(d.get("meta", {})), fmt,
+                   _int(d["chunk_bytes"], "chunk_bytes", 1) if d.get("chunk_bytes") is not None else None)
         frag.check_consistent()
         return frag
 

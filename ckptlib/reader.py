@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Executor
@@ -86,8 +88,13 @@ class _ChainDecoder:
     when it does not match, the chain is walked again link by link to name the damaged object.
     """
 
-    def __init__(self, fragment: Fragment, store: Store, tops: list[str], known: Mapping[str, np.ndarray] | None = None):
+    def __init__(self, fragment: Fragment, store: Store, tops: list[str], known: Mapping[str, np.ndarray] | None = None,
+                 decode_slots: int | None = None):
         self.fragment, self.store = fragment, store
+        # Fetching runs on every thread of the pool (remote stores need many requests in flight);
+        # decoding is CPU work whose buffers are chunk-sized: only as many chains decode at once as
+        # there are cores, which bounds a restore's memory beside the state it fills.
+        self._slots = threading.Semaphore(decode_slots or os.cpu_count() or 2)
         uses: Counter[str] = Counter()
         for digest in tops:
             d: str | None = digest
@@ -114,20 +121,61 @@ class _ChainDecoder:
             raise Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
         return payload
 
-    def _apply(self, blob: Blob, out: np.ndarray) -> None:
-        """Decode ``blob`` into ``out`` (which holds its base's bytes when it is a delta)."""
-        if blob.nbytes != out.nbytes:
-            raise Damaged(blob.key, f"decodes to {blob.nbytes} bytes, the chunk has {out.nbytes}")
-        payload = self._payload(blob)
+    def _codecs(self, blob: Blob, nbytes: int) -> list:
+        if blob.nbytes != nbytes:
+            raise Damaged(blob.key, f"decodes to {blob.nbytes} bytes, the chunk has {nbytes}")
         try:
             chain = codecs.from_configs(list(blob.codecs))
-            if chain[0].uses_base != (blob.base is not None):
-                raise CorruptCheckpoint("its codecs and its base disagree on whether it is a delta")
-            codecs.decode_into(payload, chain, out)
+        except CorruptCheckpoint as e:
+            raise Damaged(blob.key, str(e)) from None
+        if chain[0].uses_base != (blob.base is not None):
+            raise Damaged(blob.key, "its codecs and its base disagree on whether it is a delta")
+        return chain
+
+    @contextmanager
+    def _decoding(self, blob: Blob) -> Iterator[None]:
+        try:
+            yield
+        except Damaged:
+            raise
         except CorruptCheckpoint as e:
             raise Damaged(blob.key, f"does not decode: {e}") from None
         except (ValueError, TypeError, IndexError, OverflowError, MemoryError) as e:
             raise Damaged(blob.key, f"does not decode: {type(e).__name__}: {e}") from None
+
+    def _apply(self, blob: Blob, out: np.ndarray, payload: np.ndarray | None = None) -> None:
+        """Decode ``blob`` into ``out`` (which holds its base's bytes when it is a delta)."""
+        chain = self._codecs(blob, out.nbytes)
+        if payload is None:
+            payload = self._payload(blob)
+        with self._decoding(blob):
+            codecs.decode_into(payload, chain, out)
+
+    def _apply_summed(self, deltas: list[Blob], out: np.ndarray, fetched: dict[str, np.ndarray]) -> bool:
+        """Apply a run of integer deltas at once when that is cheaper: their differences add up in
+        the ordered-integer domain, so they are summed into one accumulator and written back in one
+        pass over the chunk, instead of a gather/map/scatter per link. Worth it when the links
+        together touch a good share of the chunk (judged by their sizes: a sparse delta costs a
+        byte or two per change); a few small sparse deltas are cheaper applied one by one. False
+        (nothing done) when the run is not worth summing or not additive in one way."""
+        chains = [self._codecs(blob, out.nbytes) for blob in deltas]
+        kinds = {codecs.additive(c) for c in chains}
+        if len(kinds) != 1 or None in kinds:
+            return False
+        ((itemsize, ordered_float),) = kinds
+        dense = any(not isinstance(c[0], codecs.SparseDelta) for c in chains)
+        if out.nbytes % itemsize or not (dense or sum(b.size for b in deltas) * 2 * itemsize >= out.nbytes):
+            return False
+        acc = codecs.to_ordered(out, itemsize, ordered_float)
+        for blob, chain in zip(deltas, chains):
+            payload = fetched.pop(blob.key, None)
+            if payload is None:
+                payload = self._payload(blob)
+            with self._decoding(blob):
+                codecs.add_delta(payload, chain, acc)
+            del payload
+        codecs.from_ordered(acc, ordered_float, out)
+        return True
 
     def fill(self, digest: str, out: np.ndarray) -> None:
         """Write the raw bytes of chunk ``digest`` into ``out``, checked against the digest."""
@@ -136,18 +184,40 @@ class _ChainDecoder:
         while d is not None and d not in self._cache:
             chain.append((d, self._blob(d)))
             d = chain[-1][1].base
-        if d is not None:
-            start = self._cache[d]
-            if start.nbytes != out.nbytes:
-                raise Damaged(None, f"chunk {d} holds {start.nbytes} bytes where {out.nbytes} are expected")
-            out[:] = start
-        for link, blob in reversed(chain):
-            self._apply(blob, out)
-            if link in self._shared and link not in self._cache:
-                with self._lock:
-                    self._cache[link] = out.copy()
+        links = chain[::-1]  # bottom first
+        # The first object is fetched before taking a decode slot (the I/O of many chains overlaps);
+        # the others inside it, one at a time, so a decoding thread holds one payload, not a chain's.
+        fetched = {links[0][1].key: self._payload(links[0][1])} if links else {}
+        with self._slots:
+            self._decode(links, d, out, fetched)
         if codecs.checksum(out) != digest:
             self._locate(digest, out.nbytes)
+
+    def _decode(self, links: list[tuple[str, Blob]], start_digest: str | None, out: np.ndarray,
+                fetched: dict[str, np.ndarray]) -> None:
+        """Apply a chain (bottom first) onto ``out``: from a chunk held already, or its keyframe."""
+        if start_digest is not None:
+            start = self._cache[start_digest]
+            if start.nbytes != out.nbytes:
+                raise Damaged(None, f"chunk {start_digest} holds {start.nbytes} bytes where {out.nbytes} are expected")
+            out[:] = start
+        elif links:
+            self._apply(links[0][1], out, fetched.pop(links[0][1].key, None))  # the keyframe
+            if links[0][0] in self._shared:
+                with self._lock:
+                    self._cache.setdefault(links[0][0], out.copy())
+            links = links[1:]
+        # Several deltas above the start whose intermediate results no other chain shares: sum them.
+        middle_shared = any(link in self._shared for link, _ in links[:-1])
+        if len(links) < 2 or middle_shared or not self._apply_summed([b for _, b in links], out, fetched):
+            for link, blob in links:
+                self._apply(blob, out, fetched.pop(blob.key, None))
+                if link in self._shared and link not in self._cache:
+                    with self._lock:
+                        self._cache[link] = out.copy()
+        elif links[-1][0] in self._shared:
+            with self._lock:
+                self._cache.setdefault(links[-1][0], out.copy())
 
     def _locate(self, digest: str, nbytes: int) -> None:
         chain: list[tuple[str, Blob]] = []

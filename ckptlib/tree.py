@@ -15,6 +15,7 @@ Node grammar (format 2; a superset of format 1's, so one decoder reads both)::
     {"k": ..}                         dict whose keys are all str and none is a tag below
     {"__leaf__": i}                   array leaf i
     {"__ref__": i}                    the same tensor as leaf i (tied weights restore tied)
+    {"__attrs__": [node, {name: node}]}   a tensor with Python attributes (``t.is_sparse_grad = True``)
     {"__tuple__": [..]}               tuple
     {"__items__": [[k, v], ..]}       dict with other keys (optimizer state is keyed by int)
     {"__map__": {"type": T, "items": [[k, v], ..], "attrs": {name: node}, "factory": F}}
@@ -46,7 +47,7 @@ import numpy as np
 from .errors import CorruptCheckpoint, UnsupportedState
 from .types import NUMPY_KINDS, TORCH_DTYPES, LeafSpec, dense_strides
 
-TAGS = frozenset({"__leaf__", "__ref__", "__tuple__", "__items__", "__map__", "__float__", "__complex__",
+TAGS = frozenset({"__leaf__", "__ref__", "__attrs__", "__tuple__", "__items__", "__map__", "__float__", "__complex__",
                   "__set__", "__frozenset__", "__np__", "__size__", "__dtype__", "__device__"})
 # Deepest nesting of containers a state may have. Real states are a handful of levels deep; the
 # limit keeps encoding and decoding (of hostile manifests too) far from Python's recursion limit.
@@ -162,8 +163,9 @@ def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
         if cls is tuple:
             return {"__tuple__": [walk(v, f"{path}/{i}", depth) for i, v in enumerate(obj)]}
         if cls in (set, frozenset):
-            items = [walk(v, f"{path}/<item>", depth) for v in obj]
-            return {f"__{cls.__name__}__": sorted(items, key=_canonical)}
+            # in an order of the values themselves: iteration order depends on the hash seed
+            ordered = sorted(obj, key=lambda v: _value_key(v, path))
+            return {f"__{cls.__name__}__": [walk(v, f"{path}/<item>", depth) for v in ordered]}
         if cls is dict and all(type(k) is str and k not in TAGS for k in obj):
             return {k: walk(v, f"{path}/{k}", depth) for k, v in obj.items()}
         items = [[walk_key(k, path, depth), walk(v, f"{path}/{k}", depth)] for k, v in obj.items()]
@@ -201,19 +203,43 @@ def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
         tie = None
         if spec.nbytes:
             tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, tuple(t.stride()),
-                   str(t.device), spec.param, spec.requires_grad)
+                   str(t.device), spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
             if tie in ties:
                 return {"__ref__": ties[tie]}
-        node = add_leaf(spec, t)
+        node: dict[str, Any] = add_leaf(spec, t)
         if tie is not None:
             ties[tie] = node["__leaf__"]
+        attrs = getattr(t, "__dict__", None)
+        if attrs:  # Python attributes set on the tensor: kept, as torch.save keeps them
+            for name in attrs:
+                if not isinstance(name, str) or not _ATTR.match(name) or name.startswith("__"):
+                    raise _refuse(path, t, f"its attribute {name!r} is not a plain identifier")
+            node = {"__attrs__": [node, {name: walk(v, f"{path}/.{name}", 1) for name, v in attrs.items()}]}
         return node
 
     return walk(state, "", 0), leaves
 
 
-def _canonical(node: Any) -> str:
-    return json.dumps(node, sort_keys=True, separators=(",", ":"))
+def _value_key(v: Any, path: str) -> tuple:
+    """A total order on the values a set may hold that does not depend on hashing or memory."""
+    cls = type(v)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if v is None or cls in (bool, int, float, complex):
+        return (name, repr(v))
+    if cls in (str, bytes):
+        return (name, v)
+    if cls is tuple:
+        return (name, tuple(_value_key(x, path) for x in v))
+    if cls is frozenset:
+        return (name, tuple(sorted(_value_key(x, path) for x in v)))
+    if isinstance(v, np.generic):
+        a = np.asarray(v)
+        return (name, a.dtype.str, a.tobytes())
+    if name in ("torch.dtype", "torch.device"):
+        return (name, str(v))
+    raise _refuse(f"{path}/<item>", v, "sets may hold None, bool, numbers, str, bytes, numpy scalars, torch dtypes and "
+                                       "devices, and tuples/frozensets of those (a set of tensors has no stable order: "
+                                       "store a list)")
 
 
 def _nonfinite(x: float) -> str:
@@ -228,7 +254,8 @@ def _np_scalar(obj: np.generic, path: str) -> list[str]:
     if dt.kind not in NUMPY_KINDS or dt.fields is not None:
         raise _refuse(path, obj, "only numeric, bool, datetime and fixed-width string numpy scalars are "
                                  "stored (object and structured scalars would need pickle)")
-    return [dt.str, np.asarray(obj).tobytes().hex()]
+    a = np.asarray(obj)  # an empty string scalar is '<U0', its array '<U1': use the array's dtype
+    return [a.dtype.str, a.tobytes().hex()]
 
 
 def _numpy_spec(a: np.ndarray, path: str) -> LeafSpec:
@@ -398,6 +425,15 @@ def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
             return _torch().device(v)
         if tag == "__map__":
             return mapping(v, path, depth)
+        if tag == "__attrs__":
+            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[1], dict)):
+                raise bad(path, "__attrs__ is not [node, {name: node}]")
+            obj = build(v[0], path, depth + 1)
+            for name, node in v[1].items():
+                if not _ATTR.match(name) or name.startswith("__"):
+                    raise bad(path, f"attribute name {name!r} is not a plain identifier")
+                setattr(obj, name, build(node, f"{path}/.{name}", depth + 1))
+            return obj
         if not isinstance(v, list):
             raise bad(path, f"{tag} holds {type(v).__name__}, not a list")
         if tag == "__tuple__":
@@ -437,7 +473,11 @@ def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
                 raise bad(path, f"defaultdict factory {factory!r} is not a builtin")
             obj = collections.defaultdict(_FACTORIES.get(factory) if factory else None, items)
         else:
-            obj = _MAPS[v["type"]](items)
+            obj = _MAPS[v["type"]]()
+            if v["type"] == "Counter":
+                dict.update(obj, items)  # Counter(pairs) would count the pairs
+            else:
+                obj.update(items)
         attrs = v.get("attrs", {})
         if not isinstance(attrs, dict):
             raise bad(path, "attrs is not an object")
@@ -526,14 +566,27 @@ def prune(skeleton: Any, select: list[str]) -> Any:
     def take(node: Any, want: dict[str, Any] | None, path: str) -> Any:
         if want is None:
             return node
-        kids = children(node)
-        names = {k for k, _ in kids or [] if isinstance(k, str)}
+        kids = children(node) or []
+        # a path names a key by its text: "0" finds the int key 0 of optimizer state, unless "0" is a key
+        by_name: dict[str, Any] = {}
+        for k, _ in kids:
+            if isinstance(k, str):
+                by_name[k] = k
+        for k, _ in kids:
+            if isinstance(k, (int, float, bool)) or k is None:
+                by_name.setdefault(json.dumps(k) if not isinstance(k, int) or isinstance(k, bool) else str(k), k)
         for key in want:
-            if key not in names:
+            if key not in by_name:
                 raise KeyError(f"'{path}/{key}' is not in the saved state")
-        return with_children(node, [(k, take(v, want[k], f"{path}/{k}")) for k, v in kids or [] if k in want])
+        chosen = {by_name[key]: key for key in want}
+        return with_children(node, [(k, take(v, want[chosen[k]], f"{path}/{k}")) for k, v in kids
+                                    if _hashable_node(k) and k in chosen])
 
     return take(skeleton, wanted, "")
+
+
+def _hashable_node(k: Any) -> bool:
+    return not isinstance(k, (list, dict))
 
 
 def leaf_indices(skeleton: Any) -> set[int]:
@@ -661,17 +714,25 @@ def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dic
             return {"__leaf__": count[0] - 1}
         if len(node) == 1 and next(iter(node)) in TAGS:
             (tag, v), = node.items()
+            if tag == "__attrs__" and isinstance(v, list) and len(v) == 2:
+                return {"__attrs__": [walk(v[0], obj, path), v[1]]}
             if tag == "__tuple__" and isinstance(v, list):
                 out = {"__tuple__": [walk(x, child(obj, k), f"{path}/{k}") for k, x in enumerate(v)]}
                 extras(obj, set(range(len(v))), path)
                 return out
             pairs = v if tag == "__items__" else (v.get("items") if tag == "__map__" and isinstance(v, dict) else None)
             if isinstance(pairs, list):
-                keys = [kv[0] for kv in pairs if isinstance(kv, list) and len(kv) == 2]
-                # keys that are plain scalars are matched in ``into``; others (tuples...) are restored anew
-                new_pairs = [[k, walk(val, child(obj, k), f"{path}/{k}")] if _simple(k) else [k, val]
-                             for k, val in (kv for kv in pairs if isinstance(kv, list) and len(kv) == 2)]
-                extras(obj, {k for k in keys if _simple(k)}, path)
+                new_pairs, seen = [], set()
+                for kv in pairs:
+                    if not (isinstance(kv, list) and len(kv) == 2):
+                        continue
+                    key = _decode_key(kv[0])
+                    if key is _ABSENT:
+                        new_pairs.append(kv)
+                        continue
+                    seen.add(key)
+                    new_pairs.append([kv[0], walk(kv[1], child(obj, key), f"{path}/{key}")])
+                extras(obj, seen, path)
                 return {"__items__": new_pairs} if tag == "__items__" else {"__map__": {**v, "items": new_pairs}}
             if _is_array(obj):
                 mismatches.append(f"{path or '/'}: the destination holds an array, the checkpoint a {tag.strip('_')}")
@@ -684,6 +745,12 @@ def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dic
     return new_skeleton, dest, aliases, mismatches
 
 
-def _simple(key: Any) -> bool:
-    return key is None or isinstance(key, (str, int, float, bool))
+def _decode_key(node: Any) -> Any:
+    """A dict key of a skeleton as the Python value (keys hold no leaves); _ABSENT if malformed."""
+    try:
+        key = unflatten(node, [])
+        hash(key)
+        return key
+    except (CorruptCheckpoint, TypeError):
+        return _ABSENT
 

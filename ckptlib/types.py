@@ -138,8 +138,10 @@ class LeafSpec:
                 raise bad(f"stride {list(self.stride)!r} is not a dense layout of shape {list(self.shape)}")
         if self.kind in ("bytes", "bytearray") and len(self.shape) != 1:
             raise bad("a bytes leaf is one-dimensional")
-        if (self.param or self.requires_grad) and (self.kind != "torch" or TORCH_DTYPES[self.dtype][1] not in "fc"):
-            raise bad("only floating point torch tensors can be parameters or require grad")
+        if self.param and self.kind != "torch":
+            raise bad("only torch tensors can be parameters")
+        if self.requires_grad and (self.kind != "torch" or TORCH_DTYPES[self.dtype][1] not in "fc"):
+            raise bad("only floating point and complex torch tensors can require grad")
         return self
 
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -61,7 +63,7 @@ RAW_KEYFRAME_ABOVE = 0.98
 
 @dataclass(frozen=True)
 class WriteOptions:
-    chunk_bytes: int
+    chunk_bytes: int | None  # None: each part's own (its base's, or chunking.auto_chunk_bytes)
     keyframe_every: int  # longest delta chain + 1: restore reads at most this many objects per chunk
     zstd_level: int
     limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))  # upload bandwidth
@@ -78,6 +80,7 @@ class Snapshot:
     unit_data: list[np.ndarray]  # raw bytes of each unit (views)
     leaf_data: list[np.ndarray]  # raw bytes of each leaf (views; a packed leaf's is a slice of its pack)
     owned: list[bool]  # unit_data[u] is our memory, not the caller's
+    chunk_bytes: int = 0
     seconds: float = 0.0
 
 
@@ -93,24 +96,34 @@ class Base:
     blobs: dict[str, Blob]
     units: dict[tuple, str] = field(default_factory=dict)
     raw: dict[str, np.ndarray] = field(default_factory=dict)
+    chunk_bytes: int | None = None  # what it was planned with
 
     @property
     def held_bytes(self) -> int:
         return sum(b.nbytes for b in self.raw.values())
 
     def without_bytes(self) -> "Base":
-        return Base(self.step, self.blobs, self.units)
+        return Base(self.step, self.blobs, self.units, chunk_bytes=self.chunk_bytes)
 
 
-def _host_buffer(nbytes: int, pinned: bool) -> np.ndarray:
+def _host_buffer(nbytes: int, pinned: bool = False) -> np.ndarray:
+    """A buffer for a snapshot or a base. Large ones are anonymous memory maps of their own: freed,
+    they go back to the system at once. From malloc, the buffers a save frees stay in the
+    allocator's arenas (glibc raises its mmap threshold after the first large free), and a
+    Checkpointer's memory would grow by a third of the state over the one copy it holds."""
     if pinned:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    if nbytes >= _MAPPED_ABOVE:
+        return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def take_snapshot(state: Any, pool: Executor, chunk_bytes: int, *, copy: bool = True,
+_MAPPED_ABOVE = 64 << 10
+
+
+def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], *, copy: bool = True,
                   spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
     """The leaves of ``state`` as raw bytes (the blocking part of a save).
 
@@ -121,6 +134,8 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int, *, copy: bool = 
     t0 = time.perf_counter()
     skeleton, leaves = flatten(state)
     specs = [spec for spec, _ in leaves]
+    if callable(chunk_bytes):
+        chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
     units = plan_units(specs, chunk_bytes)
     on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
     spare = spare if spare is not None else {}
@@ -169,7 +184,8 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int, *, copy: bool = 
         import torch
 
         torch.cuda.synchronize()  # the asynchronous copies must land before the caller moves on
-    return Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, time.perf_counter() - t0)  # type: ignore[arg-type]
+    return Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, chunk_bytes,  # type: ignore[arg-type]
+                    time.perf_counter() - t0)
 
 
 _SNAPSHOT_GROUPS = 8
@@ -277,58 +293,78 @@ def encode_part(
     # a buffer may be written over in place only if no other unit still needs it as its base
     shared = Counter(prev_units.values())
     failed = threading.Event()
+    slots = threading.Semaphore(os.cpu_count() or 2)
     reused: dict[str, bytes] = {}
     reused_lock = threading.Lock()
 
     def encode_unit(u: int) -> _Encoded:
         if failed.is_set():
             raise _Cancelled
-        unit, view = snap.units[u], snap.unit_data[u]
-        digest = codecs.checksum(view)
-        prev_digest = prev_units.get(unit.ident)
-        prev_bytes = prev_raw.get(prev_digest) if prev_digest else None
-        if prev_bytes is not None and prev_bytes.nbytes != view.nbytes:
-            prev_digest, prev_bytes = None, None
-        blob, wrote, kind = None, False, "unchanged"
-        if digest not in known:
-            chosen, kind, base_ref, depth = None, "keyframe", None, 0
-            base_blob = known.get(prev_digest) if prev_digest and prev_bytes is not None else None
-            if base_blob is not None and base_blob.depth + 1 < _chain_cap(opts.keyframe_every, u):
-                chosen = _delta_codecs(view, prev_bytes, unit, opts.zstd_level)  # type: ignore[arg-type]
-                payload = codecs.encode(view, chosen, prev_bytes)
-                kind, base_ref, depth = "delta", prev_digest, base_blob.depth + 1
-                key_estimate, chain_deltas = _chain_sizes(base_blob, known)
-                chain_deltas += payload.nbytes
-                # The chain's own keyframe estimates this chunk's; only when the estimate says a
-                # keyframe may be better is one encoded to decide on its real size.
-                if _keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
-                    key_codecs, key_payload = _keyframe(view, unit, opts.zstd_level)
-                    if _keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
-                        chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
-            else:
-                chosen, payload = _keyframe(view, unit, opts.zstd_level)
-            configs = [c.to_config() for c in chosen]
-            key = blob_key(digest, base_ref, configs)
+        with slots:  # CPU work with chunk-sized buffers: one per core at a time bounds a save's memory
+            digest, blob, payload, kind = encode_one(u)
+        wrote = False
+        if payload is not None:  # the upload runs outside a slot: many requests in flight
             opts.limiter.acquire(payload.nbytes)
             if failed.is_set():
                 raise _Cancelled
             data = payload.tobytes()
-            wrote = store.put_if_absent(key, data)
+            del payload
+            wrote = store.put_if_absent(blob.key, data)
             if not wrote and lease is not None and lease.gc_seen:
                 with reused_lock:
-                    reused[key] = data
-            blob = Blob(key, payload.nbytes, view.nbytes, tuple(configs), base_ref, depth)
-        keep = None
-        if retain:
-            if prev_bytes is not None and prev_digest == digest:
-                keep = prev_bytes  # the base holds these bytes already
-            elif snap.owned[u]:
-                keep = view  # the snapshot's own copy becomes the base
-            else:  # bytes read in place from the caller's tensors: copy, into the old buffer if free
-                reusable = prev_bytes is not None and shared[prev_digest] == 1
-                keep = prev_bytes if reusable else np.empty(view.nbytes, dtype=np.uint8)
-                keep[:] = view  # type: ignore[index]
-        return _Encoded(digest, blob, wrote, kind, keep)
+                    reused[blob.key] = data
+        return _Encoded(digest, blob, wrote, kind, retained(u, digest))
+
+    def encode_one(u: int) -> tuple[str, Blob | None, np.ndarray | None, str]:
+        """(raw checksum, blob, payload to upload or None, kind) of unit ``u``."""
+        unit, view = snap.units[u], snap.unit_data[u]
+        digest = codecs.checksum(view)
+        if digest in known:
+            return digest, None, None, "unchanged"
+        prev_digest = prev_units.get(unit.ident)
+        prev_bytes = prev_raw.get(prev_digest) if prev_digest else None
+        if prev_bytes is not None and prev_bytes.nbytes != view.nbytes:
+            prev_digest, prev_bytes = None, None
+        chosen, kind, base_ref, depth = None, "keyframe", None, 0
+        base_blob = known.get(prev_digest) if prev_digest and prev_bytes is not None else None
+        if base_blob is not None and base_blob.depth + 1 < _chain_cap(opts.keyframe_every, u):
+            chosen = _delta_codecs(view, prev_bytes, unit, opts.zstd_level)  # type: ignore[arg-type]
+            payload = codecs.encode(view, chosen, prev_bytes)
+            kind, base_ref, depth = "delta", prev_digest, base_blob.depth + 1
+            key_estimate, chain_deltas = _chain_sizes(base_blob, known)
+            chain_deltas += payload.nbytes
+            # The chain's own keyframe estimates this chunk's; only when the estimate says a
+            # keyframe may be better is one encoded to decide on its real size.
+            if _keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
+                key_codecs, key_payload = _keyframe(view, unit, opts.zstd_level)
+                if _keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
+                    chosen, payload, kind, base_ref, depth = key_codecs, key_payload, "keyframe", None, 0
+        else:
+            chosen, payload = _keyframe(view, unit, opts.zstd_level)
+        configs = [c.to_config() for c in chosen]
+        blob = Blob(blob_key(digest, base_ref, configs), payload.nbytes, view.nbytes, tuple(configs), base_ref, depth)
+        return digest, blob, payload, kind
+
+    def retained(u: int, digest: str) -> np.ndarray | None:
+        """The bytes of unit ``u`` the next base holds (with ``retain``)."""
+        if not retain:
+            return None
+        unit, view = snap.units[u], snap.unit_data[u]
+        if snap.owned[u]:
+            # the snapshot's own copy becomes the base (not the old buffer even when unchanged:
+            # a view keeps its whole buffer alive, and old and new buffers must not both stay)
+            return view
+        prev_digest = prev_units.get(unit.ident)
+        prev_bytes = prev_raw.get(prev_digest) if prev_digest else None
+        if prev_bytes is not None and prev_bytes.nbytes == view.nbytes:
+            if prev_digest == digest:
+                return prev_bytes  # the base holds these bytes already
+            if shared[prev_digest] == 1:  # bytes read in place from the caller: copy into the old buffer
+                prev_bytes[:] = view
+                return prev_bytes
+        keep = _host_buffer(view.nbytes)
+        keep[:] = view
+        return keep
 
     results = _run_all(pool, encode_unit, len(snap.units), failed)
     if lease is not None:
@@ -383,12 +419,12 @@ def encode_part(
         step=step, part=part, generation=generation, config_hash=config_hash, skeleton=snap.skeleton,
         leaves=tuple(leaves), blobs=table, digest=part_digest(snap.skeleton, leaves),
         logical_bytes=sum(s.nbytes for s in snap.specs), bytes_written=bytes_written, stats=stats,
-        meta=dict(meta or {}),
+        meta=dict(meta or {}), chunk_bytes=snap.chunk_bytes,
     )
     new_base = None
     if retain:
         new_base = Base(step, dict(table), {unit.ident: r.digest for unit, r in zip(snap.units, results)},
-                        {r.digest: r.keep for r in results if r.keep is not None})
+                        {r.digest: r.keep for r in results if r.keep is not None}, snap.chunk_bytes)
     return fragment, new_base, reused
 
 

@@ -77,18 +77,24 @@ def test_peak_rss_sees_an_allocation():
 
 
 def test_targets_and_ratios_from_records():
-    def rec(system, nbytes, blocked, restore):
+    def rec(system, nbytes, blocked, restore, **more):
         return {"workload": "recsys", "device": "cpu", "system": system, "bytes_written": nbytes,
-                "blocked_s": blocked, "durable_s": blocked, "restore_s": restore, "peak_rss_bytes": 1}
+                "blocked_s": blocked, "durable_s": blocked, "restore_s": restore, "peak_rss_bytes": 1,
+                "state_bytes": 100e6, **more}
 
-    records = [rec("ckptlib", 1e6, 0.012, 0.2), rec("torch.save", 30e6, 1.0, 0.1), rec("dcp", 30e6, 1.0, 0.25),
-               rec("memcpy", 0, 0.01, 0.05)]
+    records = [rec("ckptlib", 0.4e6, 0.012, 0.2, restore_worst_s=0.4, held_bytes=110e6, restore_peak_bytes=150e6,
+                   restore_into_peak_bytes=10e6),
+               rec("torch.save", 30e6, 1.0, 0.1), rec("dcp", 30e6, 1.0, 0.25), rec("memcpy", 0, 0.01, 0.05)]
     targets = {t.name.split(":")[1].strip(): t for t in bench.check_targets(records)}
-    assert targets["ckptlib bytes x smaller than torch.save (>=)"].passed  # 30x >= 25x
-    assert not targets["ckptlib restore / torch.load (<=)"].passed  # 2x > 1.5x
+    assert targets["ckptlib bytes x smaller than torch.save (>=)"].passed  # 75x >= 60x
     assert targets["ckptlib CPU blocked / memcpy (<=)"].passed  # 1.2x <= 1.5x
-    assert targets["ckptlib restore / DCP load (<=)"].passed and targets["ckptlib restore / DCP load (<=)"].measured == 0.8
-    assert "| recsys | ckptlib | 1.0 | 30.0x |" in bench.markdown_table(records)
+    latest = targets["ckptlib restore latest / DCP load (<=)"]
+    assert latest.passed and latest.measured == 0.8
+    assert not targets["ckptlib restore worst step / DCP load (<=)"].passed  # 1.6x > 1.5x
+    assert targets["ckptlib memory held after saves / state (<=)"].passed  # 1.1x
+    assert not targets["ckptlib restore() peak / state (<=)"].passed  # 1.5x > 1.35x
+    assert targets["ckptlib restore(into=) peak above the tensors / state (<=)"].passed  # 0.1x
+    assert "| recsys | ckptlib | 0.4 | 75.00x |" in bench.markdown_table(records)
 
 
 def test_workload_extra_sizes_the_state_and_bad_json_is_refused(tmp_path):

@@ -43,7 +43,7 @@ def test_fenced_generation_is_refused_and_never_in_the_cut(tmp_path):
     from ckptlib import commit
     from ckptlib.writer import encode_part, take_snapshot
 
-    snap = take_snapshot({"w": torch.full((10,), -1.0)}, zombie._pool, zombie.options.chunk_bytes)
+    snap = take_snapshot({"w": torch.full((10,), -1.0)}, zombie._pool, 1 << 20)
     frag, _, _ = encode_part(snap, None, zombie.store, zombie._pool, zombie.options, step=1, part="shard-0",
                              generation=0)
     commit.put_fragment(zombie.store, frag)
