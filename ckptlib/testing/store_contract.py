@@ -349,6 +349,34 @@ class StoreContract:
         assert sorted(i.key for i in store.scan("chunks")) == sorted(keys)
         assert store.list_dirs("chunks") == sorted({k.split("/")[1] for k in keys})
 
+    @pytest.mark.timeout(120)
+    def test_scan_while_objects_are_deleted(self, store: Store) -> None:
+        """Listing a folder while another process deletes in it (GC deleting manifests, readers
+        deleting their leases) yields objects that existed, and never fails."""
+        keys = [f"leases/read-{i:04d}.json" for i in range(200)]
+        for k in keys:
+            self.raw_put(store, k, b"{}")
+        errors: list[BaseException] = []
+
+        def delete_all() -> None:
+            for k in keys:
+                store.delete(k)
+
+        deleter = threading.Thread(target=delete_all)
+        deleter.start()
+        scans = 0
+        while deleter.is_alive() or scans == 0:
+            scans += 1
+            try:
+                listed = [info.key for info in store.scan("leases")]
+                assert set(listed) <= set(keys)
+                assert set(store.list("leases")) <= set(keys)
+            except StoreError as e:
+                errors.append(e)
+        deleter.join(60)
+        assert not errors, f"{len(errors)} of {scans} listings failed while objects were deleted: {errors[0]}"
+        assert store.list("leases") == []
+
     def test_list_dirs_is_one_level(self, store: Store) -> None:
         for k in self.KEYS:
             store.put(k, b"x")
