@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -53,25 +54,33 @@ def state(step: int) -> dict:
     return {"model": {"a": a, "b": b, "small": small}, "n": n, "step": step}
 
 
-@pytest.fixture
-def run(tmp_path) -> Path:
-    """A local run: step 1 (keyframes), step 2 (deltas against 1)."""
-    root = tmp_path / "run"
+@pytest.fixture(scope="module")
+def _run_template(tmp_path_factory) -> Path:
+    """A local run: step 1 (keyframes), step 2 (deltas against 1); built once, copied per test."""
+    root = tmp_path_factory.mktemp("hostile") / "run"
     with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
         ck.save(1, state(1))
         ck.restore(1, keep_base=True)
         info = ck.save(2, state(2))
         assert info.chunks["delta"] >= 3
+    for lease in (root / "leases").glob("*"):
+        lease.unlink()
     return root
+
+
+@pytest.fixture
+def run(_run_template, tmp_path) -> Path:
+    shutil.copytree(_run_template, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
 
 
 PARTS = ("shard-0", "shard-1")
 
 
-@pytest.fixture
-def cut_run(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def _cut_template(tmp_path_factory) -> Path:
     """A local run of two multi-part cuts (steps 1, 2)."""
-    root = tmp_path / "cut"
+    root = tmp_path_factory.mktemp("hostile-cut") / "cut"
     for step in (1, 2):
         for i, part in enumerate(PARTS):
             with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
@@ -81,6 +90,12 @@ def cut_run(tmp_path) -> Path:
         with Checkpointer(str(root)) as ck:
             ck.commit(step, list(PARTS), timeout=5)
     return root
+
+
+@pytest.fixture
+def cut_run(_cut_template, tmp_path) -> Path:
+    shutil.copytree(_cut_template, tmp_path / "cut", symlinks=True)
+    return tmp_path / "cut"
 
 
 # ----------------------------------------------------------------------------- manifest surgery

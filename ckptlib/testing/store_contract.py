@@ -107,6 +107,12 @@ class StoreContract:
         self._made.append(s)
         return s
 
+    def _raw_put_many(self, store: Store, keys: list[str], data: bytes = b"{}") -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda k: self.raw_put(store, k, data), keys))
+
     def _raw_missing(self, store: Store, key: str) -> bool:
         try:
             self.raw_get(store, key)
@@ -217,7 +223,7 @@ class StoreContract:
 
     @pytest.mark.timeout(120)
     def test_concurrent_put_if_absent_has_exactly_one_winner(self, store: Store) -> None:
-        n, rounds = 8, 3
+        n, rounds = 8, 2
         for r in range(rounds):
             key = f"manifests/{r}.json"
             barrier = threading.Barrier(n)
@@ -344,8 +350,7 @@ class StoreContract:
     def test_scan_many_objects(self, store: Store) -> None:
         """More objects than one listing page of most backends' small pages."""
         keys = [f"chunks/{i % 7:02x}/{i:032x}" for i in range(1100)]
-        for k in keys:
-            self.raw_put(store, k, b"")
+        self._raw_put_many(store, keys)
         assert sorted(i.key for i in store.scan("chunks")) == sorted(keys)
         assert store.list_dirs("chunks") == sorted({k.split("/")[1] for k in keys})
 
@@ -353,9 +358,8 @@ class StoreContract:
     def test_scan_while_objects_are_deleted(self, store: Store) -> None:
         """Listing a folder while another process deletes in it (GC deleting manifests, readers
         deleting their leases) yields objects that existed, and never fails."""
-        keys = [f"leases/read-{i:04d}.json" for i in range(200)]
-        for k in keys:
-            self.raw_put(store, k, b"{}")
+        keys = [f"leases/read-{i:04d}.json" for i in range(120)]
+        self._raw_put_many(store, keys)
         errors: list[BaseException] = []
 
         def delete_all() -> None:
