@@ -736,6 +736,15 @@ def test_gc_never_deletes_through_a_linked_report_folder(run, tmp_path):
         assert_same_state(state(2), ck.restore(2))
 
 
+def test_validation_runs_on_an_intact_run(run):
+    """(The baseline of the next test: validation of an intact format 2 checkpoint gives a verdict.)"""
+    from ckptlib.validate import validate_checkpoint
+
+    verdict = validate_checkpoint(str(run), 2, report=False)
+    assert isinstance(verdict["passed"], bool)
+    assert (run / "validations" / "2.json").exists()
+
+
 def test_validation_never_writes_through_a_linked_report_folder(run, tmp_path):
     from ckptlib.validate import validate_checkpoint
 
