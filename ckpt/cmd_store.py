@@ -3,8 +3,10 @@
 Each command opens one run's store (a path, ``file://``, ``memory://`` or ``s3://`` URL) through
 ``ckptlib.Checkpointer`` and does one thing. Contract of every command here:
 
-* ``--storage-options JSON`` is a JSON object of s3fs arguments for ``s3://`` URLs; standard AWS
-  environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) work without it.
+* ``--storage-options @FILE`` (or ``JSON``) gives s3fs arguments for ``s3://`` URLs; without it,
+  ``CKPT_STORAGE_OPTIONS`` (the same two forms), then the standard AWS environment variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Inline JSON shows in ``ps``: prefer a file
+  (``trainrun.credentials``). A URL holding credentials (``s3://key:secret@...``) is refused.
 * An expected failure (a ``ckptlib.CheckpointError``, a bad option, an unwritable output path)
   prints ONE line ``error: <cause and fix>`` to stderr and exits with code 2; no traceback.
   ``verify`` exits with code 1 when it finds damage (and prints one line per problem).
@@ -18,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -29,15 +32,15 @@ if TYPE_CHECKING:
     from ckptlib import Checkpointer
     from ckptlib.manifest import Manifest
 
-STORAGE_OPTIONS_EXAMPLE = '\'{"endpoint_url": "http://127.0.0.1:8333", "key": "k", "secret": "s"}\''
 WORKLOAD_EXTRA_EXAMPLE = '\'{"d_model": 64}\''
 
 UrlArg = Annotated[str, typer.Argument(
     metavar="URL", help="The run's store: a path, file:///abs/path, memory://name or s3://bucket/prefix.")]
-StorageOptionsOpt = Annotated[Optional[str], typer.Option(
-    "--storage-options", metavar="JSON",
-    help=f"s3fs arguments as a JSON object, e.g. {STORAGE_OPTIONS_EXAMPLE}. AWS_* environment "
-         "variables are honoured without it.")]
+STORAGE_OPTIONS_HELP = ("s3fs arguments for an s3:// store: @FILE of a JSON object (e.g. "
+                        "'{\"endpoint_url\": \"http://127.0.0.1:8333\", \"key\": \"k\", \"secret\": \"s\"}'), or the JSON "
+                        "itself (which `ps` shows to every user). Default: CKPT_STORAGE_OPTIONS, then AWS_* variables.")
+StorageOptionsOpt = Annotated[Optional[str], typer.Option("--storage-options", metavar="@FILE|JSON",
+                                                          help=STORAGE_OPTIONS_HELP)]
 StepOpt = Annotated[Optional[int], typer.Option("--step", min=0, help="Checkpoint step (default: the latest).")]
 
 
@@ -81,8 +84,12 @@ def parse_json_object(text: str | None, option: str, example: str, what: str = "
 
 
 def parse_storage_options(text: str | None) -> dict[str, Any] | None:
-    """The ``--storage-options`` JSON object, or None when not given. ValueError names the fix."""
-    return parse_json_object(text, "--storage-options", STORAGE_OPTIONS_EXAMPLE, " of s3fs arguments")
+    """The s3fs options of ``--storage-options`` (@FILE or JSON), else of ``CKPT_STORAGE_OPTIONS``,
+    else None (s3fs then reads the AWS_* variables). ValueError names the fix, never the content."""
+    from trainrun.credentials import parse_storage_options as parse
+    from trainrun.credentials import storage_options_from_env
+
+    return parse(text) if text is not None and text.strip() else storage_options_from_env()
 
 
 def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:
@@ -93,13 +100,25 @@ def storage_options_or_exit(text: str | None) -> dict[str, Any] | None:
         fail(str(e))
 
 
-def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> "Checkpointer":
+def url_or_exit(url: str) -> str:
+    """``url``, unless it holds credentials (``s3://key:secret@...``): one error line (not showing
+    them) and exit 2."""
+    from trainrun.credentials import check_url
+
+    try:
+        return check_url(url)
+    except ValueError as e:
+        fail(str(e))
+    raise AssertionError("unreachable")
+
+
+def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> Checkpointer:
     """A Checkpointer on ``url``. With ``must_exist``, a local path that does not exist is an error
     (a typo would otherwise look like an empty store)."""
     from ckptlib import Checkpointer, NoCheckpoint
     from ckptlib.store import LocalStore, Store
 
-    store = Store.from_url(url, parse_storage_options(storage_options))
+    store = Store.from_url(url_or_exit(url), parse_storage_options(storage_options))
     if must_exist and isinstance(store, LocalStore) and not os.path.isdir(store.root):
         raise NoCheckpoint(f"no store at {store.root}: the directory does not exist. Check the path "
                            "(`ckpt demo --store PATH` creates a store with a few checkpoints)")
@@ -124,7 +143,7 @@ def verdict_word(verdict: dict | None) -> str:
     return "passed" if verdict.get("passed") is True else "failed"
 
 
-def checkpoint_table(ck: "Checkpointer", steps: list[int] | None = None):
+def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None):
     """The rich table of ``ckpt ls`` (also printed by ``ckpt demo``)."""
     from rich.table import Table
 
@@ -146,16 +165,14 @@ def console():
 
 
 def _runs_below(url: str) -> list[str]:
-    """Names of sub-directories of a local store root that are runs (have manifests/)."""
-    from ckptlib.store import LocalStore, Store
+    """The runs under a local store root (``trainrun.layout.find_runs``), as paths relative to it."""
+    from ckptlib.store import Store
+    from trainrun.layout import find_runs
 
     try:
-        store = Store.from_url(url)
+        return [p for p in find_runs(Store.from_url(url)) if p]
     except Exception:  # noqa: BLE001 - only a hint
         return []
-    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
-        return []
-    return sorted(d for d in os.listdir(store.root) if os.path.isdir(os.path.join(store.root, d, "manifests")))
 
 
 # --- ls ------------------------------------------------------------------------------------------
@@ -163,14 +180,13 @@ def _runs_below(url: str) -> list[str]:
 @app.command("ls")
 def ls(url: UrlArg, storage_options: StorageOptionsOpt = None) -> None:
     """List the committed checkpoints of a run: step, kind, bytes written, ratio, digest, validation."""
-    with command_errors():
-        with open_checkpointer(url, storage_options) as ck:
-            if not ck.steps():
-                runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
-                hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
-                typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
-                return
-            console().print(checkpoint_table(ck))
+    with command_errors(), open_checkpointer(url, storage_options) as ck:
+        if not ck.steps():
+            runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
+            hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
+            typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
+            return
+        console().print(checkpoint_table(ck))
 
 
 # --- show ----------------------------------------------------------------------------------------
@@ -179,7 +195,7 @@ def describe_lineage(lineage: dict | None) -> str:
     return "-" if not lineage else f"branched from step {lineage.get('step')} of {lineage.get('run')}"
 
 
-def describe_manifest(m: "Manifest", frags: dict, verdict: dict | None) -> list[str]:
+def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[str]:
     """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact); ``frags``: the
     fragment of every part."""
     stats = m.stats
@@ -221,12 +237,11 @@ def describe_manifest(m: "Manifest", frags: dict, verdict: dict | None) -> list[
 @app.command("show")
 def show(url: UrlArg, step: StepOpt = None, storage_options: StorageOptionsOpt = None) -> None:
     """Details of one checkpoint (default: the latest): digest, parent, parts, sizes, chunk stats, meta."""
-    with command_errors():
-        with open_checkpointer(url, storage_options) as ck:
-            m = ck.manifest(step)
-            frags = {name: ck.fragment(m.step, name) for name in m.parts}
-            for line in describe_manifest(m, frags, ck.verdict(m.step)):
-                typer.echo(line)
+    with command_errors(), open_checkpointer(url, storage_options) as ck:
+        m = ck.manifest(step)
+        frags = {name: ck.fragment(m.step, name) for name in m.parts}
+        for line in describe_manifest(m, frags, ck.verdict(m.step)):
+            typer.echo(line)
 
 
 # --- verify --------------------------------------------------------------------------------------
@@ -271,17 +286,21 @@ def gc(url: UrlArg,
        keep_last: Annotated[int, typer.Option("--keep-last", help="Keep the newest N committed steps (N >= 1).")],
        keep_every: Annotated[Optional[int], typer.Option("--keep-every", help="Also keep every step divisible by K.")] = None,
        keep: Annotated[Optional[list[int]], typer.Option("--keep", help="Also keep this step (repeatable).")] = None,
-       grace_seconds: Annotated[float, typer.Option(
-           "--grace-seconds", min=0.0, help="Only delete unreferenced objects older than this (protects saves in flight).")] = 600.0,
+       grace_seconds: Annotated[Optional[float], typer.Option(
+           "--grace-seconds", min=0.0, show_default=False,
+           help="Only delete unreferenced objects older than this (protects saves in flight; default: "
+                "ckptlib.gc.DEFAULT_GRACE_S, 10 minutes).")] = None,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")] = False,
        storage_options: StorageOptionsOpt = None) -> None:
     """Drop checkpoints a retention policy does not keep and sweep objects no kept checkpoint needs."""
     with command_errors():
         from ckptlib import RetentionPolicy
+        from ckptlib.gc import DEFAULT_GRACE_S
 
         policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_named=frozenset(keep or ()))
         with open_checkpointer(url, storage_options) as ck:
-            report = ck.gc(policy, grace_s=grace_seconds, dry_run=dry_run)
+            report = ck.gc(policy, grace_s=DEFAULT_GRACE_S if grace_seconds is None else grace_seconds,
+                           dry_run=dry_run)
         would = "would " if dry_run else ""
         chunks = [k for k in report.deleted_objects if k.startswith("chunks/")]
         typer.echo(f"kept {len(report.kept_steps)} step(s): {_steps_text(report.kept_steps)}")
@@ -298,117 +317,23 @@ def _steps_text(steps: list[int]) -> str:
 
 # --- export --------------------------------------------------------------------------------------
 
-def to_weights_only(obj: Any) -> Any:
-    """A copy of a restored state that ``torch.load(weights_only=True)`` accepts: numpy arrays and
-    scalars become tensors and Python scalars; containers, tensors and JSON values stay."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return _numpy_to_tensor(obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {k: to_weights_only(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_weights_only(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_weights_only(v) for v in obj)
-    return obj
-
-
-def _numpy_to_tensor(a):
-    import numpy as np
-    import torch
-
-    if a.dtype.kind in "mM":  # datetimes: their int64 ticks
-        a = a.view(np.int64)
-    return torch.from_numpy(np.ascontiguousarray(a).copy())
-
-
-def flatten_for_safetensors(state: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """(dotted name -> tensor, dotted name -> JSON string of a non-tensor value)."""
-    import numpy as np
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    metadata: dict[str, str] = {}
-
-    def has_tensor(obj: Any) -> bool:
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
-            return True
-        if isinstance(obj, dict):
-            return any(has_tensor(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return any(has_tensor(v) for v in obj)
-        return False
-
-    def claim(name: str) -> str:
-        if name in tensors or name in metadata:
-            raise ValueError(f"two values of the state flatten to the same safetensors name {name!r}; "
-                             "export to .pt instead")
-        return name
-
-    def walk(obj: Any, name: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors[claim(name)] = obj.detach().cpu().contiguous()
-        elif isinstance(obj, np.ndarray):
-            tensors[claim(name)] = _numpy_to_tensor(obj)
-        elif isinstance(obj, dict) and has_tensor(obj):
-            for k, v in obj.items():
-                walk(v, f"{name}.{k}" if name else str(k))
-        elif isinstance(obj, (list, tuple)) and has_tensor(obj):
-            for i, v in enumerate(obj):
-                walk(v, f"{name}.{i}" if name else str(i))
-        else:
-            metadata[claim(name or "__root__")] = json.dumps(to_weights_only(obj), default=_json_default)
-
-    walk(state, "")
-    return tensors, metadata
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return list(obj)
-    raise TypeError(f"value of type {type(obj).__name__} is not JSON serialisable")
-
-
 @app.command("export")
 def export(url: UrlArg,
            out: Annotated[str, typer.Option("--out", metavar="FILE", help="Output file: *.pt or *.safetensors.")],
-           step: StepOpt = None, storage_options: StorageOptionsOpt = None) -> None:
-    """Write one checkpoint (default: the latest) as a .pt (torch.load(weights_only=True)) or .safetensors file."""
-    with command_errors():
-        suffix = os.path.splitext(out)[1].lower()
-        if suffix not in (".pt", ".pth", ".safetensors"):
-            raise ValueError(f"cannot export to {out!r}: the file name must end in .pt (torch.load with "
-                             "weights_only=True) or .safetensors (flat tensors + JSON metadata)")
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"cannot write {out}: the directory {parent} does not exist; create it first")
-        import torch
+           step: StepOpt = None, storage_options: StorageOptionsOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists.")] = False) -> None:
+    """Write one checkpoint (default: the latest) as a .pt (torch.load(weights_only=True)) or .safetensors file.
 
+    The file is written atomically (a temp file beside it, renamed); an existing FILE is replaced
+    only with --force. A state the format cannot hold is refused with the value that does not fit."""
+    with command_errors():
+        from ckptlib.export import format_of
+
+        format_of(out)
         with open_checkpointer(url, storage_options) as ck:
             m = ck.manifest(step)
-            state = ck.restore(m.step)
-        if suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            tensors, metadata = flatten_for_safetensors(state)
-            metadata["__ckpt__"] = json.dumps({"url": ck.url, "step": m.step, "digest": m.digest})
-            try:
-                save_file(tensors, out, metadata=metadata)
-            except (ValueError, TypeError, RuntimeError) as e:
-                raise ValueError(f"safetensors cannot hold this state ({e}); export to .pt instead") from None
-        else:
-            try:
-                torch.save(to_weights_only(state), out)
-            except RuntimeError as e:  # torch's file writer reports I/O problems as RuntimeError
-                raise OSError(f"cannot write {out}: {e}") from None
-        typer.echo(f"exported step {m.step} (digest {m.digest}) of {ck.url} to {out} "
-                   f"({fmt_bytes(os.path.getsize(out))})")
+            size = ck.export(m.step, out, force=force)
+        typer.echo(f"exported step {m.step} (digest {m.digest}) of {ck.url} to {out} ({fmt_bytes(size)})")
 
 
 # --- demo ----------------------------------------------------------------------------------------

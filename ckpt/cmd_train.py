@@ -16,12 +16,16 @@ import json
 import os
 import threading
 import time
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from .cli import app
-from .cmd_store import WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
+from .cmd_store import STORAGE_OPTIONS_HELP, WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
+
+if TYPE_CHECKING:
+    from ckptlib.heartbeat import Beat
+    from ckptlib.validate import Verdict
 
 
 # --- live progress (polls the store; independent of where the shards run) --------------------------
@@ -31,9 +35,9 @@ class Progress:
 
     def __init__(self, url: str, storage_options: dict | None, params: Any, every_s: float = 0.5):
         self.url, self.so, self.params, self.every_s = url, storage_options, params, every_s
-        self.beats: dict[str, dict] = {}
+        self.beats: dict[str, Beat] = {}
         self.manifests: dict[int, dict] = {}
-        self.verdicts: dict[int, dict] = {}
+        self.verdicts: dict[int, Verdict] = {}
         self.error: str | None = None
         self._store = None
         self._stop = threading.Event()
@@ -62,26 +66,24 @@ class Progress:
     def poll(self) -> None:
         from ckptlib import commit
         from ckptlib.heartbeat import read_heartbeats
-        from ckptlib.manifest import loads_manifest
         from ckptlib.store import Store
+        from ckptlib.validate import read_verdict
 
         if self._store is None:
             self._store = Store.from_url(self.url, self.so)
         store = self._store
-        self.beats = {p: b for p, b in read_heartbeats(store).items() if b.get("time", 0) >= self.started - 1}
+        self.beats = {p: b for p, b in read_heartbeats(store).items() if b.time >= self.started - 1}
         for step in commit.committed_steps(store):
             if step not in self.manifests:
-                key = commit.manifest_key(step)
-                m = loads_manifest(store.get(key), f"{self.url}/{key}")
+                m = commit.read_manifest(store, step)
                 self.manifests[step] = {"step": step, "bytes_written": m.bytes_written,
                                         "logical_bytes": m.logical_bytes, "kind": m.kind, "digest": m.digest,
                                         "loss": m.meta.get("loss"), "eval_loss": m.meta.get("eval_loss")}
         for step in self.manifests:
             if step not in self.verdicts:
-                try:
-                    self.verdicts[step] = json.loads(store.get(commit.validation_key(step)))
-                except Exception:
-                    pass
+                verdict = read_verdict(store, step)
+                if verdict is not None:
+                    self.verdicts[step] = verdict
 
     # rich renderable
     def __rich__(self):
@@ -90,7 +92,7 @@ class Progress:
         from rich.text import Text
 
         p = self.params
-        done_rounds = max([b.get("round", 0) for b in self.beats.values() if b.get("status") == "finished"] +
+        done_rounds = max([b.round for b in self.beats.values() if b.status == "finished"] +
                           [s for s in self.manifests], default=0)
         head = Text.assemble(("training ", "bold"), (f"{p.workload}", "cyan"),
                              f" · {p.shards} shards · {p.rounds} rounds × {p.steps_per_round} steps · ",
@@ -100,20 +102,18 @@ class Progress:
             shards.add_column(col, justify="right" if col not in ("shard", "status") else "left")
         for part in sorted(self.beats, key=lambda s: (len(s), s)):
             b = self.beats[part]
-            rs, h = b.get("round_step"), b.get("steps_per_round") or p.steps_per_round
-            bar = "-" if rs is None else f"{rs}/{h}"
-            status = b.get("status", "?")
-            style = {"running": "yellow", "finished": "green", "failed": "red", "fenced": "magenta"}.get(status, "")
-            shards.add_row(part, str(b.get("round")), bar, _f(b.get("loss")), Text(status, style=style),
-                           str(b.get("attempt") or "-"), str(b.get("generation")))
+            bar = "-" if b.round_step is None else f"{b.round_step}/{b.steps_per_round or p.steps_per_round}"
+            style = {"running": "yellow", "finished": "green", "failed": "red", "fenced": "magenta"}.get(b.status, "")
+            shards.add_row(part, str(b.round), bar, _f(b.loss), Text(b.status, style=style),
+                           str(b.attempt or "-"), str(b.generation))
         cks = Table(box=None, pad_edge=False, header_style="dim")
         for col in ("step", "loss", "eval", "written", "full copy", "ratio", "kind", "valid"):
             cks.add_column(col, justify="right")
         for step in sorted(self.manifests)[-12:]:
             m = self.manifests[step]
             v = self.verdicts.get(step)
-            vt = Text("…", style="dim") if v is None else (Text("✓", style="green") if v.get("passed")
-                                                          else Text("✗ " + ",".join(v.get("failed", [])), style="red"))
+            vt = Text("…", style="dim") if v is None else (Text("✓", style="green") if v.passed
+                                                          else Text("✗ " + ",".join(v.failed), style="red"))
             cks.add_row(str(step), _f(m["loss"]), _f(m["eval_loss"]), _bytes(m["bytes_written"]),
                         _bytes(m["logical_bytes"]), f"{m['logical_bytes'] / max(m['bytes_written'], 1):.2f}x",
                         m["kind"], vt)
@@ -147,8 +147,9 @@ def _bytes(n: int | None) -> str:
 
 class BesideWatchdog:
     """The ``watchdog`` flow for this one run, in a thread of this process (its own flow run in the
-    UI): it fences a hung or silent shard and reruns it here, so a local run recovers with nothing
-    else started. Stopped when the training flow returns."""
+    UI): it fences a hung or silent shard and reruns it here, with this run's own spec (never one
+    read from the store), so a local run recovers with nothing else started. Stopped when the
+    training flow returns. Credentials: this process's environment (``CKPT_STORAGE_OPTIONS``)."""
 
     def __init__(self, params: Any, timeout_s: float):
         import contextvars
@@ -171,12 +172,12 @@ class BesideWatchdog:
         try:
             self.summary = self._ctx.run(
                 watchdog, store=p.store, run_id=p.run_id, timeout_s=self.timeout_s,
-                poll_s=min(2.0, max(0.2, self.timeout_s / 8)), duration_s=0, storage_options=p.storage_options_dict(),
-                stop_key=self.key)
+                poll_s=min(2.0, max(0.2, self.timeout_s / 8)), duration_s=0, credentials_block=p.credentials_block,
+                spec=p.spec(), stop_key=self.key)
         except BaseException as e:  # noqa: BLE001 - reported with the summary; the run goes on
             self.error = e
 
-    def start(self) -> "BesideWatchdog":
+    def start(self) -> BesideWatchdog:
         self._thread.start()
         return self
 
@@ -192,6 +193,19 @@ class BesideWatchdog:
 
 # --- the command ----------------------------------------------------------------------------------
 
+# ``ckpt train``'s options are ``flows.params.TrainParams`` fields (the one schema: trajectory
+# ``RunSpec``, ``RunSettings``, where the run lives). Their defaults are written here too, for
+# ``--help``, so that starting ``ckpt`` does not import pydantic; a test checks every one against
+# the schema (tests/test_train_units.py). Bounds are the schema's: TrainParams validates.
+CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "size": "workload_size",
+              "workload_extra": "workload_extra", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
+              "shards": "shards", "steps_per_round": "steps_per_round", "outer_lr": "outer_lr",
+              "outer_momentum": "outer_momentum", "torch_threads": "torch_threads", "rounds": "rounds",
+              "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
+              "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
+              "storage_options": "storage_options", "credentials_block": "credentials_block"}
+
+
 @app.command("train")
 def train(
     store: Annotated[str, typer.Option("--store", metavar="URL", help="Where runs live: a directory, "
@@ -202,27 +216,32 @@ def train(
     size: Annotated[str, typer.Option("--size", help="Workload size preset: small | bench.")] = "small",
     workload_extra: Annotated[Optional[str], typer.Option("--workload-extra", metavar="JSON",
                                                           help="Workload knobs as a JSON object, e.g. '{\"d_model\": 64}'.")] = None,
-    shards: Annotated[int, typer.Option("--shards", min=1, help="Data-parallel shards.")] = 2,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Total rounds (a resume may extend the run).")] = 8,
-    steps_per_round: Annotated[int, typer.Option("--steps-per-round", min=1, help="Inner steps H per shard and round.")] = 150,
-    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", min=1, help="Commit a checkpoint every C rounds (and after the last).")] = 1,
-    keyframe_every: Annotated[int, typer.Option("--keyframe-every", min=1, help="At most K-1 deltas per chunk before a keyframe (chains also end once their deltas add up to twice a keyframe).")] = 32,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per-shard batch size (default: the workload's).")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Inner learning rate (default: the workload's).")] = None,
+    shards: Annotated[int, typer.Option("--shards", help="Data-parallel shards.")] = 2,
+    rounds: Annotated[int, typer.Option("--rounds", help="Total rounds (a resume may extend the run).")] = 8,
+    steps_per_round: Annotated[int, typer.Option("--steps-per-round", help="Inner steps H per shard and round.")] = 150,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Commit a checkpoint every C rounds (and after the last).")] = 1,
+    keyframe_every: Annotated[int, typer.Option("--keyframe-every", help="At most K-1 deltas per chunk before a keyframe (chains also end once their deltas add up to twice a keyframe).")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Run seed.")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run --run-id from its last healthy checkpoint.")] = False,
     task_runner: Annotated[str, typer.Option("--task-runner", metavar="threads|dask|dask://HOST:PORT",
                                              help="Where shard tasks run.")] = "threads",
-    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="JSON",
-                                                           help="s3fs arguments for an s3:// store, as a JSON object.")] = None,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="@FILE|JSON",
+                                                           help=STORAGE_OPTIONS_HELP)] = None,
+    credentials_block: Annotated[Optional[str], typer.Option("--credentials-block", metavar="NAME",
+                                                             help="A Prefect Secret block holding the s3fs options "
+                                                                  "(instead of --storage-options).")] = None,
     chaos: Annotated[Optional[list[str]], typer.Option("--chaos", metavar="KIND:shard=I,round=R",
                                                        help="Inject a fault: crash, hang, zombie, stall, kill or stop:shard=I,round=R[,step=K][,attempt=A] "
                                                             "(repeatable; kill and stop need --task-runner dask; see docs/watchdog.md).")] = None,
     outer_lr: Annotated[float, typer.Option("--outer-lr", help="Outer learning rate (1 = averaging).")] = 1.0,
     outer_momentum: Annotated[float, typer.Option("--outer-momentum", help="Outer Nesterov momentum (0 = none).")] = 0.0,
-    torch_threads: Annotated[int, typer.Option("--torch-threads", min=1, help="torch threads per process (part of the config).")] = 1,
+    torch_threads: Annotated[int, typer.Option("--torch-threads", help="torch threads per process (part of the config).")] = 1,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip validation (then no checkpoint is healthy: resume restarts).")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Also write the summary as JSON to PATH.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's log lines instead of the live table.")] = False,
-    heartbeat_every: Annotated[float, typer.Option("--heartbeat-every", metavar="S", min=0.01,
+    heartbeat_every: Annotated[float, typer.Option("--heartbeat-every", metavar="S",
                                                    help="Seconds between a shard's heartbeats.")] = 2.0,
     no_watchdog: Annotated[bool, typer.Option("--no-watchdog", help="Run no watchdog beside the run (leave hung or "
                                               "dead shards to `ckpt watchdog` or the watchdog deployment).")] = False,
@@ -241,25 +260,36 @@ def train(
 
     from pydantic import ValidationError
 
-    from flows.params import TrainParams, new_run_id, run_url
+    from flows.params import TrainParams
+    from trainrun.credentials import STORAGE_OPTIONS_ENV, StorageOptions, check_url
+    from trainrun.layout import check_run_id, new_run_id, run_url
 
-    so = storage_options_or_exit(storage_options)
     try:
+        check_url(store)
+        if run_id is not None:
+            check_run_id(run_id)
         extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
     except ValueError as e:
         fail(str(e))
+    so = storage_options_or_exit(storage_options)
+    if storage_options and storage_options.strip():
+        # the watchdog beside the run (a flow: no parameter may hold a secret) reads the same options
+        # from this process's environment; a file is passed on by name only
+        text = storage_options.strip()
+        os.environ[STORAGE_OPTIONS_ENV] = f"@{os.path.abspath(text[1:])}" if text.startswith("@") else text
     if resume and not run_id:
         fail("--resume needs --run-id ID (and the same --store) of the run to continue")
     try:
         params = TrainParams(
-            store=store, run_id=run_id or new_run_id(), storage_options=so, workload=workload, workload_size=size,
-            workload_extra=extra, shards=shards, rounds=rounds, steps_per_round=steps_per_round,
+            store=store, run_id=run_id or new_run_id(), storage_options=StorageOptions(so) if so else None,
+            credentials_block=credentials_block, workload=workload, workload_size=size, workload_extra=extra,
+            batch_size=batch_size, lr=lr, shards=shards, rounds=rounds, steps_per_round=steps_per_round,
             checkpoint_every=checkpoint_every, keyframe_every=keyframe_every, seed=seed, resume=resume,
             task_runner=task_runner, chaos=list(chaos or []), outer_lr=outer_lr, outer_momentum=outer_momentum,
             torch_threads=torch_threads, validate_checkpoints=not no_validate, heartbeat_every_s=heartbeat_every)
     except ValidationError as e:
         fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
-    from tasks.chaos import check_runner
+    from trainrun.chaos import check_runner
 
     try:
         check_runner(params.chaos, params.task_runner)
@@ -268,6 +298,7 @@ def train(
     if params.chaos and no_watchdog and any(c.split(":")[0] in ("hang", "zombie") for c in params.chaos):
         typer.echo("note: --chaos hang/zombie with --no-watchdog: the run waits until an external watchdog "
                    "(ckpt watchdog, the watchdog deployment) fences the shard", err=True)
+    assert params.run_id is not None
     url = run_url(params.store, params.run_id)
 
     # The temporary Prefect server (when PREFECT_API_URL is unset) starts in the background while
@@ -276,30 +307,27 @@ def train(
 
     api = PrefectAPI()
     from ckptlib import CheckpointError, Checkpointer
-    from tasks.rounds import RunRefused, plan_run
+    from trainrun.rounds import RunRefused, plan_run
 
     try:
         from workloads import resolve_factory
 
         resolve_factory(params.workload)
-        ck = Checkpointer(url, params.storage_options_dict())
-        try:
-            plan = plan_run(ck, params.spec(), resume=params.resume, run_id=params.run_id)
-        finally:
-            ck.close()
+        if credentials_block is None:  # a Secret block needs the Prefect API: the flow's plan-run checks then
+            with Checkpointer(url, so) as ck:
+                plan = plan_run(ck, params.spec(), resume=params.resume, run_id=params.run_id)
+            if params.resume:
+                typer.echo(f"{params.run_id}: {plan['note']}")
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:
         api.stop()
         fail(str(e))
-    if params.resume:
-        typer.echo(f"{params.run_id}: {plan['note']}")
-    t_pre = time.perf_counter()
 
     from rich.console import Console
     from rich.live import Live
 
     console = Console()
     live = not verbose and console.is_terminal
-    progress = Progress(url, params.storage_options_dict(), params)
+    progress = Progress(url, so, params)
     summary, error = None, None
     from flows.train import train_run
 
@@ -334,6 +362,7 @@ def train(
             progress.stop()
     if error is not None:
         fail(*error)
+    assert summary is not None
     t_end = time.perf_counter()
     sec = summary["seconds"]
     sec["cli_total"] = round(t_end - t_start, 3)
@@ -379,11 +408,11 @@ def _print_summary(console, s: dict, params) -> None:
         f"  checkpoints at  {s['run_url']}   (ckpt ls {s['run_url']})",
         f"  reports         {s['run_url']}/reports/<step>/  (final: {s['run_url']}/reports/{s['final_step']}/)",
     ]
-    from flows.watchdog import describe
+    from trainrun.watchdog import Decision, describe
 
     for d in s.get("watchdog") or []:
         if d["kind"] in ("fenced", "running-again", "run-dead", "gave-up", "cannot-rerun", "rerun-failed"):
-            lines.append(f"  watchdog        {describe(d)}")
+            lines.append(f"  watchdog        {describe(Decision.from_dict(d))}")
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
     # plain print: the one line scripts and tests parse

@@ -1,7 +1,8 @@
 """`ckpt validate` and `ckpt report`: judge checkpoints and list their verdicts and reports.
 
-Both run ckptlib.validate directly (no Prefect needed). Exit codes of `validate`: 0 passed,
-1 failed, 2 the step is not committed or the arguments are wrong, 3 the store cannot be reached.
+Both run ckptlib.validate directly, with a training run's checks (``trainrun.checks``; no Prefect
+needed). Exit codes of `validate`: 0 passed, 1 failed, 2 the step is not committed or the arguments
+are wrong, 3 the store cannot be reached.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from typing import Optional
 import typer
 
 from .cli import app
-from .cmd_store import storage_options_or_exit
+from .cmd_store import STORAGE_OPTIONS_HELP, storage_options_or_exit, url_or_exit
 
 
 @app.command("validate")
 def validate(
     url: str = typer.Argument(..., help="The run's store URL (path, file://, s3://bucket/prefix)."),
     step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step; default the latest committed."),
-    storage_options: Optional[str] = typer.Option(None, "--storage-options", help="s3fs options as JSON."),
+    storage_options: Optional[str] = typer.Option(None, "--storage-options", metavar="@FILE|JSON",
+                                                  help=STORAGE_OPTIONS_HELP),
     thresholds: Optional[str] = typer.Option(None, "--thresholds",
                                              help='Threshold overrides as JSON, e.g. \'{"max_rel_change": 20}\'.'),
     as_json: bool = typer.Option(False, "--json", help="Print the whole verdict as JSON."),
@@ -29,37 +31,40 @@ def validate(
     Writes validations/<step>.json and reports/<step>/ beside it. Exit 0 when it passed, 1 when it
     failed (the failed expectations and where are printed)."""
     from ckptlib.errors import NoCheckpoint, StoreError
-    from ckptlib.validate import format_verdict, validate_checkpoint
+    from ckptlib.validate import format_verdict
+    from trainrun.checks import validate_run_checkpoint
 
+    url = url_or_exit(url)
     opts = storage_options_or_exit(storage_options)
     try:
         th = json.loads(thresholds) if thresholds else None
-        verdict = validate_checkpoint(url, step, storage_options=opts, thresholds=th)
+        verdict = validate_run_checkpoint(url, step, storage_options=opts, thresholds=th)
     except (NoCheckpoint, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     except StoreError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(3)
-    typer.echo(json.dumps(verdict, indent=1, default=str) if as_json else format_verdict(verdict))
-    raise typer.Exit(0 if verdict["passed"] else 1)
+    typer.echo(json.dumps(verdict.to_dict(), indent=1) if as_json else format_verdict(verdict))
+    raise typer.Exit(0 if verdict.passed else 1)
 
 
 @app.command("report")
 def report(
     url: str = typer.Argument(..., help="The run's store URL."),
-    storage_options: Optional[str] = typer.Option(None, "--storage-options", help="s3fs options as JSON."),
+    storage_options: Optional[str] = typer.Option(None, "--storage-options", metavar="@FILE|JSON",
+                                                  help=STORAGE_OPTIONS_HELP),
 ) -> None:
     """List every checkpoint with its verdict and report; write/refresh reports/index.html."""
     from rich.console import Console
     from rich.table import Table
 
     from ckptlib.errors import StoreError
-    from ckptlib.report import index_rows, write_run_index
     from ckptlib.store import Store
+    from ckptlib.validate.report import index_rows, write_run_index
 
     try:
-        store = Store.from_url(url, storage_options_or_exit(storage_options))
+        store = Store.from_url(url_or_exit(url), storage_options_or_exit(storage_options))
         rows = index_rows(store)
         key = write_run_index(store)
     except StoreError as e:

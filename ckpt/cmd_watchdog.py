@@ -2,9 +2,11 @@
 
 ``watchdog`` runs ``flows.watchdog.watchdog`` here against ``PREFECT_API_URL`` (or a temporary local
 Prefect server): every decision is printed as it is made, and the summary at the end. Ctrl-C stops
-it after the current look (a rerun in flight is waited for). ``status`` reads the store only (no
-Prefect): the coordinator and every shard of each run, with the state the watchdog would give them
-now, and the fences so far with their reasons. ``docs/watchdog.md`` has the details.
+it after the current look (a rerun in flight is waited for). It reruns only built-in workloads and
+those named with ``--allow-workload`` (a store cannot make it run code). ``status`` reads the store
+only (no Prefect): the coordinator and every shard of each run, with the state the watchdog would
+give them now (``trainrun.watchdog.assess_run``), and the fences so far with their reasons.
+``docs/watchdog.md`` has the details.
 
 Exit codes: 0 done; 2 bad arguments or nothing to watch; 3 the store cannot be reached.
 """
@@ -21,7 +23,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .cli import app
-from .cmd_store import fail, storage_options_or_exit
+from .cmd_store import STORAGE_OPTIONS_HELP, fail, storage_options_or_exit, url_or_exit
 
 STATE_STYLE = {"running": "green", "finished": "green", "done": "green", "waiting": "dim", "replaced": "yellow",
                "fenced": "magenta", "failed": "red", "silent": "bold red", "stalled": "bold red", "lost": "bold red",
@@ -43,27 +45,44 @@ def watchdog(
     start_timeout: Annotated[Optional[float], typer.Option("--start-timeout", metavar="S",
                                                            help="How long a task may take to start beating "
                                                                 "(default max(2 x timeout, timeout + 30)).")] = None,
-    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="JSON",
-                                                           help="s3fs arguments for an s3:// store.")] = None,
+    allow_workload: Annotated[Optional[list[str]], typer.Option(
+        "--allow-workload", metavar="module:factory",
+        help="A workload a store's runs may name that this watchdog reruns (repeatable); the built-ins "
+             "always are. Any other is reported, never imported.")] = None,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="@FILE|JSON",
+                                                           help=STORAGE_OPTIONS_HELP)] = None,
+    credentials_block: Annotated[Optional[str], typer.Option("--credentials-block", metavar="NAME",
+                                                             help="A Prefect Secret block holding the s3fs options.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Watch training runs: fence silent or stuck shards and rerun them from the last checkpoint."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    so = storage_options_or_exit(storage_options)
     from ckptlib.errors import StoreError
-    from tasks.watchdog import find_runs
+    from ckptlib.store import Store
+    from trainrun.credentials import STORAGE_OPTIONS_ENV
+    from trainrun.layout import check_run_id, child_url, find_runs, run_url, store_url
 
+    url = url_or_exit(url)
     try:
-        target = f"{url.rstrip('/')}/{run_id}" if run_id else url
-        runs = find_runs(target if "://" in target else os.path.abspath(target), so)
+        target = run_url(url, check_run_id(run_id)) if run_id is not None else store_url(url)
+    except ValueError as e:
+        fail(str(e))
+    so = storage_options_or_exit(storage_options)
+    if storage_options and storage_options.strip():
+        # the flow (whose parameters may hold no secret) reads them from this process's environment
+        text = storage_options.strip()
+        os.environ[STORAGE_OPTIONS_ENV] = f"@{os.path.abspath(text[1:])}" if text.startswith("@") else text
+    try:
+        runs = [child_url(target, p) for p in find_runs(Store.from_url(target, so))]
     except StoreError as e:
         fail(str(e), 3)
     typer.echo(f"watching {len(runs)} run(s) under {url}" + (f": {', '.join(r.rsplit('/', 1)[-1] for r in runs)}"
                                                            if runs else " (none yet: new runs are picked up)"))
     from flows.api import PrefectAPI
-    from flows.watchdog import describe, stop_event
+    from flows.watchdog import stop_event
     from flows.watchdog import watchdog as watchdog_flow
+    from trainrun.watchdog import Decision, describe
 
     key = f"cli-{uuid.uuid4().hex[:8]}"
     stop = stop_event(key)
@@ -73,7 +92,8 @@ def watchdog(
         with api.use():
             summary = watchdog_flow(store=url, run_id=run_id, timeout_s=timeout, poll_s=poll, duration_s=duration,
                                     until_done=until_done, rerun=not no_rerun, resume=not no_resume,
-                                    start_timeout_s=start_timeout, storage_options=so, stop_key=key)
+                                    start_timeout_s=start_timeout, credentials_block=credentials_block,
+                                    allow_workloads=list(allow_workload or []), stop_key=key)
     except Exception as e:  # noqa: BLE001
         fail(f"the watchdog failed: {type(e).__name__}: {e}", 1)
     finally:
@@ -85,32 +105,28 @@ def watchdog(
     ds = summary["decisions"]
     typer.echo(f"watchdog done: {summary['polls']} looks in {summary['seconds']:.0f} s, {len(ds)} decision(s)")
     for d in ds:
-        typer.echo(f"  {d['kind']:14s} {describe(d)}")
+        typer.echo(f"  {d['kind']:14s} {describe(Decision.from_dict(d))}")
 
 
 # --- status -------------------------------------------------------------------------------------------
 
 def status_of(url: str, storage_options: dict | None = None, *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """Every run under ``url``: ``{"url", "run", "state", "committed", "coordinator", "parts": [...], "fences": [...]}``."""
-    from ckptlib import commit
     from ckptlib.store import Store
-    from tasks.watchdog import assess_run, find_runs
+    from trainrun.layout import child_url, find_runs
+    from trainrun.watchdog import assess_run, read_fences
 
     root = Store.from_url(url, storage_options)
     out = []
-    for run in find_runs(url, storage_options, store=root):
-        store = root if run == url else root.child(run[len(url.rstrip("/")) + 1:])
+    for prefix in find_runs(root):
+        store = root.child(prefix) if prefix else root
+        run = child_url(url, prefix)
         view = assess_run(store, run, timeout_s=timeout_s)
-        fences = []
-        for part in sorted({k.split("/")[1] for k in store.list("fences") if k.count("/") >= 2}):
-            live = commit.live_generation(store, part)
-            for gen in range(1, live + 1):
-                doc = commit.read_fence(store, part, gen)
-                if doc is not None:
-                    fences.append(doc)
+        fences = [f.to_dict() for part in sorted(store.list_dirs("fences")) for f in read_fences(store, part)]
         c = view.coordinator
+        phase = view.info.phase if view.info is not None else None
         out.append({"url": run, "run": view.run, "state": view.state, "committed": view.committed,
-                    "coordinator": c.row() | {"phase": ((c.doc or {}).get("meta") or {}).get("phase")} if c else None,
+                    "coordinator": c.row() | {"phase": phase} if c else None,
                     "parts": [p.row() for p in view.shards], "fences": fences})
     return out
 
@@ -132,7 +148,7 @@ def render_status(runs: list[dict[str, Any]]):
 
     items: list[Any] = []
     if not runs:
-        items.append(Text("no run here (a run is a folder with heartbeats/ or manifests/)", style="dim"))
+        items.append(Text("no run here (a run is a folder with manifests/ or heartbeats/)", style="dim"))
     for r in runs:
         c = r["coordinator"]
         head = Text.assemble(("run ", "bold"), (r["run"], "bold cyan"), "  ", (r["state"], STATE_STYLE.get(r["state"], "")),
@@ -155,7 +171,7 @@ def render_status(runs: list[dict[str, Any]]):
         items.append(t)
         for f in r["fences"]:
             lat = f.get("detection_latency_s")
-            items.append(Text(f"  fence {f['part']} g{f['generation']} at {time.strftime('%H:%M:%S', time.localtime(f.get('time', 0)))}"
+            items.append(Text(f"  fence {f['part']} g{f['generation']} at {time.strftime('%H:%M:%S', time.localtime(f.get('time') or 0))}"
                               f" by {f.get('by') or '?'}: {f.get('reason') or '-'}"
                               + (f" (detected {lat:.1f} s after its last sign of life)" if lat is not None else ""),
                               style="dim"))
@@ -168,16 +184,18 @@ def status(
     url: Annotated[str, typer.Argument(help="A run's URL or a store root holding runs.")],
     timeout: Annotated[float, typer.Option("--timeout", metavar="S", min=0.1,
                                            help="Call a shard silent after S seconds without a beat.")] = 30.0,
-    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="JSON",
-                                                           help="s3fs arguments for an s3:// store.")] = None,
+    storage_options: Annotated[Optional[str], typer.Option("--storage-options", metavar="@FILE|JSON",
+                                                           help=STORAGE_OPTIONS_HELP)] = None,
     watch: Annotated[Optional[float], typer.Option("--watch", metavar="S", help="Refresh every S seconds until Ctrl-C.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Each shard's last beat (age), step, generation and state, per run; the fences and why."""
     from ckptlib.errors import StoreError
 
+    from trainrun.layout import store_url
+
     so = storage_options_or_exit(storage_options)
-    target = url if "://" in url else os.path.abspath(url)
+    target = store_url(url_or_exit(url))
     try:
         runs = status_of(target, so, timeout_s=timeout)
     except StoreError as e:

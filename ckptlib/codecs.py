@@ -362,9 +362,14 @@ class SparseDelta(_InPlaceDelta):
             gaps = np.diff(positions, prepend=0)
             gap_bytes = _narrowest(int(gaps.max()) if gaps.size else 0, 4)
             diff_bytes = _narrowest(int(diffs.max()) if diffs.size else 0, self.itemsize)
-            index = z.encode(BytePlane(gap_bytes).encode(gaps.astype(_UINT[gap_bytes]).view(np.uint8), None), None)
-            diffs = diffs.astype(_UINT[diff_bytes])
-            widths = bytes([gap_bytes, diff_bytes]) + bytes(6)
+            # zstd tunes itself to the input's size, and for the narrow arrays its smaller tables
+            # compress 3% worse (measured on finetune-bf16): give it the parameters of the wide ones.
+            index = _zstd_as(BytePlane(gap_bytes).encode(gaps.astype(_UINT[gap_bytes]).view(np.uint8), None),
+                             self.level, 4 * positions.size)
+            planes = BytePlane(diff_bytes).encode(diffs.astype(_UINT[diff_bytes]).view(np.uint8), None)
+            header = np.concatenate([np.array([index.nbytes, positions.size], dtype="<u8").view(np.uint8),
+                                     np.frombuffer(bytes([gap_bytes, diff_bytes]) + bytes(6), dtype=np.uint8)])
+            return np.concatenate([header, index, _zstd_as(planes, self.level, self.itemsize * positions.size)])
         elif self.index == "gaps":
             gaps = np.diff(positions, prepend=0).astype(np.uint32)
             index = z.encode(BytePlane(4).encode(gaps.view(np.uint8), None), None)
@@ -432,6 +437,19 @@ class SparseDelta(_InPlaceDelta):
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize, "ordered_float": self.ordered_float,
                                                      "level": self.level, "index": self.index}}
+
+
+def _zstd_as(data: np.ndarray, level: int, source_size: int) -> np.ndarray:
+    """A zstd frame of ``data`` made with the parameters zstd picks for an input of ``source_size``
+    bytes, rounded up to a power of two of at least 64 KiB (few size classes, few contexts)."""
+    size = max(source_size, 1 << 16)
+    key = (level, size.bit_length())
+    cache = Zstd._local.__dict__.setdefault("sized", {})
+    if key not in cache:
+        params = zstandard.ZstdCompressionParameters.from_level(level, source_size=1 << key[1],
+                                                                write_checksum=1, write_content_size=1)
+        cache[key] = zstandard.ZstdCompressor(compression_params=params)
+    return np.frombuffer(cache[key].compress(memoryview(data)), dtype=np.uint8)
 
 
 def _narrowest(largest: int, limit: int) -> int:

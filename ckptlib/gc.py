@@ -43,6 +43,7 @@ log = logging.getLogger("ckptlib")
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
 _FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
+DEFAULT_GRACE_S = 600.0  # unreferenced objects younger than this are left alone (saves in flight)
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _Stop(Exception):
     """A save started, or the lock was lost: stop deleting objects."""
 
 
-def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = 600.0,
+def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = DEFAULT_GRACE_S,
                     dry_run: bool = False) -> GcReport:
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")

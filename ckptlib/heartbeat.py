@@ -27,39 +27,73 @@ Guarantees
 * A beat that cannot be written (a transient store error) is logged and skipped: missing beats
   make the watchdog suspicious, which is the right reaction to a store we cannot reach.
 
-Document ``heartbeats/<part>.json`` (JSON, replaced on every beat)::
+Document ``heartbeats/<part>.json`` (JSON, replaced on every beat; ``Beat`` is its typed view)::
 
     {"format": 1, "part": "shard-1", "generation": 0, "round": 3, "step": 612, "round_step": 12,
      "steps_per_round": 200, "status": "running", "time": 1764466000.12, "started": 1764465990.0,
-     "beats": 5, "host": "node-7", "pid": 4242, "attempt": 1, "loss": 2.31, "meta": {...}}
+     "beats": 5, "host": "node-7", "pid": 4242, "attempt": 1, "loss": 2.31, "error": null, "meta": {...}}
 
 ``time``/``started`` are Unix wall times (seconds); ``step`` is the shard's inner step count (its data
 position), ``round_step`` the steps done in this round (both null while the attempt still loads its state);
 ``status`` is running | finished | failed | fenced; ``loss`` the running mean loss of the round
-(or null). A final beat may add fields (``error`` for failed/fenced, ``loss``).
+(or null); ``error`` says why a final beat is failed or fenced. ``meta`` belongs to the caller (a
+training run keeps what a watchdog needs there). A beat that does not parse is read as no beat
+(logged): it cannot say when its writer lived.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from . import commit
+from .documents import Document, DocumentError
 from .errors import FencedError, ObjectNotFound, StoreError
 from .store import Store
 
 log = logging.getLogger("ckptlib.heartbeat")
 
 HEARTBEAT_FORMAT = 1
-STATUSES = ("running", "finished", "failed", "fenced")
+Status = Literal["running", "finished", "failed", "fenced"]
+STATUSES: tuple[Status, ...] = ("running", "finished", "failed", "fenced")
 
 
 def heartbeat_key(part: str) -> str:
     return f"heartbeats/{commit.check_part_name(part)}.json"
+
+
+@dataclass(frozen=True)
+class Beat(Document):
+    """One beat of one attempt of a part: ``heartbeats/<part>.json`` (format in the module docstring)."""
+
+    KIND = "heartbeat"
+    FORMAT = HEARTBEAT_FORMAT
+
+    part: str
+    generation: int
+    round: int
+    status: Status
+    time: float  # wall time of this beat
+    started: float  # wall time the attempt started
+    step: int | None = None
+    round_step: int | None = None
+    steps_per_round: int | None = None
+    beats: int = 1
+    host: str = ""
+    pid: int | None = None
+    attempt: int | None = None
+    loss: float | None = None
+    error: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def age(self, now: float) -> float:
+        """Seconds since this beat, on the reader's clock (clocks across machines must agree)."""
+        return now - self.time
 
 
 class Heartbeat:
@@ -67,7 +101,7 @@ class Heartbeat:
 
     def __init__(self, store: Store, part: str, *, generation: int, round: int, steps_per_round: int | None = None,
                  every_s: float = 2.0, attempt: int | None = None, meta: dict[str, Any] | None = None,
-                 on_beat: Callable[[dict[str, Any]], None] | None = None,
+                 on_beat: Callable[[Beat], None] | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
         if every_s <= 0:
             raise ValueError(f"every_s must be > 0, got {every_s}: a beat every few seconds suits most runs")
@@ -93,18 +127,18 @@ class Heartbeat:
 
     # --- the loop's calls ----------------------------------------------------------------------
 
-    def start(self, step: int | None = None) -> dict[str, Any]:
+    def start(self, step: int | None = None) -> Beat:
         """The first beat of the attempt (always written); raises FencedError when already fenced.
         ``step`` may be None while the attempt is still loading its state (the first ``beat`` sets it)."""
         if step is not None:
             self._first_step = self._step = int(step)
         return self._write("running")
 
-    def beat(self, step: int, loss: float | None = None, *, force: bool = False) -> dict[str, Any] | None:
+    def beat(self, step: int, loss: float | None = None, *, force: bool = False) -> Beat | None:
         """Record progress; write (and check the fence) if ``every_s`` passed since the last write
         (or ``force``: now, e.g. when the caller changed ``round`` or ``meta``).
 
-        Returns the document when one was written, else None. Raises FencedError when fenced.
+        Returns the beat when one was written, else None. Raises FencedError when fenced.
         """
         self._step = int(step)
         if self._first_step is None:
@@ -116,7 +150,7 @@ class Heartbeat:
             return None
         return self._write("running")
 
-    def finish(self, status: str = "finished", **extra: Any) -> dict[str, Any]:
+    def finish(self, status: Status = "finished", *, loss: float | None = None, error: str | None = None) -> Beat:
         """The last beat of the attempt, with its final status. Never raises FencedError.
 
         Not stored when a newer generation already beats under the key (a fenced attempt never
@@ -124,41 +158,39 @@ class Heartbeat:
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
         stored = read_heartbeat(self.store, self.part)
-        newer = stored is not None and int(stored.get("generation") or 0) > self.generation
-        return self._write(status, check_fence=False, extra=extra, store=not newer)
+        newer = stored is not None and stored.generation > self.generation
+        return self._write(status, check_fence=False, loss=loss, error=error, store=not newer)
 
     # --- internals -----------------------------------------------------------------------------
 
-    def document(self, status: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def document(self, status: Status) -> Beat:
+        """The beat this attempt would write now."""
         round_step = None if self._step is None or self._first_step is None else self._step - self._first_step
-        doc = {
-            "format": HEARTBEAT_FORMAT, "part": self.part, "generation": self.generation, "round": self.round,
-            "step": self._step, "round_step": round_step, "steps_per_round": self.steps_per_round,
-            "status": status, "time": self._clock(), "started": self._started, "beats": self._beats + 1,
-            "host": self._host, "pid": self._pid, "attempt": self.attempt,
-            "loss": self._loss_sum / self._loss_n if self._loss_n else None, "meta": self.meta,
-        }
-        if extra:
-            doc.update(extra)
-        return doc
+        return Beat(part=self.part, generation=self.generation, round=self.round, status=status,
+                    time=self._clock(), started=self._started, step=self._step, round_step=round_step,
+                    steps_per_round=self.steps_per_round, beats=self._beats + 1, host=self._host, pid=self._pid,
+                    attempt=self.attempt, loss=self._loss_sum / self._loss_n if self._loss_n else None,
+                    meta=dict(self.meta))
 
-    def _write(self, status: str, *, check_fence: bool = True, extra: dict[str, Any] | None = None,
-               store: bool = True) -> dict[str, Any]:
-        doc = self.document(status, extra)
+    def _write(self, status: Status, *, check_fence: bool = True, loss: float | None = None,
+               error: str | None = None, store: bool = True) -> Beat:
+        doc = self.document(status)
+        if loss is not None or error is not None:
+            doc = replace(doc, loss=doc.loss if loss is None else float(loss), error=error)
         self._last_write = self._monotonic()
         self._beats += 1
         if check_fence:  # before the write: a fenced attempt must not overwrite the live attempt's beat
             self.check_fence()
         if store:
             try:
-                self.store.put(self.key, json.dumps(doc).encode())
+                self.store.put(self.key, doc.to_json())
             except StoreError as e:
                 log.warning("heartbeat of %s could not be written to %s (%s); training goes on", self.part,
                             self.store.url, e)
         if self.on_beat is not None:
             try:
                 self.on_beat(doc)
-            except Exception as e:  # a forwarder must never stop training
+            except Exception as e:  # noqa: BLE001 - a forwarder must never stop training
                 log.warning("heartbeat forwarder failed for %s: %s", self.part, e)
         return doc
 
@@ -172,24 +204,29 @@ class Heartbeat:
             log.warning("could not read the fences of %s (%s); assuming still live", self.part, e)
 
 
-def read_heartbeat(store: Store, part: str) -> dict[str, Any] | None:
-    """The latest beat of ``part``, or None if it never beat (or the document is unreadable)."""
+def read_heartbeat(store: Store, part: str) -> Beat | None:
+    """The latest beat of ``part``, or None if it never beat (or its document is unreadable: logged)."""
+    key = heartbeat_key(part)
     try:
-        return json.loads(store.get(heartbeat_key(part)))
+        return Beat.from_json(store.get(key), f"{store.url}/{key}")
     except ObjectNotFound:
         return None
-    except (ValueError, StoreError) as e:
-        log.warning("unreadable heartbeat of %s in %s: %s", part, store.url, e)
+    except (DocumentError, StoreError) as e:
+        log.warning("heartbeat of %s in %s ignored: %s", part, store.url, e)
         return None
 
 
-def read_heartbeats(store: Store) -> dict[str, dict[str, Any]]:
-    """Every part's latest beat: ``{part: document}``."""
+def read_heartbeats(store: Store) -> dict[str, Beat]:
+    """Every part's latest beat: ``{part: Beat}`` (unreadable ones left out, logged)."""
     out = {}
     for key in store.list("heartbeats/"):
         name = key.rsplit("/", 1)[1]
         if name.endswith(".json"):
-            doc = read_heartbeat(store, name[: -len(".json")])
-            if doc is not None:
-                out[doc.get("part", name[: -len(".json")])] = doc
+            try:
+                part = commit.check_part_name(name[: -len(".json")])
+            except ValueError:
+                continue  # not a heartbeat this module wrote
+            beat = read_heartbeat(store, part)
+            if beat is not None:
+                out[beat.part] = beat
     return out

@@ -95,6 +95,7 @@ class SeaweedFS:
         self.host = host
         self.ports = ports  # name -> port, e.g. {"s3": 8333, "s3.grpc": 18333, ...}
         self.log_path = data_dir / "weed.log"
+        self.admin = (ADMIN_KEY, ADMIN_SECRET)  # (access key, secret key) of the admin identity
         self._log_file = log_file
         atexit.register(self.stop)
 
@@ -109,6 +110,7 @@ class SeaweedFS:
         *,
         timeout: float = 60.0,
         filer_port: int | None = None,
+        admin: tuple[str, str] = (ADMIN_KEY, ADMIN_SECRET),
     ) -> SeaweedFS:
         """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
 
@@ -116,7 +118,8 @@ class SeaweedFS:
         serves bucket objects as ``/buckets/<bucket>/<key>`` without S3 credentials: the local
         stack gives it a fixed port so that report links stay valid across restarts). Raises
         RuntimeError (with the log tail) if the server exits or does not answer within ``timeout``
-        seconds.
+        seconds. ``admin``: the admin identity's (access key, secret key), e.g. a secret unique to
+        one test that then looks for it wherever it must not be.
         """
         data_dir = Path(data_dir).absolute()
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,7 @@ class SeaweedFS:
         if filer_port is not None and not _port_is_free(host, filer_port):
             raise RuntimeError(f"filer port {host}:{filer_port} is already in use: stop what holds it or pick another")
         identities = {"identities": [
-            {"name": "admin", "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
+            {"name": "admin", "credentials": [{"accessKey": admin[0], "secretKey": admin[1]}],
              "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
             {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
              "actions": ["Read", "List"]},
@@ -136,6 +139,7 @@ class SeaweedFS:
         # A picked port can be taken by someone else before weed binds it: try again on new ports.
         for attempt in range(3):
             server = cls._launch(weed, data_dir, host, s3_port, filer_port)
+            server.admin = admin
             try:
                 server._wait_ready(timeout)
                 return server
@@ -205,7 +209,7 @@ class SeaweedFS:
     @property
     def storage_options(self) -> dict[str, Any]:
         """s3fs arguments (``Store.from_url(url, storage_options)``) for the admin identity."""
-        return {"endpoint_url": self.endpoint, "key": ADMIN_KEY, "secret": ADMIN_SECRET}
+        return {"endpoint_url": self.endpoint, "key": self.admin[0], "secret": self.admin[1]}
 
     @property
     def readonly_storage_options(self) -> dict[str, Any]:
@@ -218,7 +222,7 @@ class SeaweedFS:
 
         return botocore.session.get_session().create_client(
             "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=ADMIN_KEY, aws_secret_access_key=ADMIN_SECRET,
+            aws_access_key_id=self.admin[0], aws_secret_access_key=self.admin[1],
             config=Config(connect_timeout=connect_timeout, read_timeout=read_timeout,
                           retries={"max_attempts": 3, "mode": "standard"}),
         )

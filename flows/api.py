@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class PrefectAPI:
@@ -39,7 +39,7 @@ class PrefectAPI:
     def _start(self, timeout_s: int) -> None:
         try:
             self.server.start(timeout=timeout_s)
-        except BaseException as e:  # re-raised by use()
+        except BaseException as e:  # noqa: BLE001 - re-raised by use()
             self._error = e
 
     @property
@@ -102,5 +102,5 @@ def _drain_prefect_workers(timeout_s: float = 10.0) -> None:
     for worker in (APILogWorker, EventsWorker):
         try:
             worker.drain_all(timeout=timeout_s)
-        except Exception:  # best effort: a lost log line must not fail a finished run
+        except Exception:  # noqa: BLE001 - best effort: a lost log line must not fail a finished run
             pass

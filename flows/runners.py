@@ -15,8 +15,9 @@ only share the CPU. They never take a worker slot from the next round's shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 
 @contextmanager

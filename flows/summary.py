@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptlib.validate import Verdict
 
 
 class Ledger:
@@ -68,7 +71,7 @@ class Ledger:
 
     # --- the summary -----------------------------------------------------------------------------
 
-    def summary(self, verdicts: dict[int, dict]) -> dict[str, Any]:
+    def summary(self, verdicts: dict[int, Verdict]) -> dict[str, Any]:
         t_end = time.perf_counter()
         p = self.params
         by_round = {x["round"]: x for x in self.rounds}
@@ -81,7 +84,7 @@ class Ledger:
                 "bytes_written": by_round[step]["bytes_written"] if step in by_round else c["bytes_written"],
                 "logical_bytes": c["logical_bytes"], "stored_bytes": c.get("stored_bytes"),
                 "loss": c["loss"], "eval_loss": c["eval_loss"],
-                "validation": None if v is None else {"passed": bool(v.get("passed")), "failed": v.get("failed", [])},
+                "validation": None if v is None else {"passed": v.passed, "failed": list(v.failed)},
             })
         final = checkpoints[-1] if checkpoints else self._existing_final()
         step0 = next((c for c in self.cuts if c["step"] == 0), None)
@@ -105,8 +108,8 @@ class Ledger:
             "final_step": final["step"] if final else None, "final_digest": final["digest"] if final else None,
             "final_loss": final["loss"] if final else None, "final_eval_loss": final["eval_loss"] if final else None,
             "checkpoints": checkpoints, "rounds_log": self.rounds, "committed": [c["step"] for c in checkpoints],
-            "validated": sorted(s for s, v in verdicts.items() if v.get("passed")),
-            "failed_validation": sorted(s for s, v in verdicts.items() if not v.get("passed")),
+            "validated": sorted(s for s, v in verdicts.items() if v.passed),
+            "failed_validation": sorted(s for s, v in verdicts.items() if not v.passed),
             "bytes_written": bytes_written, "full_copy_bytes": sum(c["logical_bytes"] for c in checkpoints),
             "reports": f"{self.url}/reports/<step>/", "validations": f"{self.url}/validations/<step>.json",
             "seconds": {k: round(v, 3) for k, v in sec.items()},
@@ -118,12 +121,10 @@ class Ledger:
     def _existing_final(self) -> dict[str, Any] | None:
         """Nothing committed in this session (the run was already complete): its latest step."""
         from ckptlib import Checkpointer
+        from tasks.access import storage_options
 
-        ck = Checkpointer(self.url, self.params.storage_options_dict())
-        try:
+        with Checkpointer(self.url, storage_options(self.params.access())) as ck:
             m = ck.manifest(self.start)
-        finally:
-            ck.close()
         return {"step": m.step, "digest": m.digest, "loss": m.meta.get("loss"), "eval_loss": m.meta.get("eval_loss")}
 
 
@@ -149,5 +150,5 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
             f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
             f"* checkpoints: `{summary['run_url']}`, reports: `{summary['reports']}`\n",
             key=key + "-summary", description="Training run summary")
-    except Exception as e:  # artifacts are a convenience; never fail a finished run over them
+    except Exception as e:  # noqa: BLE001 - artifacts are a convenience; never fail a finished run over them
         get_run_logger().warning("could not create artifacts: %s", e)

@@ -3,7 +3,7 @@
 Deployable, so the UI can re-validate a checkpoint (after a fix, with other thresholds, or one the
 training flow could not validate). Serve it locally with ``python -m flows.validate`` or deploy
 ``flows.validate:validate_checkpoint_flow`` to a work pool. Composition only: the work is the
-``validate_step`` task (tasks/validate.py) around ``ckptlib.validate``.
+``validate_step`` task (tasks/validate.py) around ``ckptlib.validate`` with the run's checks.
 """
 
 from __future__ import annotations
@@ -12,32 +12,37 @@ from typing import Any
 
 from prefect import flow
 
+from ckptlib import Checkpointer
+from tasks.access import storage_options
+from tasks.validate import validate_step
+from trainrun.credentials import StoreAccess, check_url
+
 
 @flow(name="validate-checkpoint", log_prints=True, validate_parameters=True)
-def validate_checkpoint_flow(run_url: str, step: int | None = None, storage_options: dict[str, Any] | None = None,
+def validate_checkpoint_flow(run_url: str, step: int | None = None, credentials_block: str | None = None,
                              thresholds: dict[str, Any] | None = None) -> dict:
     """Validate one committed checkpoint of a training run and store its verdict and report.
 
     Args:
         run_url: The run's store URL (a path, file:///abs/path, or s3://bucket/prefix/run-id).
         step: The checkpoint step to validate; empty = the latest committed step.
-        storage_options: s3fs options for s3:// URLs, e.g. {"endpoint_url": "http://127.0.0.1:8333",
-            "key": "...", "secret": "..."}.
+        credentials_block: Name of a Prefect Secret block holding the s3fs options of an s3:// store as
+            JSON (endpoint_url, key, secret, ...). Empty: the environment of the process that runs the
+            flow (AWS_ACCESS_KEY_ID, ...).
         thresholds: Overrides of the numeric bounds, e.g. {"max_rel_change": 20}; see
             docs/validation.md (max_abs_value, max_norm, max_rel_change, rel_change_floor,
             min_data_advance, max_step_spread).
 
-    Returns the verdict (also stored as validations/<step>.json).
+    Returns the verdict as JSON (also stored as validations/<step>.json).
     """
-    from ckptlib import Checkpointer
-    from tasks.validate import validate_step
-
+    access = StoreAccess(block=credentials_block)
+    check_url(run_url)
     if step is None:
-        with Checkpointer(run_url, storage_options) as ck:
+        with Checkpointer(run_url, storage_options(access)) as ck:
             step = ck.latest_step()
         if step is None:
             raise ValueError(f"no committed checkpoint in {run_url}: nothing to validate")
-    return validate_step(run_url, step, storage_options, thresholds)
+    return validate_step(run_url, step, access, thresholds).to_dict()
 
 
 if __name__ == "__main__":

@@ -10,10 +10,15 @@
                      │                                                        same cut, generation gen+1
                      └─ the coordinator silent > timeout_s?  ──>  report; from a deployment: run it again (resume)
 
-Every decision is a log line, a Prefect event (``ckpt.watchdog.<kind>``, resource
-``ckpt.shard.<run>.<part>``) and, for fences and dead runs, a markdown artifact; the flow ends
-with a table artifact of all its decisions. The logic is ``tasks/watchdog.py`` (no Prefect);
+Composition only: the rules and the state machine are ``trainrun.watchdog``; a rerun is the
+``train-shard`` task; restarting a dead deployment run is ``flows/resume.py``. Every decision is a
+log line, a Prefect event (``ckpt.watchdog.<kind>``, resource ``ckpt.shard.<run>.<part>``) and, for
+the notable ones, a markdown artifact; the flow ends with a table artifact of all its decisions.
 ``docs/watchdog.md`` explains the rules, the rerun path and the measured figures.
+
+The watchdog runs nothing the store names: a rerun uses the run's spec as this flow was given it
+(``spec``, which ``ckpt train`` passes to the watchdog beside its run), or a spec read from the store
+whose workload is a built-in or in ``allow_workloads``.
 
 Ways to run it: ``ckpt watchdog URL`` (foreground), beside every ``ckpt train`` (a thread of the
 CLI's process, unless ``--no-watchdog``), the ``watchdog/watchdog`` deployment (``make deploy``:
@@ -23,7 +28,8 @@ stop), ``python -m flows.watchdog URL``.
 
 from __future__ import annotations
 
-import os
+import queue
+import re
 import threading
 import time
 from typing import Any
@@ -31,13 +37,26 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from tasks.watchdog import DEFAULT_POLL_S, DEFAULT_TIMEOUT_S, Watchdog, run_name, watchdog_name
+from tasks.access import storage_options
+from tasks.shard import train_shard
+from trainrun.credentials import StoreAccess, check_url
+from trainrun.layout import check_run_id, run_name, run_url, store_url
+from trainrun.spec import RunSpec
+from trainrun.watchdog import (
+    DEFAULT_POLL_S,
+    DEFAULT_TIMEOUT_S,
+    Decision,
+    RerunRequest,
+    Watchdog,
+    describe,
+    watchdog_name,
+)
+from trainrun.watchdog.decisions import NOTABLE
 
-from .params import SecretOptions, run_url
+from .resume import resume_from_deployment
 
 # stop_key -> Event: how a process that started the flow in a thread (ckpt train) stops it
 _STOPS: dict[str, threading.Event] = {}
-ARTIFACT_KINDS = ("fenced", "run-dead", "resumed", "resume-failed", "gave-up", "cannot-rerun", "rerun-failed")
 
 
 def stop_event(key: str) -> threading.Event:
@@ -66,7 +85,9 @@ def watchdog(
     rerun: bool = True,
     resume: bool = True,
     start_timeout_s: float | None = None,
-    storage_options: SecretOptions | None = None,
+    credentials_block: str | None = None,
+    spec: RunSpec | None = None,
+    allow_workloads: list[str] | None = None,
     stop_key: str | None = None,
 ) -> dict[str, Any]:
     """Watch the runs under ``store`` (or the run ``run_id``) and act on dead shards.
@@ -81,32 +102,37 @@ def watchdog(
         rerun: Rerun dead shards here (a train-shard task run). Off: only fence and report.
         resume: Start a dead run (coordinator silent) again when it came from a deployment.
         start_timeout_s: How long a task may take to start beating (default max(2 x timeout, timeout + 30)).
-        storage_options: s3fs arguments for an s3:// store (default: the environment's credentials).
+        credentials_block: Name of a Prefect Secret block holding the s3fs options of an s3:// store as JSON.
+            Empty: the environment of the process that runs this flow (AWS_ACCESS_KEY_ID, ...).
+        spec: The watched run's own spec (with run_id): reruns use it, never the store's.
+        allow_workloads: Workloads (module:factory) a spec read from the store may name, beyond the built-ins.
         stop_key: Internal: a key of this process's stop events (ckpt train stops its watchdog so).
     """
-    from tasks.shard import train_shard
-
     logger = get_run_logger()
     t0 = time.time()
-    so = dict(storage_options.get_secret_value()) if storage_options is not None else None
-    url = run_url(store, run_id) if run_id else (store if "://" in store else os.path.abspath(os.path.expanduser(store)))
+    url = run_url(store, run_id) if run_id else store_url(check_url(store))
+    if spec is not None and not run_id:
+        raise ValueError("spec is the spec of one run: give run_id too")
+    access = StoreAccess(block=credentials_block)
     stop = stop_event(stop_key) if stop_key else None
     futures: dict[str, Any] = {}
+    ended: queue.Queue[str] = queue.Queue()
 
-    def submit_rerun(req: dict) -> str:
-        key = f"{req['run_url']}|shard-{req['shard']}|r{req['round']}|g{req['generation']}"
-        task = train_shard.with_options(
-            task_run_name=f"rerun-shard-{req['shard']}-round-{req['round']}-g{req['generation']}",
-            retries=req["retries"], retry_delay_seconds=req["retry_delay_s"])
-        futures[key] = task.submit(
-            run_url=req["run_url"], spec=req["spec"], shard=req["shard"], round=req["round"], source=req["source"],
-            storage_options=req["storage_options"], keyframe_every=req["keyframe_every"], chaos=req["chaos"],
-            heartbeat_every_s=req["heartbeat_every_s"], heartbeat_events=req["heartbeat_events"],
-            attempt_offset=req["attempt_offset"])
-        return key
+    def submit_rerun(req: RerunRequest) -> str:
+        s = req.settings
+        task = train_shard.with_options(task_run_name=f"rerun-shard-{req.shard}-round-{req.round}-g{req.generation}",
+                                        retries=s.shard_retries, retry_delay_seconds=s.retry_delay_s)
+        futures[req.key] = task.submit(
+            run_url=req.run_url, spec=req.spec, shard=req.shard, round=req.round, cut=req.cut, access=access,
+            keyframe_every=s.keyframe_every, chaos=s.chaos, heartbeat_every_s=s.heartbeat_every_s,
+            heartbeat_events=s.heartbeat_events, attempt_offset=req.attempt_offset)
+        futures[req.key].add_done_callback(lambda _f, k=req.key: ended.put(k))
+        return req.key
 
-    wd = Watchdog(url, so, timeout_s=timeout_s, start_timeout_s=start_timeout_s,
-                  rerun=submit_rerun if rerun else None, resume=_resume_from_deployment if resume else None,
+    wd = Watchdog(url, storage_options(access), timeout_s=timeout_s, start_timeout_s=start_timeout_s,
+                  rerun=submit_rerun if rerun else None,
+                  resume=(lambda d: resume_from_deployment(d, logger)) if resume else None,
+                  specs={url: spec} if spec is not None else None, allow_workloads=allow_workloads or (),
                   by=f"{watchdog_name()} ({_flow_run_label()})")
     logger.info("watching %s: dead after %g s without a beat or progress, a look every %g s%s", url, timeout_s,
                 poll_s, f", for {duration_s:g} s" if duration_s > 0 else "")
@@ -115,7 +141,8 @@ def watchdog(
         for d in wd.poll():
             _publish(d, logger)
         polls += 1
-        for key in [k for k, f in futures.items() if _future_done(f)]:
+        while not ended.empty():
+            key = ended.get_nowait()
             f = futures.pop(key)
             try:
                 res = f.result()
@@ -136,17 +163,12 @@ def watchdog(
             stop.wait(poll_s)
         else:
             time.sleep(poll_s)
-    summary = {"url": url, "runs": sorted(wd.runs), "polls": polls, "seconds": round(time.time() - t0, 3),
-               "decisions": wd.decisions, "by": wd.by}
+    decisions = [d.to_dict() for d in wd.decisions]
     _table_artifact(url, wd.decisions)
     if stop_key:
         _STOPS.pop(stop_key, None)
-    return summary
-
-
-def _future_done(f: Any) -> bool:
-    wrapped = getattr(f, "wrapped_future", None)
-    return bool(wrapped.done()) if wrapped is not None else f.state.is_final()
+    return {"url": url, "runs": sorted(wd.runs), "polls": polls, "seconds": round(time.time() - t0, 3),
+            "decisions": decisions, "by": wd.by}
 
 
 def _flow_run_label() -> str:
@@ -160,59 +182,39 @@ def _flow_run_label() -> str:
 
 # --- making decisions visible ---------------------------------------------------------------------------
 
-def describe(d: dict) -> str:
-    """One line per decision, for logs and the CLI."""
-    where = f"{d['part']} of run {d['run']}" + (f" round {d['round']}" if d.get("round") is not None else "")
-    kind = d["kind"]
-    if kind == "fenced":
-        extra = f"; strike {d['strike_latency_s']:.1f} s ago" if d.get("strike_latency_s") is not None else ""
-        rerun = d.get("rerun")
-        return (f"{where}: {d['reason']} -> fenced generation {d['generation']} ({d['detection_latency_s']:.1f} s "
-                f"after its last sign of life{extra}); "
-                + (f"rerun as attempt {rerun['attempt_offset'] + 1}" if rerun else "not rerun here"))
-    if kind == "running-again":
-        return f"{where}: {d['reason']} (restart {d['restart_s']:.1f} s after the decision)"
-    if kind == "lost-race":
-        return f"{where}: {d['reason']}"
-    return f"{where}: {kind}: {d.get('reason')}"
-
-
-def _publish(d: dict, logger: Any) -> None:
-    line = describe(d)
-    (logger.warning if d["kind"] in ARTIFACT_KINDS else logger.info)("%s", line)
+def _publish(d: Decision, logger: Any) -> None:
+    (logger.warning if d.kind in NOTABLE else logger.info)("%s", describe(d))
     _event(d)
-    if d["kind"] in ARTIFACT_KINDS:
+    if d.kind in NOTABLE:
         try:
             from prefect.artifacts import create_markdown_artifact
 
-            create_markdown_artifact(markdown=_markdown(d), description=f"watchdog: {d['kind']} {d['part']} of {d['run']}")
+            create_markdown_artifact(markdown=_markdown(d), description=f"watchdog: {d.kind} {d.part} of {d.run}")
         except Exception as e:  # noqa: BLE001 - visibility must never stop the watchdog
             logger.debug("artifact not created: %s", e)
 
 
-def _event(d: dict) -> None:
+def _event(d: Decision) -> None:
     try:
         from prefect.events import emit_event
 
-        resource_id = f"ckpt.shard.{d['run']}.{d['part']}" if d.get("shard") is not None else f"ckpt.run.{d['run']}"
-        payload = {k: v for k, v in d.items() if isinstance(v, (str, int, float, bool, type(None)))}
-        emit_event(event=f"ckpt.watchdog.{d['kind']}",
-                   resource={"prefect.resource.id": resource_id, "ckpt.run-id": d["run"], "ckpt.part": d["part"]},
-                   payload=payload)
+        resource_id = f"ckpt.shard.{d.run}.{d.part}" if d.shard is not None else f"ckpt.run.{d.run}"
+        emit_event(event=f"ckpt.watchdog.{d.kind}",
+                   resource={"prefect.resource.id": resource_id, "ckpt.run-id": d.run, "ckpt.part": d.part},
+                   payload=d.scalars())
     except Exception:  # noqa: BLE001
         pass
 
 
-def _markdown(d: dict) -> str:
-    rows = [("decision", d["kind"]), ("run", f"`{d['run_url']}`"), ("part", d["part"]), ("round", d.get("round")),
-            ("why", d.get("reason")), ("dead generation / attempt", f"{d.get('dead_generation')} / {d.get('dead_attempt')}"),
-            ("new generation", d.get("generation")), ("last beat", _ts(d.get("last_beat"))),
-            ("detected", _ts(d.get("detected"))), ("detection latency", f"{d.get('detection_latency_s')} s"),
-            ("steps lost", d.get("steps_lost")), ("by", d.get("by"))]
-    if d.get("resumed"):
-        rows.append(("started again", f"flow run {d['resumed'].get('flow_run_id')}"))
+def _markdown(d: Decision) -> str:
+    rows = [("decision", d.kind), ("run", f"`{d.run_url}`"), ("part", d.part), ("round", d.round),
+            ("why", d.reason), ("dead generation / attempt", f"{d.dead_generation} / {d.dead_attempt}"),
+            ("new generation", d.generation), ("last beat", _ts(d.last_beat)), ("detected", _ts(d.detected)),
+            ("detection latency", f"{d.detection_latency_s} s"), ("steps lost", d.steps_lost), ("by", d.by)]
+    if d.resumed is not None:
+        rows.append(("started again", f"flow run {d.resumed.flow_run_id}"))
     body = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
-    return f"# Watchdog: {d['kind']} {d['part']}\n\n| | |\n|---|---|\n{body}\n"
+    return f"# Watchdog: {d.kind} {d.part}\n\n| | |\n|---|---|\n{body}\n"
 
 
 def _ts(t: float | None) -> str | None:
@@ -221,63 +223,19 @@ def _ts(t: float | None) -> str | None:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(t))) + f".{int((float(t) % 1) * 1000):03d} UTC"
 
 
-def _table_artifact(url: str, decisions: list[dict]) -> None:
+def _table_artifact(url: str, decisions: list[Decision]) -> None:
     if not decisions:
         return
     try:
-        import re
-
         from prefect.artifacts import create_table_artifact
 
         cols = ("kind", "run", "part", "round", "dead_generation", "generation", "state", "detection_latency_s",
                 "running_again_s", "steps_lost", "reason")
         key = "watchdog-" + re.sub(r"[^a-z0-9-]+", "-", run_name(url).lower()).strip("-")[:60]
-        create_table_artifact(table=[{c: d.get(c) for c in cols} for d in decisions], key=key,
+        create_table_artifact(table=[{c: d.to_dict().get(c) for c in cols} for d in decisions], key=key,
                               description=f"Watchdog decisions for {url}")
     except Exception:  # noqa: BLE001
         pass
-
-
-# --- a dead run from a deployment: start it again ------------------------------------------------------
-
-def _resume_from_deployment(d: dict) -> dict | None:
-    """Start the deployment the dead run came from again, with ``resume`` (idempotent per dead flow run).
-    None when the run did not come from a deployment (``ckpt train``: resume it by hand)."""
-    logger = get_run_logger()
-    dep, fr = d.get("deployment_id"), d.get("flow_run_id")
-    if not dep:
-        logger.warning("run %s is dead and did not come from a deployment: continue it with "
-                       "`ckpt train --resume --run-id %s --store <its store>`", d["run"], d.get("run_id") or d["run"])
-        return None
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.states import Crashed
-
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployment(UUID(dep))
-        base = dict((deployment.parameters or {}).get("params") or {})
-        previous = {}
-        if fr:
-            old = client.read_flow_run(UUID(fr))
-            previous = dict((old.parameters or {}).get("params") or {})
-            if old.state is not None and old.state.is_final() and not old.state.is_crashed():
-                logger.warning("run %s: its flow run %s is %s, not crashed: not started again", d["run"], old.name,
-                               old.state.name)
-                return None
-            if old.state is not None and not old.state.is_final():
-                try:  # the UI should not show a dead run as running
-                    client.set_flow_run_state(UUID(fr), Crashed(message=f"the watchdog found its coordinator silent: "
-                                                                        f"{d.get('reason')}"), force=True)
-                except Exception as e:  # noqa: BLE001
-                    logger.debug("could not mark %s crashed: %s", fr, e)
-    previous.pop("storage_options", None)  # masked in the API: keep the deployment's
-    params = {**base, **previous, "resume": True, "run_id": d.get("run_id") or d["run"]}
-    new = run_deployment(name=UUID(dep), parameters={"params": params}, timeout=0, as_subflow=False,
-                         idempotency_key=f"ckpt-resume-{params['run_id']}-{fr or d.get('last_beat')}")
-    return {"flow_run_id": str(new.id), "flow_run_name": new.name,
-            "reason": f"started again from deployment {deployment.name} as flow run {new.name} (resume)"}
 
 
 if __name__ == "__main__":  # python -m flows.watchdog URL [--timeout-s S] [--duration-s S]
@@ -288,7 +246,7 @@ if __name__ == "__main__":  # python -m flows.watchdog URL [--timeout-s S] [--du
 
     ap = argparse.ArgumentParser(prog="python -m flows.watchdog")
     ap.add_argument("store")
-    ap.add_argument("--run-id")
+    ap.add_argument("--run-id", type=lambda v: check_run_id(v))
     ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     ap.add_argument("--poll-s", type=float, default=DEFAULT_POLL_S)
     ap.add_argument("--duration-s", type=float, default=0.0)

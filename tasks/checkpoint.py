@@ -1,9 +1,8 @@
 """Prefect tasks of the coordinator: plan a run, write step 0, perform each round's cut.
 
-Thin wrappers around ``tasks.rounds`` (``plan_run``, ``initial_cut``, ``cut_round``): a Checkpointer
-per call, small JSON in and out. The cut waits for every shard's fragment of the live generation,
-combines the shards (the outer step), writes the ``coordinator`` part and, when asked to publish,
-commits the manifest; only new chunks (deltas) are uploaded.
+Each is one call into ``trainrun`` (``rounds.plan_run``, ``rounds.initial_cut``, ``cut.cut_round``)
+with a Checkpointer of its own; small values in and out. Planning is never retried (a refusal is
+final); writing retries only a store that could not be reached, never a conflicting commit.
 """
 
 from __future__ import annotations
@@ -11,58 +10,46 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from ckptlib import Checkpointer
+from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
+from trainrun.credentials import StoreAccess
+from trainrun.cut import cut_round
+from trainrun.rounds import Cut
+from trainrun.rounds import initial_cut as write_initial_cut
+from trainrun.rounds import plan_run as plan
+from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
+
+from .access import storage_options
+from .retry import transient_store_error
+
 
 @task(name="plan-run", retries=0, cache_policy=NO_CACHE)
-def plan_run(run_url: str, spec: dict, resume: bool, run_id: str = "", storage_options: dict | None = None) -> dict:
-    """Where the run starts: ``{"start_step": int | None, "committed", "healthy", "note"}``.
-    Raises RunRefused (no retry) when the run must not start: see ``tasks.rounds.plan_run``."""
-    from ckptlib import Checkpointer
-
-    from .rounds import RunSpec
-    from .rounds import plan_run as plan
-
-    ck = Checkpointer(run_url, storage_options)
-    try:
-        out = plan(ck, RunSpec.from_dict(spec), resume=resume, run_id=run_id)
-    finally:
-        ck.close()
+def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None) -> dict:
+    """Where the run starts (``trainrun.rounds.plan_run``); RunRefused when it must not start."""
+    with Checkpointer(run_url, storage_options(access)) as ck:
+        out = plan(ck, spec, resume=resume, run_id=run_id)
     get_run_logger().info("%s: %s", run_url, out["note"])
     return out
 
 
-@task(name="initial-cut", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def initial_cut(run_url: str, spec: dict, storage_options: dict | None = None, keyframe_every: int = 32,
-                run_meta: dict | None = None, commit_timeout_s: float = 600.0) -> dict:
+@task(name="initial-cut", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_store_error,
+      cache_policy=NO_CACHE)
+def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
+                keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
+                commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
     """Write and commit step 0 (every shard's fresh state + the coordinator's); idempotent."""
-    from ckptlib import Checkpointer
-
-    from .rounds import RunSpec
-    from .rounds import initial_cut as write_initial
-
-    ck = Checkpointer(run_url, storage_options, keyframe_every=keyframe_every)
-    try:
-        return write_initial(ck, RunSpec.from_dict(spec), run_meta=run_meta, commit_timeout_s=commit_timeout_s)
-    finally:
-        ck.close()
+    with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
+        return write_initial_cut(ck, spec, run_meta=run_meta, commit_timeout_s=commit_timeout_s)
 
 
 @task(name="checkpoint-cut", task_run_name="cut-round-{round}", retries=2, retry_delay_seconds=1,
-      cache_policy=NO_CACHE)
-def checkpoint_cut(run_url: str, spec: dict, round: int, source: dict, publish: bool,
-                   storage_options: dict | None = None, keyframe_every: int = 32, run_meta: dict | None = None,
-                   commit_timeout_s: float = 600.0) -> dict:
-    """The cut after round ``round``: gather the shards' live fragments, outer step, coordinator part,
-    and (``publish``) the manifest of step ``round``. Returns sizes, digest, loss and timings."""
-    from ckptlib import Checkpointer
-
-    from .rounds import RunSpec, cut_round
-
-    ck = Checkpointer(run_url, storage_options, keyframe_every=keyframe_every)
-    try:
-        out = cut_round(ck, RunSpec.from_dict(spec), round, source, publish=publish,
-                        commit_timeout_s=commit_timeout_s, run_meta=run_meta)
-    finally:
-        ck.close()
+      retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
+def checkpoint_cut(run_url: str, spec: RunSpec, round: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
+                   keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
+                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
+    """The cut after round ``round`` (``trainrun.cut.cut_round``); commits step ``round`` when ``publish``."""
+    with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
+        out = cut_round(ck, spec, round, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
     if out["committed"]:
         get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round, out["loss"],
                               out["eval_loss"], out["digest"])

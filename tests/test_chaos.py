@@ -17,8 +17,8 @@ import torch
 
 from ckptlib import Checkpointer, FencedError, commit
 from ckptlib.heartbeat import Heartbeat, read_heartbeat
-from tasks.chaos import (ChaosCrash, Partitioned, StaleFences, check_runner, for_attempt, parse_chaos, strike,
-                         strike_record_key)
+from trainrun.chaos import (ChaosCrash, Partitioned, StaleFences, check_runner, for_attempt, parse_chaos, read_strike,
+                            strike)
 
 
 def test_new_kinds_parse_with_the_crash_syntax():
@@ -49,8 +49,8 @@ def test_a_spec_strikes_once_per_run(tmp_path):
         with pytest.raises(ChaosCrash):
             strike(c, part="shard-1", round_step=3, checkpointer=ck, generation=0)
         strike(c, part="shard-1", round_step=3, checkpointer=ck, generation=0)  # already struck: nothing
-        record = json.loads(ck.store.get(strike_record_key("shard-1", 2, 1)))
-        assert record["kind"] == "crash" and record["round_step"] == 3 and record["time"] <= time.time()
+        record = read_strike(ck.store, "shard-1", 2, 1)
+        assert record is not None and record.kind == "crash" and record.round_step == 3 and record.time <= time.time()
 
 
 def test_a_hung_attempt_ends_itself_once_fenced(tmp_path):
@@ -101,11 +101,11 @@ def test_a_zombie_loses_its_beats_and_writes_a_fragment_of_a_fenced_generation(t
 
 
 def test_kill_is_a_real_sigkill_of_the_shards_own_process(tmp_path):
-    code = (f"from ckptlib import Checkpointer; from tasks.chaos import parse_chaos, strike; "
+    code = (f"from ckptlib import Checkpointer; from trainrun.chaos import parse_chaos, strike; "
             f"ck = Checkpointer({str(tmp_path)!r}); "
             f"strike(parse_chaos('kill:shard=1,round=2'), part='shard-1', round_step=7, checkpointer=ck, generation=0); "
             f"print('survived')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL and "survived" not in p.stdout
     with Checkpointer(str(tmp_path)) as ck:
-        assert json.loads(ck.store.get(strike_record_key("shard-1", 2, 1)))["round_step"] == 7
+        assert read_strike(ck.store, "shard-1", 2, 1).round_step == 7

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from ckpt.bench import first_difference
 from ckpt.cli import app
-from ckpt.cmd_store import to_weights_only
+from ckptlib.export import to_weights_only
 from ckptlib import Checkpointer
 
 runner = CliRunner()
@@ -270,3 +270,20 @@ def test_s3_store_with_storage_options(s3_url, tmp_path):
     assert torch.load(out, weights_only=True)["data_position"] == 7
     wrong = json.dumps({**s3_url.storage_options, "secret": "wrong-secret"})
     assert_clean_error(ckpt("ls", s3_url.url, "--storage-options", wrong), 2, "credentials")
+
+
+# --- run ids -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["../h", "a/b", "..", ".hidden", "x y"])
+def test_every_command_refuses_the_same_bad_run_ids(tmp_path, bad):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    outs = []
+    for args in (["train", "--store", str(tmp_path), "--run-id", bad],
+                 ["watchdog", str(tmp_path), "--run-id", bad, "--duration", "0.5"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2, (args, r.output)
+        outs.append(r.output.strip())
+    assert outs[0] == outs[1] and f"run id {bad!r} must be" in outs[0], outs

@@ -96,11 +96,19 @@ def test_gc_flow_collects_every_run_under_a_root(tmp_path, prefect_harness):
     import torch
 
     from ckptlib import Checkpointer
+    from ckptlib.store import Store
     from flows.gc import gc_store
-    from tasks.gc import runs_in_keys
+    from trainrun.layout import find_runs
 
-    assert runs_in_keys(["manifests/3.json", "a/manifests/1.json", "a/chunks/x", "t/b/manifests/0.json",
-                         "c/fragments/1/x.json"]) == ["", "a", "t/b"]
+    keys = ("a/manifests/1.json", "a/chunks/x", "t/b/manifests/0.json", "c/fragments/1/x.json",
+            "d/heartbeats/shard-0.json", "e/f/g/h/manifests/1.json")
+    for name, extra in (("flat", ()), ("rooted", ("manifests/3.json",))):
+        layout = Store.from_url(str(tmp_path / name))
+        for key in keys + extra:
+            layout.put(key, b"{}")
+    # a run holds manifests/ or heartbeats/, at most 3 levels down; below a run nothing is looked at
+    assert find_runs(Store.from_url(str(tmp_path / "flat"))) == ["a", "d", "t/b"]
+    assert find_runs(Store.from_url(str(tmp_path / "rooted"))) == [""]
     root = tmp_path / "runs"
     for name, steps in (("a", 5), ("team/b", 3)):
         with Checkpointer(str(root / name), chunk_bytes=4096) as ck:

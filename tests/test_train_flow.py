@@ -105,7 +105,7 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
 
     from ckpt.cli import app
     from flows.train import train_run
-    from tasks.rounds import RunRefused
+    from trainrun.rounds import RunRefused
 
     base = ["train", "--store", clean["store"], "--run-id", "clean", "--rounds", "3",
             "--workload-extra", json.dumps(EXTRA)]
@@ -179,4 +179,4 @@ def test_progress_display_reads_the_run_from_the_store(clean):
     console.print(p)
     text = console.export_text()
     assert "rounds 3/3" in text and "shard-1" in text and "finished" in text
-    assert sorted(p.manifests) == [0, 1, 2, 3] and all(v["passed"] for v in p.verdicts.values())
+    assert sorted(p.manifests) == [0, 1, 2, 3] and all(v.passed for v in p.verdicts.values())

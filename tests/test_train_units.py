@@ -10,20 +10,12 @@ import torch
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat, read_heartbeats
-from tasks.chaos import ChaosCrash, for_attempt, parse_chaos
-from tasks.rounds import (
-    COORDINATOR,
-    RunRefused,
-    RunSpec,
-    cut_round,
-    describe_changes,
-    initial_cut,
-    initial_source,
-    next_source,
-    outer_step,
-    plan_run,
-    train_shard_round,
-)
+from trainrun.chaos import ChaosCrash, for_attempt, parse_chaos
+from trainrun.cut import cut_round, next_cut
+from trainrun.layout import COORDINATOR
+from trainrun.outer import outer_optimizer, outer_step
+from trainrun.rounds import Cut, RunRefused, initial_cut, plan_run, train_shard_round
+from trainrun.spec import RunSpec, describe_changes
 
 TINY = dict(workload="tinylm", workload_extra={"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536},
             shards=2, steps_per_round=3)
@@ -36,16 +28,16 @@ def run_rounds(url: str, spec: RunSpec, rounds: int, every: int = 1, start: int 
         with Checkpointer(url) as ck:
             digests[0] = initial_cut(ck, spec)["digest"]
         start = 0
-    source = initial_source(start)
+    cut = Cut.of_step(start)
     for r in range(start + 1, rounds + 1):
         for i in range(spec.shards):
             with Checkpointer(url) as ck:
-                assert train_shard_round(ck, spec, i, r, source, heartbeat_every_s=0.05)["status"] == "finished"
+                assert train_shard_round(ck, spec, i, r, cut, heartbeat_every_s=0.05)["status"] == "finished"
         with Checkpointer(url) as ck:
-            cut = cut_round(ck, spec, r, source, publish=r % every == 0 or r == rounds, commit_timeout_s=30)
-        if cut["committed"]:
-            digests[r] = cut["digest"]
-        source = next_source(cut)
+            result = cut_round(ck, spec, r, cut, publish=r % every == 0 or r == rounds, commit_timeout_s=30)
+        if result["committed"]:
+            digests[r] = result["digest"]
+        cut = next_cut(result)
     return digests
 
 
@@ -71,14 +63,14 @@ def test_heartbeat_writes_progress_at_most_every_interval_and_stops_when_fenced(
     hb = Heartbeat(ck.store, "shard-1", generation=0, round=2, steps_per_round=10, every_s=5.0, attempt=1,
                    clock=lambda: now[0] + 1_700_000_000, monotonic=lambda: now[0])
     first = hb.start()
-    assert first["step"] is None and first["status"] == "running"
+    assert first.step is None and first.status == "running"
     assert hb.beat(step=10, loss=2.0) is None  # within 5 s of the first beat: not written
     now[0] += 6
     doc = hb.beat(step=12, loss=1.0)
-    assert doc is not None and (doc["step"], doc["round_step"], doc["round"], doc["generation"]) == (12, 2, 2, 0)
-    assert doc["loss"] == pytest.approx(1.5) and doc["pid"] > 0 and doc["host"]
+    assert doc is not None and (doc.step, doc.round_step, doc.round, doc.generation) == (12, 2, 2, 0)
+    assert doc.loss == pytest.approx(1.5) and doc.pid > 0 and doc.host
     stored = read_heartbeats(ck.store)["shard-1"]
-    assert stored["step"] == 12 and stored["time"] == pytest.approx(1_700_000_106)
+    assert stored == doc and stored.time == pytest.approx(1_700_000_106)
     assert ck.fence("shard-1", 1, reason="silent", by="test")
     now[0] += 6
     with pytest.raises(FencedError, match="generation 1 is live"):
@@ -100,7 +92,7 @@ def test_a_fenced_shard_attempt_stops_and_its_fragment_is_never_written(tmp_path
 
             H(ck.store, "shard-0", generation=0, round=1).start()
         # a new attempt takes the live generation and writes fragments/1/shard-0.g1.json
-        out = train_shard_round(ck, spec, 0, 1, initial_source(0))
+        out = train_shard_round(ck, spec, 0, 1, Cut.of_step(0))
     assert out["generation"] == 1
     assert ck.store.exists("fragments/1/shard-0.g1.json") and not ck.store.exists("fragments/1/shard-0.g0.json")
 
@@ -112,8 +104,6 @@ def test_outer_step_averages_exactly_and_keeps_nesterov_momentum():
     shards = [{"w": torch.tensor([1.0, 2.0, 3.0, 4.0]), "n": torch.tensor(3)},
               {"w": torch.tensor([3.0, 2.0, 1.0, 0.0]), "n": torch.tensor(3)}]
     plain = RunSpec(**TINY)
-    from tasks.rounds import outer_optimizer
-
     state0 = outer_optimizer(plain, g)[0].state_dict()
     new, st = outer_step(plain, g, state0, shards)
     assert torch.equal(new["w"], torch.full((4,), 2.0)) and new["n"].item() == 3 and st["state"] == {}
@@ -153,11 +143,12 @@ def test_checkpoint_every_two_commits_the_same_states_and_continues_from_fragmen
     every2 = run_rounds(str(tmp_path / "b"), spec, 4, every=2)
     assert sorted(every2) == [0, 2, 4]
     assert all(every2[s] == every1[s] for s in every2)
-    # rounds 1 and 3 exist only as fragments, written as deltas of the previous fragment
+    # rounds 1 and 3 exist only as fragments; rounds 2 and 4 continue from them, as their delta base
+    # (round 3 itself may be a keyframe again: its chain from step 0 reached ckptlib's delta budget)
     with Checkpointer(str(tmp_path / "b")) as ck:
         assert ck.steps() == [0, 2, 4]
-        f3 = json.loads(ck.store.get("fragments/3/shard-0.g0.json"))
-        assert f3["stats"]["delta"] > 0
+        for step in (2, 4):
+            assert json.loads(ck.store.get(f"fragments/{step}/shard-0.g0.json"))["stats"]["delta"] > 0
 
 
 def test_checkpoint_holds_the_run_layout(tmp_path):
@@ -189,12 +180,12 @@ def test_a_retried_shard_round_writes_the_same_fragment(tmp_path):
         initial_cut(ck, spec)
     chaos = for_attempt(["crash:shard=1,round=1"], 1, 1, 1)
     with Checkpointer(url) as ck, pytest.raises(ChaosCrash, match="on purpose"):
-        train_shard_round(ck, spec, 1, 1, initial_source(0), chaos=chaos)
+        train_shard_round(ck, spec, 1, 1, Cut.of_step(0), chaos=chaos)
     assert json.loads(Checkpointer(url).store.get("heartbeats/shard-1.json"))["status"] == "failed"
     with Checkpointer(url) as ck:
-        a = train_shard_round(ck, spec, 1, 1, initial_source(0), attempt=2)
+        a = train_shard_round(ck, spec, 1, 1, Cut.of_step(0), attempt=2)
     with Checkpointer(url) as ck:  # a third run of the same round: identical, accepted as is
-        b = train_shard_round(ck, spec, 1, 1, initial_source(0), attempt=3)
+        b = train_shard_round(ck, spec, 1, 1, Cut.of_step(0), attempt=3)
     assert a["digest"] == b["digest"] and b["bytes_written"] == 0
 
 
@@ -213,29 +204,35 @@ def test_read_fragment_adopt_makes_the_fragment_the_delta_base(tmp_path):
 
 # --- the CLI's options ----------------------------------------------------------------------------------
 
-def test_cli_defaults_are_train_params_defaults_and_bad_options_are_one_line_errors(tmp_path):
+def test_cli_options_are_the_schema_and_bad_options_are_one_line_errors(tmp_path):
+    """Every RunSpec field (the trajectory) is a ``ckpt train`` option, and every option that is a
+    TrainParams field has the field's default: one schema behind the CLI, the form and the runtime."""
     import inspect
 
     from typer.testing import CliRunner
 
     from ckpt.cli import app
-    from ckpt.cmd_train import train
+    from ckpt.cmd_train import CLI_FIELDS, train
     from flows.params import TrainParams
 
     fields = TrainParams.model_fields
     sig = inspect.signature(train).parameters
-    for cli_name, field in [("store", "store"), ("workload", "workload"), ("size", "workload_size"),
-                            ("shards", "shards"), ("rounds", "rounds"), ("steps_per_round", "steps_per_round"),
-                            ("checkpoint_every", "checkpoint_every"), ("keyframe_every", "keyframe_every"),
-                            ("seed", "seed"), ("task_runner", "task_runner"), ("outer_lr", "outer_lr"),
-                            ("outer_momentum", "outer_momentum"), ("torch_threads", "torch_threads")]:
-        assert sig[cli_name].default == fields[field].default, cli_name
+    assert set(RunSpec.model_fields) <= set(CLI_FIELDS.values())
+    for cli_name, field in CLI_FIELDS.items():
+        default = fields[field].get_default(call_default_factory=True)
+        cli_default = sig[cli_name].default
+        if cli_name in ("workload_extra", "chaos"):  # JSON text / repeatable: absent = the field's empty default
+            assert cli_default is None and not default, cli_name
+        else:
+            assert cli_default == default, (cli_name, cli_default, default)
     store = str(tmp_path)
     for args, why in [(["--chaos", "boom:shard=1,round=2"], "unknown chaos kind"),
                       (["--task-runner", "ray"], "task runner 'ray'"),
                       (["--run-id", "a/b"], "run id"),
+                      (["--shards", "0"], "shards: Input should be greater than or equal to 1"),
                       (["--resume"], "--resume needs --run-id"),
-                      (["--storage-options", "{nope"], "JSON object")]:
+                      (["--storage-options", "{nope"], "JSON object"),
+                      (["--storage-options", "@/nonexistent/opts.json"], "cannot read")]:
         r = CliRunner().invoke(app, ["train", "--store", store, *args])
         assert r.exit_code == 2 and why in r.output, (args, r.output)
         assert r.output.startswith("error: ") and "Traceback" not in r.output

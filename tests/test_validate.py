@@ -1,4 +1,5 @@
-"""Checkpoint validation (ckptlib.validate, tasks/validate.py, flows/validate.py, `ckpt validate`).
+"""Checkpoint validation (ckptlib.validate with the run's checks of trainrun.checks, tasks/validate.py,
+flows/validate.py, `ckpt validate`).
 
 Real checkpoints in the run layout (docs/run-layout.md): a small torch MLP trained with AdamW by 2
 shards, averaged by a coordinator, committed as cuts ``coordinator`` + ``shard-0`` + ``shard-1``.
@@ -22,13 +23,14 @@ import torch
 
 from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
-from ckptlib.manifest import combined_digest, loads_manifest, part_digest
-from ckptlib.report import PLOT_SIZE_PX
+from ckptlib.manifest import combined_digest, document_checksum, fragment_key, part_digest
 from ckptlib.store import Store
-from ckptlib.validate import CHECK_NAMES, Thresholds, read_verdict, validate_checkpoint
+from ckptlib.validate import CHECK_NAMES, Thresholds, Verdict, read_verdict, validate_checkpoint
+from ckptlib.validate.report import PLOT_SIZE_PX
+from trainrun.checks import RUN_CHECKS, validate_run_checkpoint
 
 SHARDS, H, DIM, ROUNDS = 2, 3, 32, 3
-CONFIG = {"num_shards": SHARDS, "inner_steps": H, "dim": DIM, "workload": "mlp"}
+CONFIG = {"shards": SHARDS, "steps_per_round": H, "dim": DIM, "workload": "mlp"}
 CONFIG_HASH = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:16]
 PARTS = ["coordinator"] + [f"shard-{i}" for i in range(SHARDS)]
 
@@ -80,7 +82,7 @@ def make_run(url: str, storage_options: dict | None = None, rounds: int = ROUNDS
                         v.copy_(torch.stack([m.state_dict()[k] for m in models]).mean(0))
             coord.write_fragment(r, "coordinator", {
                 "model": glob.state_dict(), "outer_optimizer": {}, "round": r, "global_step": r * H,
-                "config": json.dumps(CONFIG), "metrics": {"loss": sum(losses) / SHARDS, "eval_loss": None},
+                "config": dict(CONFIG), "metrics": {"loss": sum(losses) / SHARDS, "eval_loss": None},
             }, config_hash=CONFIG_HASH)
             coord.commit(r, PARTS, timeout=30)
     finally:
@@ -119,19 +121,19 @@ def _files(root) -> dict[str, bytes]:
     return out
 
 
-def _validate_unchanged(root, step, **kw) -> dict:
+def _validate_unchanged(root, step, **kw) -> Verdict:
     """Validate and assert that no checkpoint file changed (validation writes only its own keys)."""
     before = _files(root)
-    verdict = validate_checkpoint(str(root), step, **kw)
+    verdict = validate_run_checkpoint(str(root), step, **kw)
     assert _files(root) == before
-    assert read_verdict(Store.from_url(str(root)), step) == json.loads(json.dumps(verdict, default=str))
+    assert read_verdict(Store.from_url(str(root)), step) == verdict
     return verdict
 
 
-def _failure(verdict: dict, name: str) -> dict:
-    found = [f for f in verdict["failures"] if f["expectation"] == name]
-    assert found, f"{name} not among the failures {verdict['failed']}"
-    return found[0]
+def _where(verdict: Verdict, name: str) -> list[str]:
+    found = verdict.failure(name)
+    assert found is not None, f"{name} not among the failures {verdict.failed}"
+    return list(found.where)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,7 @@ def clean_run(tmp_path_factory):
     """A clean run, steps 0..3, all validated (module-wide template; tests copy it)."""
     root = tmp_path_factory.mktemp("template") / "run"
     make_run(str(root))
-    verdicts = [validate_checkpoint(str(root), s) for s in range(ROUNDS + 1)]
+    verdicts = [validate_run_checkpoint(str(root), s) for s in range(ROUNDS + 1)]
     return root, verdicts
 
 
@@ -155,10 +157,10 @@ def run(clean_run, tmp_path):
 def test_clean_run_passes_every_expectation(clean_run):
     root, verdicts = clean_run
     for step, v in enumerate(verdicts):
-        assert v["passed"], (step, v["failures"])
-        assert v["failed"] == [] and v["problems"] == []
-        assert v["expectations"]["evaluated"] == len(CHECK_NAMES) == v["expectations"]["successful"]
-    last = verdicts[-1]["summary"]
+        assert v.passed, (step, v.failures)
+        assert v.failed == () and v.problems == ()
+        assert v.expectations["evaluated"] == len(CHECK_NAMES) + len(RUN_CHECKS.checks) == v.expectations["successful"]
+    last = verdicts[-1].summary
     assert last["parts"] == PARTS and last["shards_present"] == last["shards_expected"] == SHARDS
     assert last["previous_healthy_step"] == ROUNDS - 1 and last["round"] == ROUNDS
     assert last["nan_count"] == 0 and 0 < last["max_rel_change"] < Thresholds().max_rel_change
@@ -187,17 +189,20 @@ def test_report_files_are_real(clean_run):
 
 # --- bad input: each a FAILED verdict naming what and where; files untouched ------------------------
 
-def _chunk_file(root, step: int, part: str, tensor: str) -> tuple[str, str]:
-    m = Checkpointer(str(root)).manifest(step)
-    frag = m.parts[part]
+def _chunk_file(root, step: int, part: str, tensor: str) -> tuple[str, str, set[str]]:
+    """(path, key) of the stored object holding ``tensor``'s first bytes, and every tensor it holds
+    (small tensors are packed together)."""
+    frag = Checkpointer(str(root)).fragment(step, part)
     leaf = next(leaf for leaf in frag.leaves if leaf.spec.path == "/" + tensor)
-    key = frag.blobs[leaf.chunks[0]].key
-    return str(root / key), key
+    digest = leaf.segments()[0][0]
+    holds = {x.spec.path for x in frag.leaves if any(d == digest for d, *_ in x.segments())}
+    key = frag.blobs[digest].key
+    return str(root / key), key, holds
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_damaged_chunk_fails_integrity_naming_the_chunk(run, damage):
-    path, key = _chunk_file(run, ROUNDS, "shard-1", "optimizer/state/0/exp_avg_sq")
+    path, key, holds = _chunk_file(run, ROUNDS, "shard-1", "optimizer/state/0/exp_avg_sq")
     if damage == "flip":
         data = bytearray(open(path, "rb").read())
         data[len(data) // 2] ^= 0x10
@@ -208,15 +213,15 @@ def test_damaged_chunk_fails_integrity_naming_the_chunk(run, damage):
     else:
         os.remove(path)
     v = _validate_unchanged(run, ROUNDS)
-    assert not v["passed"] and "checkpoint_integrity" in v["failed"]
-    where = _failure(v, "checkpoint_integrity")["where"]
+    assert not v.passed and "checkpoint_integrity" in v.failed
+    where = _where(v, "checkpoint_integrity")
     assert any("shard-1" in w and "optimizer/state/0/exp_avg_sq" in w and "chunk 0" in w and key in w
                for w in where), where
     reason = {"flip": "decode", "truncate": "truncated", "delete": "missing"}[damage]
     assert any(reason in w for w in where), where
-    # the intact parts were still judged: the damaged tensor alone is not intact
-    bad = [p for p in v["integrity"] if p["part"] == "shard-1"]
-    assert bad and all(p["tensor"] == "/optimizer/state/0/exp_avg_sq" for p in bad)
+    # the intact parts were still judged: only the tensors stored in the damaged object are not intact
+    bad = {p["tensor"] for p in v.integrity}
+    assert {p["part"] for p in v.integrity} == {"shard-1"} and "/optimizer/state/0/exp_avg_sq" in bad and bad <= holds
     assert (run / "reports" / str(ROUNDS) / "index.html").read_text().count("checkpoint_integrity") >= 1
 
 
@@ -227,64 +232,74 @@ def test_nans_in_one_shard_fail_no_nan_naming_the_shard(run):
 
     commit_variant(str(run), ROUNDS + 1, poison)
     v = _validate_unchanged(run, ROUNDS + 1)
-    assert not v["passed"] and "no_nan" in v["failed"]
-    assert _failure(v, "no_nan")["where"] == ["part 'shard-1', tensor 'model/0.weight' (nan_count=5)"]
-    assert "checkpoint_integrity" not in v["failed"]  # the bytes are intact; the values are not
-    assert v["summary"]["nan_count"] == 5
+    assert not v.passed and "no_nan" in v.failed
+    assert _where(v, "no_nan") == ["part 'shard-1', tensor 'model/0.weight' (nan_count=5)"]
+    assert "checkpoint_integrity" not in v.failed  # the bytes are intact; the values are not
+    assert v.summary["nan_count"] == 5
     html = (run / "reports" / str(ROUNDS + 1) / "index.html").read_text()
     assert "no_nan" in html and "shard-1" in html
     assert "no_nan" in (run / "reports" / str(ROUNDS + 1) / "tensors.html").read_text()
 
 
-def _rewrite_manifest(root, step: int, edit, *, fix_digests: bool) -> None:
-    """Write manifests/<step>.json again after ``edit(dict)`` (a forged or damaged manifest)."""
+def _rewrite_part(root, step: int, part: str, edit, *, fix_digests: bool) -> None:
+    """Write the fragment of ``part`` of committed ``step`` again after ``edit(dict)``, and its
+    checksum into the manifest (a forged or damaged part; the manifest names each part's fragment)."""
     store = Store.from_url(str(root))
-    d = json.loads(store.get(ckcommit.manifest_key(step)))
-    edit(d)
+    m = json.loads(store.get(ckcommit.manifest_key(step)))
+    ref = m["parts"][part]
+    frag = json.loads(store.get(ref["key"]))
+    edit(frag)
     if fix_digests:  # a consistent forgery: only the structure checks can catch it
-        m = loads_manifest(json.dumps(d).encode(), "edited")
-        for name, frag in m.parts.items():
-            d["parts"][name]["digest"] = part_digest(frag.skeleton, list(frag.leaves))
-        m = loads_manifest(json.dumps(d).encode(), "edited")
-        d["digest"] = combined_digest(m.parts, m.single)
+        from ckptlib.manifest import Leaf
+
+        frag["digest"] = part_digest(frag["skeleton"], [Leaf.from_json(x) for x in frag["leaves"]], frag["format"])
+        ref["digest"] = frag["digest"]
+        m["digest"] = combined_digest({n: p["digest"] for n, p in m["parts"].items()}, m["single"])
+    data = json.dumps(frag, separators=(",", ":")).encode()
+    ref["checksum"] = document_checksum(data)
+    assert ref["key"] == fragment_key(step, part, ref["generation"])
+    with open(root / ref["key"], "wb") as f:
+        f.write(data)
     with open(root / ckcommit.manifest_key(step), "wb") as f:
-        f.write(json.dumps(d).encode())
+        f.write(json.dumps(m).encode())
 
 
-def _leaf(d: dict, part: str, tensor: str) -> dict:
-    return next(leaf for leaf in d["parts"][part]["leaves"] if leaf["path"] == "/" + tensor)
+def _leaf(frag: dict, tensor: str) -> dict:
+    return next(leaf for leaf in frag["leaves"] if leaf["path"] == "/" + tensor)
 
 
 @pytest.mark.parametrize("fix_digests", [True, False], ids=["forged", "damaged"])
 def test_wrong_shape_in_manifest_fails_naming_the_tensor(run, fix_digests):
-    def transpose(d):
-        _leaf(d, "coordinator", "model/0.weight")["shape"] = [DIM // 2, DIM * 2]  # same byte count
+    def transpose(frag):
+        _leaf(frag, "model/0.weight")["shape"] = [DIM // 2, DIM * 2]  # same byte count
 
-    _rewrite_manifest(run, ROUNDS, transpose, fix_digests=fix_digests)
+    _rewrite_part(run, ROUNDS, "coordinator", transpose, fix_digests=fix_digests)
     v = _validate_unchanged(run, ROUNDS)
-    assert not v["passed"] and "shape_matches_reference" in v["failed"]
-    where = _failure(v, "shape_matches_reference")["where"]
-    assert "part 'coordinator', tensor 'model/0.weight' (shape_matches_reference=False)" in where
-    # shard models no longer match the coordinator's shape either... they are named too
-    assert ("checkpoint_integrity" in v["failed"]) == (not fix_digests)  # the digest covers shapes
+    assert not v.passed
+    if fix_digests:  # a consistent forgery: the coordinator's shape differs from before, and from the shards'
+        assert "part 'coordinator', tensor 'model/0.weight' (shape_matches_reference=False)" in \
+            _where(v, "shape_matches_reference")
+        assert "checkpoint_integrity" not in v.failed
+    else:  # the digest covers shapes: ckptlib refuses the part when it reads it
+        assert any("coordinator" in w and "digest" in w for w in _where(v, "checkpoint_integrity"))
 
 
-def test_inconsistent_shape_fails_dtype_shape_as_recorded(run):
-    def grow(d):
-        _leaf(d, "shard-0", "model/2.weight")["shape"] = [4, DIM + 1]  # more elements than bytes
+def test_inconsistent_shape_fails_integrity_naming_the_tensor(run):
+    def grow(frag):
+        _leaf(frag, "model/2.weight")["shape"] = [4, DIM + 1]  # more elements than bytes
 
-    _rewrite_manifest(run, ROUNDS, grow, fix_digests=True)
+    _rewrite_part(run, ROUNDS, "shard-0", grow, fix_digests=False)  # no digest can cover a spec refused on read
     v = _validate_unchanged(run, ROUNDS)
-    assert {"dtype_shape_as_recorded", "checkpoint_integrity"} <= set(v["failed"])
-    assert any("shard-0" in w and "model/2.weight" in w for w in _failure(v, "dtype_shape_as_recorded")["where"])
+    assert "checkpoint_integrity" in v.failed  # ckptlib refuses a spec whose shape x itemsize != bytes on read
+    assert any("shard-0" in w and "model/2.weight" in w for w in _where(v, "checkpoint_integrity"))
 
 
 def test_unreadable_manifest_still_gets_a_verdict_and_report(run):
     with open(run / ckcommit.manifest_key(ROUNDS), "wb") as f:
         f.write(b'{"format": 1, "step": 3, "parts": {"coordinator": ')  # torn
     v = _validate_unchanged(run, ROUNDS)
-    assert v["failed"] == ["checkpoint_integrity"] and not v["passed"]
-    assert "manifests/3.json" in _failure(v, "checkpoint_integrity")["where"][0]
+    assert v.failed == ("checkpoint_integrity",) and not v.passed
+    assert "manifests/3.json" in _where(v, "checkpoint_integrity")[0]
     assert (run / "reports" / str(ROUNDS) / "index.html").exists()
     assert (run / "reports" / str(ROUNDS) / "run.png").stat().st_size > 1000
 
@@ -296,19 +311,19 @@ def test_exploding_update_fails_relative_change(run):
 
     commit_variant(str(run), ROUNDS + 1, explode)
     v = _validate_unchanged(run, ROUNDS + 1)
-    assert "relative_change_within_bounds" in v["failed"]
-    assert [w.split(" (")[0] for w in _failure(v, "relative_change_within_bounds")["where"]] == [
+    assert "relative_change_within_bounds" in v.failed
+    assert [w.split(" (")[0] for w in _where(v, "relative_change_within_bounds")] == [
         "part 'shard-0', tensor 'model/2.weight'"]
-    strict = validate_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_change": 1e6, "max_abs_value": 1e6})
-    assert strict["passed"], strict["failures"]  # thresholds are per run
+    strict = validate_run_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_change": 1e6, "max_abs_value": 1e6})
+    assert strict.passed, strict.failures  # thresholds are per run
     with pytest.raises(ValueError, match="unknown validation thresholds"):
-        validate_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_chnge": 1})
+        validate_run_checkpoint(str(run), ROUNDS + 1, thresholds={"max_rel_chnge": 1})
 
 
 def test_missing_shard_and_stalled_progress_fail(run):
     commit_variant(str(run), ROUNDS + 1, drop=("shard-1",))
-    v = validate_checkpoint(str(run), ROUNDS + 1)
-    assert _failure(v, "all_shards_present")["where"] == ["part 'shard-1' (present=False)"]
+    v = validate_run_checkpoint(str(run), ROUNDS + 1)
+    assert _where(v, "all_shards_present") == ["part 'shard-1' (present=False)"]
 
     def stall(part, st):
         if part == "shard-0":
@@ -320,12 +335,12 @@ def test_missing_shard_and_stalled_progress_fail(run):
             st["optimizer"]["state"][0]["step"] += 1
 
     commit_variant(str(run), ROUNDS + 2, stall, src=ROUNDS)
-    v = validate_checkpoint(str(run), ROUNDS + 2)
-    assert _failure(v, "data_position_advanced")["where"] == ["part 'shard-0' (data_advance=0)"]
-    assert _failure(v, "rng_states_present")["where"] == ["part 'shard-0' (rng_present=False)"]
-    assert _failure(v, "optimizer_steps_consistent")["where"] == ["part 'shard-1' (opt_step_spread=1)"]
-    assert all("shard-1" in w for w in _failure(v, "adam_second_moments_nonnegative")["where"])
-    assert _failure(v, "adam_second_moments_nonnegative")["count"] == 4
+    v = validate_run_checkpoint(str(run), ROUNDS + 2)
+    assert _where(v, "data_position_advanced") == ["part 'shard-0' (data_advance=0)"]
+    assert _where(v, "rng_states_present") == ["part 'shard-0' (rng_present=False)"]
+    assert _where(v, "optimizer_steps_consistent") == ["part 'shard-1' (opt_step_spread=1)"]
+    assert all("shard-1" in w for w in _where(v, "adam_second_moments_nonnegative"))
+    assert v.failure("adam_second_moments_nonnegative").count == 4
 
 
 # --- health and recovery -------------------------------------------------------------------------
@@ -336,8 +351,8 @@ def test_recovery_skips_a_failed_checkpoint(run, caplog):
             st["model"]["0.bias"][0] = float("inf")
 
     commit_variant(str(run), ROUNDS + 1, poison)
-    v = validate_checkpoint(str(run), ROUNDS + 1)
-    assert v["failed"] == ["no_inf"]  # one cause, named once: norms and changes skip non-finite values
+    v = validate_run_checkpoint(str(run), ROUNDS + 1)
+    assert v.failed == ("no_inf",)  # one cause, named once: norms and changes skip non-finite values
     ck = Checkpointer(str(run))
     with caplog.at_level(logging.WARNING, logger="ckptlib"):
         state = ck.restore(healthy=True)
@@ -347,9 +362,9 @@ def test_recovery_skips_a_failed_checkpoint(run, caplog):
                for r in caplog.records)
     # the next checkpoint is judged against the last healthy one, not the failed one
     commit_variant(str(run), ROUNDS + 2, src=ROUNDS)
-    v2 = validate_checkpoint(str(run), ROUNDS + 2)
-    assert v2["passed"], v2["failures"]
-    assert v2["summary"]["previous_healthy_step"] == ROUNDS
+    v2 = validate_run_checkpoint(str(run), ROUNDS + 2)
+    assert v2.passed, v2.failures
+    assert v2.summary["previous_healthy_step"] == ROUNDS
     index = (run / "reports" / "index.html").read_text()
     assert "failed" in index and f"{ROUNDS + 2}/index.html" in index
 
@@ -369,14 +384,16 @@ def test_single_part_checkpoints_get_the_generic_checks(tmp_path):
                     meta={"loss": float(loss.detach())})
         for step in range(3):
             v = validate_checkpoint(url, step)
-            assert v["passed"], v["failures"]
+            assert v.passed, v.failures
         bad = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}
         bad["model"]["2.bias"] = torch.tensor([1.0, float("nan"), 0.0, 0.0])
         ck.save(3, bad)
     v = validate_checkpoint(url, 3)
-    assert v["failed"] == ["no_nan"] and _failure(v, "no_nan")["where"] == ["part 'state', tensor 'model/2.bias' (nan_count=1)"]
-    assert v["summary"]["single"] is True and v["summary"]["loss"] is None
-    assert validate_checkpoint(url, 2)["summary"]["loss"] is not None
+    assert v.failed == ("no_nan",) and _where(v, "no_nan") == ["part 'state', tensor 'model/2.bias' (nan_count=1)"]
+    assert v.summary["single"] is True and v.summary["loss"] is None
+    assert validate_checkpoint(url, 2).summary["loss"] is not None
+    # the run's checks add nothing to a single-part checkpoint (their columns are null: not judged)
+    assert validate_run_checkpoint(url, 2).passed
 
 
 # --- Prefect, CLI, S3 ----------------------------------------------------------------------------
@@ -422,7 +439,7 @@ def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
     assert sorted(events) == [("ckpt.validation.failed", ROUNDS + 1), ("ckpt.validation.passed", ROUNDS)]
     # deployable, with described parameters (the UI shows them when re-validating)
     props = validate_checkpoint_flow.parameters.model_dump()["properties"]
-    assert all(props[p].get("description") for p in ("run_url", "step", "storage_options", "thresholds"))
+    assert all(props[p].get("description") for p in ("run_url", "step", "credentials_block", "thresholds"))
     assert validate_checkpoint_flow.name == "validate-checkpoint"
     dep = validate_checkpoint_flow.to_deployment(name="validate-checkpoint")
     assert dep.entrypoint == "flows/validate.py:validate_checkpoint_flow"
@@ -455,18 +472,17 @@ def test_validation_on_s3(s3_url):
     make_run(url, opts, rounds=1)
     store = Store.from_url(url, opts)
     for step in (0, 1):
-        v = validate_checkpoint(url, step, storage_options=opts)
-        assert v["passed"], v["failures"]
+        v = validate_run_checkpoint(url, step, storage_options=opts)
+        assert v.passed, v.failures
     for name in ("index.html", "tensors.html", "run.png", "summary.json"):
         assert len(store.get(f"reports/1/{name}")) > 500
     assert store.exists("reports/index.html")
     assert Checkpointer(url, opts).healthy_steps() == [0, 1]
-    m = Checkpointer(url, opts).manifest(1)
-    leaf = m.parts["shard-0"].leaves[0]
-    store.delete(m.parts["shard-0"].blobs[leaf.chunks[0]].key)
-    v = validate_checkpoint(url, 1, storage_options=opts)
-    assert v["failed"] == ["checkpoint_integrity"]
-    assert "missing" in _failure(v, "checkpoint_integrity")["where"][0]
+    frag = Checkpointer(url, opts).fragment(1, "shard-0")
+    store.delete(frag.blobs[frag.leaves[0].segments()[0][0]].key)
+    v = validate_run_checkpoint(url, 1, storage_options=opts)
+    assert v.failed == ("checkpoint_integrity",)
+    assert "missing" in _where(v, "checkpoint_integrity")[0]
 
 
 
@@ -476,6 +492,37 @@ def test_concurrent_validations_in_threads(run):
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(3) as ex:
-        verdicts = list(ex.map(lambda s: validate_checkpoint(str(run), s), [1, 2, 3]))
-    assert [v["passed"] for v in verdicts] == [True, True, True], [v["failures"] for v in verdicts]
+        verdicts = list(ex.map(lambda s: validate_run_checkpoint(str(run), s), [1, 2, 3]))
+    assert [v.passed for v in verdicts] == [True, True, True], [v.failures for v in verdicts]
     assert all((run / "reports" / str(s) / "tensors.html").stat().st_size > 1000 for s in (1, 2, 3))
+
+
+def test_validation_writes_only_through_the_store(run, tmp_path, monkeypatch):
+    """Issue #11 (4): every byte a validation writes goes through the Store API, under validations/
+    and reports/ only: on a memory store, no file appears anywhere on disk (cwd, the run's copy)."""
+    from ckptlib.store import WrapperStore
+
+    class Recording(WrapperStore):
+        writes: list[str] = []
+
+        def _forward(self, op, key, *args):
+            if op in ("put", "put_if_absent", "delete"):
+                Recording.writes.append(key)
+            return super()._forward(op, key, *args)
+
+    source = Store.from_url(str(run))
+    memory = Store.from_url(f"memory://validate-{os.getpid()}-{random.randrange(10**9)}")
+    for key in source.list():
+        memory.put(key, source.get(key))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    try:
+        v = validate_run_checkpoint(Recording(memory), ROUNDS)
+        assert v.passed, v.failures
+        assert Recording.writes and all(k.startswith(("validations/", "reports/")) for k in Recording.writes)
+        assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before and not any(cwd.iterdir())
+    finally:
+        for key in memory.list():
+            memory.delete(key)

@@ -28,7 +28,7 @@ import pytest
 from ckptlib import Checkpointer, commit
 from ckptlib.heartbeat import Heartbeat, read_heartbeat
 from ckptlib.store import Store
-from tasks.watchdog import Watchdog, assess_run
+from trainrun.watchdog import Watchdog, assess_run
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
 TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40, seed=0,
@@ -77,7 +77,7 @@ def _beat(store, part, *, t, gen=0, status="running", round=1, step=5, attempt=1
 def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path):
     store = Store.from_url(str(tmp_path))
     now = 1_000_000.0
-    coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "source": {"step": 1}}
+    coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "cut": {"step": 1}}
     _beat(store, "coordinator", t=now - 0.5, round=2, step=2, started=now - 100, meta=coord_meta)
     _beat(store, "shard-0", t=now - 5, round=2)  # silent
     _beat(store, "shard-1", t=now - 0.2, round=2)  # fresh
@@ -147,20 +147,20 @@ def test_a_dead_or_frozen_process_is_fenced_within_timeout_plus_one_poll(where, 
         os.kill(child.pid, getattr(signal, sig))
         fenced = None
         while fenced is None and time.time() - t_fail < 30:
-            fenced = next((d for d in wd.poll() if d["kind"] == "fenced"), None)
+            fenced = next((d for d in wd.poll() if d.kind == "fenced"), None)
             time.sleep(0.5)
         assert fenced is not None, "never detected"
-        since_failure = fenced["detected"] - t_fail
-        assert 2.0 <= fenced["detection_latency_s"] <= 2.0 + 0.5 + SLACK
+        since_failure = fenced.detected - t_fail
+        assert 2.0 <= fenced.detection_latency_s <= 2.0 + 0.5 + SLACK
         assert since_failure <= 2.0 + 0.5 + SLACK
         doc = commit.read_fence(Store.from_url(url, so), "shard-0", 1)
-        assert doc["by"] == "test-watchdog" and doc["detection_latency_s"] == fenced["detection_latency_s"]
+        assert doc["by"] == "test-watchdog" and doc["detection_latency_s"] == fenced.detection_latency_s
         record(f"detect-{sig.lower()}-{'s3' if so else 'local'}", timeout_s=2.0, poll_s=0.5,
-               detection_latency_s=fenced["detection_latency_s"], since_failure_s=since_failure)
+               detection_latency_s=fenced.detection_latency_s, since_failure_s=since_failure)
         if sig == "SIGSTOP":  # woken up, the zombie notices the fence at its next beat and stops itself
             os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=30) == 3
-            assert read_heartbeat(Store.from_url(url, so), "shard-0")["status"] == "fenced"
+            assert read_heartbeat(Store.from_url(url, so), "shard-0").status == "fenced"
     finally:
         if child.poll() is None:
             child.kill()
@@ -202,9 +202,9 @@ def test_fencing_wins_exactly_once_among_racing_processes_and_watchdogs(where):
     threads = [threading.Thread(target=look, args=(i,)) for i in range(2)]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
-    kinds = sorted(d["kind"] for ds in decided.values() for d in ds)
+    kinds = sorted(d.kind for ds in decided.values() for d in ds)
     assert kinds.count("fenced") == 1 and set(kinds) <= {"fenced", "lost-race"}
-    winner = next(d["by"] for ds in decided.values() for d in ds if d["kind"] == "fenced")
+    winner = next(d.by for ds in decided.values() for d in ds if d.kind == "fenced")
     assert commit.read_fence(store, "shard-0", 1)["by"] == winner
     assert commit.live_generation(store, "shard-0") == 1
 
@@ -223,7 +223,8 @@ def digests(url: str, so: dict | None = None) -> dict[int, str]:
 
 
 def train_with_watchdog(p, *, timeout_s: float = TIMEOUT, poll_s: float = POLL):
-    """``train_run(p)`` with the watchdog flow beside it in a thread (as ``ckpt train`` does)."""
+    """``train_run(p)`` with the watchdog flow beside it in a thread (as ``ckpt train`` does: with the
+    run's own spec; credentials, if any, from this process's environment)."""
     from flows.train import train_run
     from flows.watchdog import stop_event, watchdog
 
@@ -234,7 +235,7 @@ def train_with_watchdog(p, *, timeout_s: float = TIMEOUT, poll_s: float = POLL):
 
     def run():
         out["wd"] = ctx.run(watchdog, store=p.store, run_id=p.run_id, timeout_s=timeout_s, poll_s=poll_s, duration_s=0,
-                            storage_options=p.storage_options_dict(), stop_key=key)
+                            spec=p.spec(), stop_key=key)
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
@@ -337,9 +338,10 @@ def test_hang_and_zombie_drills_reach_the_clean_digest(clean, tmp_path):
 
 @pytest.mark.prefect
 @pytest.mark.slow
-def test_zombie_and_stall_drills_on_s3(clean, s3_url):
+def test_zombie_and_stall_drills_on_s3(clean, s3_url, monkeypatch):
     """On SeaweedFS: a zombie in round 2, and in round 3 a shard that beats on without advancing."""
     store, so = s3_url
+    monkeypatch.setenv("CKPT_STORAGE_OPTIONS", json.dumps(so))  # the watchdog's (as ckpt train's is)
     s, ds = train_with_watchdog(params(store=store, run_id="zombie", storage_options=so,
                                        chaos=["zombie:shard=0,round=2", "stall:shard=1,round=3"]))
     check_run(s["run_url"], so, clean, struck={"shard-0": 2, "shard-1": 3})
@@ -494,3 +496,82 @@ def test_ckpt_watchdog_in_the_foreground_fences_a_silent_shard_of_any_run_under_
     assert [(d["kind"], d["run"], d["generation"]) for d in summary["decisions"]] == [("fenced", "run-a", 1)]
     assert sorted(r.rsplit("/", 1)[-1] for r in summary["runs"]) == ["run-a", "run-b"]
     assert commit.live_generation(Store.from_url(str(tmp_path / "run-b")), "shard-0") == 0
+
+
+# --- nothing the store names is ever imported or run -------------------------------------------------
+
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+def build(config, shard, num_shards):
+    pathlib.Path({marker!r}).write_text("called")
+"""
+
+
+class DoomedRun(threading.Thread):
+    """A run whose committed step 0, live coordinator (its beat naming ``workload``, renewed every
+    0.2 s) and silent shard-0 invite a watchdog to rerun the shard."""
+
+    def __init__(self, store: Store, workload: str, *, setup: bool = True):
+        import torch
+
+        super().__init__(daemon=True)
+        self.store, self.halt = store, threading.Event()
+        self.t0 = time.time()
+        cut = {"step": 0, "committed": True, "generations": {}}
+        spec = {"workload": workload, "shards": 1, "steps_per_round": 4}
+        self.meta = {"run_id": "x", "spec": spec, "phase": "shards", "phase_time": self.t0, "source": cut, "cut": cut}
+        if setup:
+            with Checkpointer(store) as ck:
+                ck.write_fragment(0, "shard-0", {"model": {"w": torch.zeros(2)}, "round": 0})
+                ck.write_fragment(0, "coordinator", {"model": {"w": torch.zeros(2)}, "round": 0})
+                ck.commit(0, ["coordinator", "shard-0"], timeout=10)
+            _beat(store, "shard-0", t=self.t0 - 60, round=1, meta={"source": cut, "spec": spec, "cut": cut})
+        self.beat()
+
+    def beat(self):
+        _beat(self.store, "coordinator", t=time.time(), round=1, step=1, started=self.t0 - 100, meta=self.meta)
+
+    def run(self):
+        while not self.halt.wait(0.2):
+            self.beat()
+
+
+@pytest.mark.prefect
+def test_the_watchdog_never_imports_or_runs_a_workload_the_store_names(prefect_harness, tmp_path, monkeypatch, capfd):
+    """Heartbeats naming ``builtins:print`` and a module with a side effect: refused and reported,
+    never imported; the operator's allow-list is the only way in."""
+    from flows.watchdog import watchdog
+
+    marker = tmp_path / "marker"
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "evil_workload.py").write_text(EVIL.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))  # importable: a refusal is not an import error
+    root = tmp_path / "runs"
+    runs = [DoomedRun(Store.from_url(str(root / "printer")), "builtins:print"),
+            DoomedRun(Store.from_url(str(root / "evil")), "evil_workload:build")]
+    for r in runs:
+        r.start()
+    try:
+        out = watchdog(store=str(root), timeout_s=2.0, poll_s=0.2, duration_s=1.0, resume=False)
+    finally:
+        for r in runs:
+            r.halt.set()
+    refused = {d["run"]: d for d in out["decisions"] if d["kind"] == "cannot-rerun"}
+    assert set(refused) == {"printer", "evil"}, out["decisions"]
+    assert "'builtins:print'" in refused["printer"]["reason"] and "not imported" in refused["printer"]["reason"]
+    assert "--allow-workload evil_workload:build" in refused["evil"]["reason"]
+    assert not marker.exists() and "evil_workload" not in sys.modules
+    assert "WorkloadConfig(" not in capfd.readouterr().out  # print was never called with a config
+    assert commit.live_generation(Store.from_url(str(root / "evil")), "shard-0") == 0  # nothing fenced either
+    # named by the operator, the same workload is obeyed: fenced, rerun, imported (and it fails: not a workload)
+    runs[1] = DoomedRun(Store.from_url(str(root / "evil")), "evil_workload:build", setup=False)
+    runs[1].start()
+    try:
+        out = watchdog(store=str(root), run_id="evil", timeout_s=2.0, poll_s=0.2, duration_s=1.0, resume=False,
+                       allow_workloads=["evil_workload:build"])
+    finally:
+        runs[1].halt.set()
+    assert [d["kind"] for d in out["decisions"]][:1] == ["fenced"], out["decisions"]
+    assert marker.exists()

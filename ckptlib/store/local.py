@@ -180,16 +180,23 @@ class LocalStore(Store):
             while stack:
                 current = stack.pop()
                 rel = os.path.relpath(current, self.root).replace(os.sep, "/")
-                with os.scandir(current) as entries:
+                try:
+                    entries = os.scandir(current)
+                except FileNotFoundError:
+                    continue  # removed since it was listed
+                with entries:
                     for entry in entries:
                         if entry.name.startswith(TMP_PREFIX) or entry.is_symlink():
                             continue  # temp files of writes in flight; links are never objects
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        elif entry.is_file(follow_symlinks=False):
-                            info = entry.stat(follow_symlinks=False)
-                            key = entry.name if rel == "." else f"{rel}/{entry.name}"
-                            yield ObjectInfo(key, info.st_size, info.st_mtime)
+                        try:
+                            if entry.is_dir(follow_symlinks=False):
+                                stack.append(entry.path)
+                            elif entry.is_file(follow_symlinks=False):
+                                info = entry.stat(follow_symlinks=False)
+                                key = entry.name if rel == "." else f"{rel}/{entry.name}"
+                                yield ObjectInfo(key, info.st_size, info.st_mtime)
+                        except FileNotFoundError:
+                            continue  # deleted while listed: a listing is not a snapshot
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         folder = self._folder(prefix)

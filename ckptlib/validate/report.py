@@ -10,9 +10,10 @@
                                   loss, validation verdicts (1200 x 800 px)
     reports/index.html            every checkpoint with its verdict, linking each report
 
-Called by ``ckptlib.validate`` (step reports and the index after each validation) and by
-``ckpt report`` (the index). Only ``reports/`` keys are written. matplotlib is driven through its
-object API (Figure + Agg canvas, no pyplot state), so reports may be drawn from several threads.
+Called by ``validate_checkpoint`` (step reports and the index after each validation) and by
+``ckpt report`` (the index). Only ``reports/`` keys are written, all through the ``Store`` (never a
+local file: the PNG is drawn into memory). matplotlib is driven through its object API (Figure +
+Agg canvas, no pyplot state), so reports may be drawn from several threads.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import html
 import io
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
-from . import commit
-from .errors import CheckpointError
-from .store import Store
+from .. import commit
+from ..errors import CheckpointError
+from ..store import Store
+from .gx import render_gx_html
+from .stats import manifest_loss
+from .verdict import Verdict, list_verdicts
 
 log = logging.getLogger("ckptlib.report")
 
@@ -41,29 +46,38 @@ def _mib(n: Any) -> str:
     return "" if n is None else f"{n / 2**20:.2f} MiB"
 
 
+def report_prefix(step: int) -> str:
+    return f"reports/{step}/"
+
+
+def report_links(store: Store, step: int) -> dict[str, str]:
+    """Where the report of ``step`` is (the verdict's ``report``)."""
+    key = report_prefix(step)
+    return {"html": key + "index.html", "gx_tensors_html": key + "tensors.html", "gx_parts_html": key + "parts.html",
+            "summary": key + "summary.json", "plot": key + "run.png", "url": f"{store.url}/{key}index.html"}
+
+
 # --- history of a run ------------------------------------------------------------------------------
 
-def run_history(store: Store, *, override: dict | None = None) -> list[dict]:
+def run_history(store: Store, *, override: Verdict | None = None) -> list[dict]:
     """One row per committed step: bytes, loss and verdict. Verdicts carry the numbers; a step
     without one costs one manifest read. ``override`` is a fresh verdict not yet stored."""
-    from .validate import list_verdicts, manifest_loss
-
     verdicts = list_verdicts(store)
     if override is not None:
-        verdicts[override["step"]] = override
+        verdicts[override.step] = override
     rows = []
     for step in commit.committed_steps(store):
         v = verdicts.get(step)
-        s = (v or {}).get("summary") or {}
-        row = {"step": step, "passed": None if v is None else bool(v.get("passed")),
-               "failed": list((v or {}).get("failed", [])),
+        s = v.summary if v is not None else {}
+        row = {"step": step, "passed": None if v is None else v.passed,
+               "failed": list(v.failed) if v is not None else [],
                "bytes_written": s.get("bytes_written"), "logical_bytes": s.get("logical_bytes"),
                "loss": s.get("loss"), "eval_loss": s.get("eval_loss"), "kind": s.get("kind"),
-               "report": (v or {}).get("report", {}).get("html")}
+               "report": v.report.get("html") if v is not None else None}
         if row["logical_bytes"] is None:
             try:
                 m = commit.read_manifest(store, step)
-                loss, ev = manifest_loss(m)
+                loss, ev = manifest_loss(store, m)
                 row.update(bytes_written=m.bytes_written, logical_bytes=m.logical_bytes, loss=loss,
                            eval_loss=ev, kind=m.kind)
             except CheckpointError as e:
@@ -98,7 +112,7 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
     written = [(_num(r.get("bytes_written")) or 0) / scale for r in history]
     full = [nan if _num(r.get("logical_bytes")) is None else _num(r.get("logical_bytes")) / scale for r in history]
     colors = ["#2e7d32" if r["passed"] else "#c62828" if r["passed"] is False else "#9e9e9e" for r in history]
-    width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1)
+    width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1) or 1)
     ax1.bar(steps, written, width=width, color="#42a5f5", label="bytes written")
     ax1.plot(steps, full, "k--", marker=".", label="full size (logical bytes)")
     ax1.set_ylabel(unit)
@@ -119,7 +133,7 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
     else:
         ax2.text(0.5, 0.5, "no loss recorded", transform=ax2.transAxes, ha="center", color="#757575")
     ax3.scatter(steps, [0] * len(steps), c=colors, s=60, marker="s")
-    for s_, r in zip(steps, history):
+    for s_, r in zip(steps, history, strict=True):
         if r["passed"] is False and len(history) <= 40:
             ax3.annotate("failed", (s_, 0), textcoords="offset points", xytext=(0, -14), ha="center",
                          color="#c62828", fontsize=7)
@@ -145,32 +159,37 @@ font-size:14px}th{background:#f5f5f5}.pass{color:#2e7d32;font-weight:bold}.fail{
 code{background:#f5f5f5;padding:1px 3px}img{max-width:100%}"""
 
 
-def _verdict_html(v: dict, links: dict[str, str]) -> str:
-    s = v.get("summary", {})
-    ok = v.get("passed")
-    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoint {v['step']}: "
+# summary entries shown first in a step's report (the rest, e.g. an extension's, follow)
+_NUMBERS = ("kind", "parent", "parts", "tensors", "logical_bytes", "bytes_written", "stored_bytes", "ratio", "loss",
+            "eval_loss", "previous_healthy_step", "nan_count", "inf_count", "max_abs_value", "max_norm",
+            "max_rel_change", "min_second_moment")
+_NOT_SHOWN = ("single", "created", "digest", "integrity_problems")
+
+
+def _verdict_html(v: Verdict, links: Mapping[str, str]) -> str:
+    s = v.summary
+    ok = v.passed
+    out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoint {v.step}: "
            f"{'PASSED' if ok else 'FAILED'}</title><style>{_CSS}</style></head><body>",
-           f"<h1>Checkpoint step {v['step']}: <span class='{'pass' if ok else 'fail'}'>"
+           f"<h1>Checkpoint step {v.step}: <span class='{'pass' if ok else 'fail'}'>"
            f"{'PASSED' if ok else 'FAILED'}</span></h1>",
-           f"<p>Run <code>{_esc(v.get('run'))}</code>, validated {_esc(v.get('validated_at'))}; the checks took "
-           f"{sum(x for k, x in v.get('seconds', {}).items() if k not in ('report', 'total')):.2f} s. "
-           f"{_esc(v.get('expectations', {}).get('successful'))}/{_esc(v.get('expectations', {}).get('evaluated'))} "
+           f"<p>Run <code>{_esc(v.run)}</code>, validated {_esc(v.validated_at)}; the checks took "
+           f"{sum(x for k, x in v.seconds.items() if k not in ('report', 'total')):.2f} s. "
+           f"{_esc(v.expectations.get('successful'))}/{_esc(v.expectations.get('evaluated'))} "
            "expectations met.</p>"]
-    if v.get("failures"):
+    if v.failures:
         out.append("<h2>Failed expectations</h2><table><tr><th>expectation</th><th>what it checks</th>"
                    "<th>count</th><th>where</th></tr>")
-        for f in v["failures"]:
-            where = "<br>".join(_esc(w) for w in f.get("where", [])[:30])
-            if len(f.get("where", [])) > 30:
-                where += f"<br>... and {len(f['where']) - 30} more"
-            out.append(f"<tr><td class='fail'>{_esc(f['expectation'])}</td><td>{_esc(f.get('what'))}</td>"
-                       f"<td>{_esc(f.get('count'))}</td><td>{where}</td></tr>")
+        for f in v.failures:
+            where = "<br>".join(_esc(w) for w in f.where[:30])
+            if len(f.where) > 30:
+                where += f"<br>... and {len(f.where) - 30} more"
+            out.append(f"<tr><td class='fail'>{_esc(f.expectation)}</td><td>{_esc(f.what)}</td>"
+                       f"<td>{_esc(f.count)}</td><td>{where}</td></tr>")
         out.append("</table>")
     out.append("<h2>Numbers</h2><table>")
-    for k in ("kind", "parent", "parts", "shards_present", "shards_expected", "tensors", "logical_bytes",
-              "bytes_written", "stored_bytes", "ratio", "loss", "eval_loss", "round", "previous_healthy_step",
-              "nan_count", "inf_count", "max_abs_value", "max_norm", "max_rel_change", "min_second_moment",
-              "data_positions", "digest"):
+    keys = list(_NUMBERS) + [k for k in s if k not in _NUMBERS and k not in _NOT_SHOWN] + ["digest"]
+    for k in keys:
         val = s.get(k)
         if k.endswith("_bytes") and val is not None:
             val = f"{val} ({_mib(val)})"
@@ -178,17 +197,16 @@ def _verdict_html(v: dict, links: dict[str, str]) -> str:
     out.append("</table><h2>Run so far</h2><img src='run.png' alt='run plot'>")
     out.append("<h2>Details</h2><ul>" + "".join(f"<li><a href='{_esc(href)}'>{_esc(text)}</a></li>"
                                                  for text, href in links.items()) + "</ul>")
-    out.append(f"<h2>Thresholds</h2><pre>{_esc(json.dumps(v.get('thresholds', {}), indent=1))}</pre>")
+    out.append(f"<h2>Thresholds</h2><pre>{_esc(json.dumps(v.thresholds, indent=1))}</pre>")
     out.append("</body></html>")
     return "\n".join(out)
 
 
-def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dict) -> list[dict]:
+def write_step_report(store: Store, verdict: Verdict, tables: Mapping[str, Any],
+                      gx_results: Mapping[str, Any]) -> list[dict]:
     """Write ``reports/<step>/...`` for a verdict (not yet stored: it is the history's newest word on
     its step); returns the run history it drew. Raises StoreError when the store cannot be written."""
-    from .validate import render_gx_html, report_prefix
-
-    step = verdict["step"]
+    step = verdict.step
     pre = report_prefix(step)
     links: dict[str, str] = {}
     for table, res in gx_results.items():
@@ -203,7 +221,7 @@ def write_step_report(store: Store, verdict: dict, tables: dict, gx_results: dic
     store.put(f"{pre}run.png", plot_run(history, title=f"{store.url} (step {step})", highlight=step))
     links["summary (JSON)"] = "summary.json"
     links["all checkpoints of the run"] = "../index.html"
-    summary = dict(verdict)
+    summary = verdict.to_dict()
     summary["history"] = history
     store.put(f"{pre}summary.json", json.dumps(summary, indent=1, default=str).encode())
     store.put(f"{pre}index.html", _verdict_html(verdict, links).encode())

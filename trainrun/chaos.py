@@ -39,9 +39,9 @@ The kinds and who recovers (``docs/watchdog.md``):
             fence is on the store (as a paused VM resumes some time later); the woken attempt
             finds its fence at its next beat and ends itself (FencedError). Needs dask too.
 
-Each strike first creates ``chaos/<part>.r<round>.a<attempt>.json`` (kind, wall time, round step)
-with put-if-absent, so a spec strikes at most once per run (a task Dask runs again after its worker
-died keeps its attempt number) and drills can measure from the true moment of failure.
+Each strike first creates ``chaos/<part>.r<round>.a<attempt>.json`` (a ``Strike``: kind, wall time,
+round step) with put-if-absent, so a spec strikes at most once per run (a task Dask runs again after
+its worker died keeps its attempt number) and drills can measure from the true moment of failure.
 
 Nothing here knows Prefect; the shard task passes the attempt number.
 """
@@ -56,9 +56,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-log = logging.getLogger("tasks.chaos")
+from ckptlib import commit
+from ckptlib.documents import Document, DocumentError
+from ckptlib.errors import FencedError, ObjectNotFound, StoreError
+from ckptlib.store import Store, WrapperStore
+
+from .layout import strike_key
+
+if TYPE_CHECKING:
+    from ckptlib import Checkpointer
+    from ckptlib.heartbeat import Heartbeat
+
+log = logging.getLogger("trainrun.chaos")
 
 # kind -> what it does (for messages and --help)
 KINDS: dict[str, str] = {
@@ -154,12 +165,33 @@ def check_runner(specs: list[str] | None, task_runner: str) -> None:
             "run (coordinator and watchdog included); use --task-runner dask, or crash/hang/zombie with threads")
 
 
-def strike_record_key(part: str, round: int, attempt: int) -> str:
-    return f"chaos/{part}.r{round}.a{attempt}.json"
+@dataclass(frozen=True)
+class Strike(Document):
+    """``chaos/<part>.r<round>.a<attempt>.json``: when and where a chaos spec struck (once per run)."""
+
+    KIND = "chaos strike"
+
+    kind: str
+    spec: str
+    part: str
+    round: int
+    attempt: int
+    round_step: int
+    time: float
+    pid: int
 
 
-def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, checkpointer: Any = None,
-           generation: int | None = None) -> None:
+def read_strike(store: Store, part: str, round: int, attempt: int) -> Strike | None:
+    """The strike of this attempt, if a chaos spec struck it (None too when unreadable: it is for measures)."""
+    key = strike_key(part, round, attempt)
+    try:
+        return Strike.from_json(store.get(key), f"{store.url}/{key}")
+    except (ObjectNotFound, StoreError, DocumentError):
+        return None
+
+
+def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Heartbeat | None = None,
+           checkpointer: Checkpointer | None = None, generation: int | None = None) -> None:
     """Do what ``chaos`` says, now (called from the training loop once its step is reached).
 
     ``heartbeat`` (ckptlib Heartbeat), ``checkpointer`` and ``generation`` are the attempt's own:
@@ -190,29 +222,27 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Any = None, c
         raise ValueError(f"chaos kind {chaos.kind!r} has no action yet")
 
 
-def _record(store, chaos: Chaos, part: str, round_step: int) -> bool:
+def _record(store: Store, chaos: Chaos, part: str, round_step: int) -> bool:
     """Record the strike (put-if-absent); False when this spec already struck in the run. A Dask
     worker that died mid-task has its task run again by Dask with the same Prefect attempt number:
     without this, ``kill`` would strike again in every worker that picks the task up."""
-    doc = {"kind": chaos.kind, "spec": str(chaos), "part": part, "round": chaos.round, "attempt": chaos.attempt,
-           "round_step": round_step, "time": time.time(), "pid": os.getpid()}
+    doc = Strike(kind=chaos.kind, spec=str(chaos), part=part, round=chaos.round, attempt=chaos.attempt,
+                 round_step=round_step, time=time.time(), pid=os.getpid())
     try:
-        return store.put_if_absent(strike_record_key(part, chaos.round, chaos.attempt), json.dumps(doc).encode())
-    except Exception as e:  # the record is for measurements (and once-only): strike anyway
+        return store.put_if_absent(strike_key(part, chaos.round, chaos.attempt), doc.to_json())
+    except Exception as e:  # noqa: BLE001 - the record is for measurements (and once-only): strike anyway
         log.warning("chaos %s: could not record the strike: %s", chaos, e)
         return True
 
 
-def _fenced(store, part: str, generation: int) -> bool:
-    from ckptlib import commit
-
+def _fenced(store: Store, part: str, generation: int) -> bool:
     try:
         return commit.live_generation(store, part) > generation
-    except Exception:  # a store hiccup is not a fence
+    except Exception:  # noqa: BLE001 - a store hiccup is not a fence
         return False
 
 
-def _wait_for_fence(chaos: Chaos, store, part: str, generation: int, what: str) -> None:
+def _wait_for_fence(chaos: Chaos, store: Store, part: str, generation: int, what: str) -> None:
     deadline = time.monotonic() + MAX_WAIT_S
     while not _fenced(store, part, generation):
         if time.monotonic() > deadline:
@@ -221,9 +251,7 @@ def _wait_for_fence(chaos: Chaos, store, part: str, generation: int, what: str) 
         time.sleep(0.5)
 
 
-def _hang(chaos: Chaos, store, part: str, generation: int) -> None:
-    from ckptlib import FencedError
-
+def _hang(chaos: Chaos, store: Store, part: str, generation: int) -> None:
     log.warning("chaos %s: %s hangs (no beats, no steps) until a watchdog fences it", chaos, part)
     _wait_for_fence(chaos, store, part, generation, "hung")
     raise FencedError(f"chaos {chaos}: {part} generation {generation} hung and was fenced meanwhile; it stops")
@@ -232,14 +260,15 @@ def _hang(chaos: Chaos, store, part: str, generation: int) -> None:
 # The helper that wakes a stopped attempt: its own process (the stopped one can do nothing), in its
 # own session (a signal to the worker's group does not reach it). Arguments come on stdin, so
 # storage credentials never show in a process listing.
-_WAKER = "import sys; from tasks.chaos import wake_when_fenced; wake_when_fenced(sys.stdin.read())"
+_WAKER = "import sys; from trainrun.chaos import wake_when_fenced; wake_when_fenced(sys.stdin.read())"
 
 
-def _freeze(chaos: Chaos, checkpointer, part: str, generation: int) -> None:
+def _freeze(chaos: Chaos, checkpointer: Checkpointer, part: str, generation: int) -> None:
     store = checkpointer.store
     job = {"url": store.url, "storage_options": getattr(store, "storage_options", None), "part": part,
            "generation": generation, "pid": os.getpid(), "max_wait_s": MAX_WAIT_S}
     waker = subprocess.Popen([sys.executable, "-c", _WAKER], stdin=subprocess.PIPE, start_new_session=True)
+    assert waker.stdin is not None
     waker.stdin.write(json.dumps(job).encode())
     waker.stdin.close()
     log.warning("chaos %s: %s stops its own process %d now (SIGSTOP) until a watchdog fences it", chaos, part,
@@ -251,8 +280,6 @@ def _freeze(chaos: Chaos, checkpointer, part: str, generation: int) -> None:
 def wake_when_fenced(job_json: str) -> None:
     """The waker's body: SIGCONT to ``pid`` once ``part``'s live generation is above ``generation``
     (or after ``max_wait_s``, so no drill leaves a process frozen for good)."""
-    from ckptlib.store import Store
-
     job = json.loads(job_json)
     store = Store.from_url(job["url"], job["storage_options"])
     deadline = time.monotonic() + float(job["max_wait_s"])
@@ -264,13 +291,13 @@ def wake_when_fenced(job_json: str) -> None:
         pass
 
 
-def _stall(chaos: Chaos, heartbeat, part: str) -> None:
+def _stall(chaos: Chaos, heartbeat: Heartbeat | None, part: str) -> None:
     """Beats on at the same step (a loop stuck retrying something): the beat that finds the fence
     raises FencedError and ends the attempt."""
     if heartbeat is None:
         raise ValueError(f"chaos {chaos} needs the attempt's heartbeat")
     log.warning("chaos %s: %s stalls (it beats, its step does not move) until a watchdog fences it", chaos, part)
-    step = heartbeat.document("running")["step"] or 0
+    step = heartbeat.document("running").step or 0
     deadline = time.monotonic() + MAX_WAIT_S
     while time.monotonic() < deadline:
         heartbeat.beat(step=step)  # raises FencedError once fenced
@@ -278,7 +305,8 @@ def _stall(chaos: Chaos, heartbeat, part: str) -> None:
     raise ChaosCrash(f"chaos {chaos}: {part} stalled for {MAX_WAIT_S:.0f} s and nobody fenced it")
 
 
-def _partition(chaos: Chaos, heartbeat, checkpointer, part: str, generation: int) -> None:
+def _partition(chaos: Chaos, heartbeat: Heartbeat | None, checkpointer: Checkpointer, part: str,
+               generation: int) -> None:
     """From now on the attempt's beats are lost and it cannot see newer fences; it trains on."""
     if heartbeat is None:
         raise ValueError(f"chaos {chaos} needs the attempt's heartbeat")
@@ -293,95 +321,34 @@ def _partition(chaos: Chaos, heartbeat, checkpointer, part: str, generation: int
 
 # --- store views of a partitioned attempt -------------------------------------------------------------
 
-def _view_class():
-    from ckptlib.errors import StoreError
-    from ckptlib.store import Store
-
-    class View(Store):
-        """Delegates to ``inner``; subclasses change what the attempt sees."""
-
-        def __init__(self, inner: Store):
-            self.inner = inner
-            self.url = inner.url
-            self.capabilities = inner.capabilities
-
-        def get(self, key):
-            return self.inner.get(key)
-
-        def put(self, key, data):
-            return self.inner.put(key, data)
-
-        def put_if_absent(self, key, data):
-            return self.inner.put_if_absent(key, data)
-
-        def exists(self, key):
-            return self.inner.exists(key)
-
-        def list(self, prefix=""):
-            return self.inner.list(prefix)
-
-        def delete(self, key):
-            return self.inner.delete(key)
-
-        def modified(self, key):
-            return self.inner.modified(key)
-
-        def child(self, subpath):
-            return type(self)(self.inner.child(subpath))
-
-    return View, StoreError
-
-
-_View, _StoreError = _view_class()
-
-
-class Partitioned(_View):
+class Partitioned(WrapperStore):
     """Every call on a key under one of ``lost`` fails as if the network were down."""
 
-    def __init__(self, inner, lost: tuple[str, ...] = ()):
+    def __init__(self, inner: Store, lost: tuple[str, ...] = ()):
         super().__init__(inner)
         self.lost = lost
 
-    def _check(self, key: str) -> None:
+    def _forward(self, op: str, key: str, *args: Any) -> Any:
         if key.startswith(self.lost):
-            raise _StoreError(f"chaos partition: {self.url}/{key} cannot be reached")
+            raise StoreError(f"chaos partition: {self.url}/{key} cannot be reached")
+        return super()._forward(op, key, *args)
 
-    def get(self, key):
-        self._check(key)
-        return super().get(key)
-
-    def put(self, key, data):
-        self._check(key)
-        return super().put(key, data)
-
-    def put_if_absent(self, key, data):
-        self._check(key)
-        return super().put_if_absent(key, data)
-
-    def exists(self, key):
-        self._check(key)
-        return super().exists(key)
-
-    def list(self, prefix=""):
-        self._check(prefix)
-        return super().list(prefix)
-
-    def child(self, subpath):
-        return Partitioned(self.inner.child(subpath), self.lost)
+    def _wrap_child(self, inner_child: Store) -> Store:
+        return Partitioned(inner_child, self.lost)
 
 
-class StaleFences(_View):
+class StaleFences(WrapperStore):
     """Sees the fences of ``part`` as they were when it was live: none above ``generation``."""
 
-    def __init__(self, inner, part: str, generation: int):
+    def __init__(self, inner: Store, part: str, generation: int):
         super().__init__(inner)
         self.part, self.generation = part, generation
 
-    def list(self, prefix=""):
+    def list(self, prefix: str = "") -> list[str]:
         keys = super().list(prefix)
         if prefix.rstrip("/") != f"fences/{self.part}":
             return keys
         return [k for k in keys if not (k.rsplit("/", 1)[1].isdigit() and int(k.rsplit("/", 1)[1]) > self.generation)]
 
-    def child(self, subpath):
-        return StaleFences(self.inner.child(subpath), self.part, self.generation)
+    def _wrap_child(self, inner_child: Store) -> Store:
+        return StaleFences(inner_child, self.part, self.generation)

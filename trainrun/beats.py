@@ -1,0 +1,118 @@
+"""The heartbeats of a training run: what each carries for a watchdog, and the coordinator's beat.
+
+ckptlib's ``Heartbeat`` writes ``heartbeats/<part>.json`` (a ``Beat``); its ``meta`` is ours:
+
+* ``shard-<i>``: a ``rounds.ShardInfo``, the cut the attempt started from and its spec's hash, so
+  a watchdog can rerun the round even when no coordinator beats (ckptlib used without the flow);
+* ``coordinator``: a ``CoordinatorInfo``, beaten by the training flow from a thread
+  (``CoordinatorBeat``): the round, its phase and the cut it starts from, the spec and settings,
+  the Prefect flow run and deployment. What a watchdog needs to rerun a shard or restart the run.
+
+A watchdog never runs code the store names: it takes a spec from here only when its workload is on
+the watchdog's allow-list (``trainrun.watchdog.rerun``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from ckptlib import commit
+from ckptlib.documents import Document, DocumentError
+from ckptlib.errors import FencedError
+from ckptlib.heartbeat import Beat, Heartbeat
+from ckptlib.store import Store
+
+from .layout import COORDINATOR
+from .rounds import Cut
+from .spec import RunSettings, RunSpec
+
+log = logging.getLogger("trainrun.beats")
+
+Phase = Literal["setup", "shards", "cut", "validations", "done"]
+
+
+@dataclass(frozen=True)
+class CoordinatorInfo(Document):
+    """The ``meta`` of the coordinator's beat (see the module docstring)."""
+
+    KIND = "coordinator heartbeat meta"
+
+    run_id: str = ""
+    spec: RunSpec | None = None
+    settings: RunSettings = field(default_factory=RunSettings)
+    phase: Phase = "setup"
+    phase_time: float = 0.0
+    cut: Cut | None = None
+    flow_run_id: str | None = None
+    deployment_id: str | None = None
+
+
+def coordinator_info(beat: Beat) -> CoordinatorInfo | None:
+    """The coordinator beat's meta, or None (logged) when it does not parse."""
+    try:
+        return CoordinatorInfo.from_dict(beat.meta, f"heartbeats/{COORDINATOR}.json meta")
+    except DocumentError as e:
+        log.warning("%s", e)
+        return None
+
+
+class CoordinatorBeat:
+    """``heartbeats/coordinator.json`` of a training run, every ``every_s`` from a daemon thread.
+
+    The flow calls ``update(round=..., phase=..., cut=...)`` as it goes (written at once) and
+    ``finish("finished" | "failed")`` at the end. A thread, unlike the shards' in-loop beats: the
+    coordinator mostly waits (for shard tasks, for fragments), and what matters is that its process
+    and flow run are alive."""
+
+    def __init__(self, store: Store, info: CoordinatorInfo, *, every_s: float, round: int = 0):
+        self.info = replace(info, phase="setup", phase_time=time.time())
+        generation = commit.live_generation(store, COORDINATOR)
+        self.hb = Heartbeat(store, COORDINATOR, generation=generation, round=round, every_s=every_s,
+                            meta=self.info.to_dict())
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckpt-coordinator-beat", daemon=True)
+
+    def start(self) -> CoordinatorBeat:
+        self.hb.start(step=self.hb.round)
+        self._thread.start()
+        return self
+
+    def update(self, *, round: int | None = None, phase: Phase | None = None, cut: Cut | None = None) -> None:
+        with self._lock:
+            if round is not None:
+                self.hb.round = int(round)
+            changes: dict[str, Any] = {} if cut is None else {"cut": cut}
+            if phase is not None:
+                changes.update(phase=phase, phase_time=time.time())
+            self._set(replace(self.info, **changes))
+            self._beat(force=True)
+
+    def _set(self, info: CoordinatorInfo) -> None:
+        self.info = info
+        self.hb.meta = info.to_dict()
+
+    def _beat(self, force: bool = False) -> None:
+        try:
+            self.hb.beat(step=self.hb.round, force=force)
+        except FencedError as e:  # nobody fences the coordinator today; if someone does, stop beating
+            log.warning("coordinator heartbeat stops: %s", e)
+            self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s / 2):
+            with self._lock:
+                self._beat()
+
+    def finish(self, status: Literal["finished", "failed"] = "finished", error: str | None = None) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._set(replace(self.info, phase="done", phase_time=time.time()))
+            self.hb.finish(status, error=error)

@@ -1,0 +1,271 @@
+"""The watchdog's rules: the state of every part of one run at one moment, from its beats and fences.
+
+What counts as dead (one shard attempt)
+---------------------------------------
+``silent``   its last beat (status running) is older than ``timeout_s`` (``start_timeout_s`` while it
+             is still loading: its beat has no ``round_step`` until the attempt has loaded the cut
+             and built its workload, which take seconds in a fresh process on a busy machine);
+``stalled``  it beats, but its step has not changed for ``timeout_s`` (needs a watchdog that has
+             looked at it before: ``memory`` keeps the first beat with that step);
+``lost``     it was fenced and rerun, and the new generation has not beaten for ``start_timeout_s``
+             after the fence (the rerun never started: e.g. the watchdog that fenced died);
+``missing``  the coordinator has been waiting for this round's shards for ``start_timeout_s`` and this
+             shard never beat in it (the task never started).
+
+An attempt whose fragment for its round is already written is ``done``, whatever its beat says. A
+beat older than the coordinator's session (a previous run of the same run id) is ignored. In a run
+without a coordinator beat (ckptlib used directly), a shard silent for ``abandoned_after(timeout)``
+is ``abandoned``, not dead: nobody would gather its rerun. The run is ``dead`` when the coordinator
+is silent for ``coordinator_timeout_s``.
+
+Pure but for the store reads: the clock is a parameter (``now``), so the rules are tested with
+beats written by hand (``tests/test_watchdog.py``). ``ckpt status`` shows these views.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptlib import commit
+from ckptlib.errors import StoreError
+from ckptlib.heartbeat import Beat, read_heartbeats
+from ckptlib.store import Store
+
+from ..beats import CoordinatorInfo, coordinator_info
+from ..layout import COORDINATOR, run_name, shard_part
+from .decisions import read_fence
+
+DEFAULT_TIMEOUT_S = 30.0  # the default workload beats every 2 s and steps every few ms: 15 beats missed
+DEFAULT_POLL_S = 2.0
+DEAD_STATES = ("silent", "stalled", "lost", "missing")
+ABANDONED_AFTER_MIN_S = 600.0
+# A beat this much older than the coordinator's session start belongs to a previous session.
+SESSION_SLACK_S = 1.0
+
+
+def start_timeout_for(timeout_s: float) -> float:
+    """How long a task may take to start (first beat) before it counts as never started."""
+    return max(2 * timeout_s, timeout_s + 30.0)
+
+
+def abandoned_after(timeout_s: float) -> float:
+    """A shard of a run without a coordinator beat, silent this long, belongs to an abandoned run."""
+    return max(10 * timeout_s, ABANDONED_AFTER_MIN_S)
+
+
+@dataclass
+class PartView:
+    """The watchdog's view of one part (a shard or the coordinator) at one look."""
+
+    part: str
+    state: str  # running | finished | failed | fenced | replaced | waiting | done | abandoned | silent | stalled | lost | missing | dead
+    live: int  # live generation
+    generation: int | None = None  # generation of the attempt whose beat this is
+    status: str | None = None  # the beat's own status
+    round: int | None = None
+    step: int | None = None
+    round_step: int | None = None
+    steps_per_round: int | None = None
+    attempt: int | None = None
+    age_s: float | None = None  # since the last beat
+    pid: int | None = None
+    host: str | None = None
+    reason: str | None = None  # why dead (or what it waits for)
+    failure_time: float | None = None  # best estimate of when it stopped (wall time)
+    beat: Beat | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, part: str, state: str, live: int, beat: Beat | None = None, now: float | None = None) -> PartView:
+        if beat is None:
+            return cls(part, state, live)
+        return cls(part, state, live, generation=beat.generation, status=beat.status, round=beat.round,
+                   step=beat.step, round_step=beat.round_step, steps_per_round=beat.steps_per_round,
+                   attempt=beat.attempt, age_s=None if now is None else beat.age(now), pid=beat.pid,
+                   host=beat.host, beat=beat)
+
+    @property
+    def dead(self) -> bool:
+        return self.state in DEAD_STATES
+
+    def row(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("beat")
+        return d
+
+
+@dataclass
+class RunView:
+    url: str
+    run: str
+    coordinator: PartView | None
+    shards: list[PartView]
+    committed: int | None = None  # latest committed step
+    info: CoordinatorInfo | None = None  # what the coordinator's beat carries
+
+    @property
+    def state(self) -> str:
+        """running | finished | failed | dead | unknown (no coordinator beat)."""
+        if self.coordinator is None:
+            return "unknown"
+        return self.coordinator.state
+
+
+def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: float | None = None,
+               coordinator_timeout_s: float | None = None, now: float | None = None,
+               memory: dict | None = None) -> RunView:
+    """Judge every part of one run at wall time ``now`` (default: the clock). ``memory`` (a dict the
+    caller keeps between looks) enables ``stalled``; without it only silence counts."""
+    now = time.time() if now is None else now
+    start_timeout_s = start_timeout_for(timeout_s) if start_timeout_s is None else start_timeout_s
+    coordinator_timeout_s = timeout_s if coordinator_timeout_s is None else coordinator_timeout_s
+    beats = read_heartbeats(store)
+    cbeat = beats.pop(COORDINATOR, None)
+    coordinator, info, session_start = None, None, None
+    if cbeat is not None:
+        session_start = cbeat.started or None
+        info = coordinator_info(cbeat)
+        state = cbeat.status if cbeat.status in ("finished", "failed") else "running"
+        coordinator = PartView.of(COORDINATOR, state, cbeat.generation, cbeat, now)
+        age = cbeat.age(now)
+        if cbeat.status == "running" and age > coordinator_timeout_s:
+            coordinator.state = "dead"
+            coordinator.reason = f"the coordinator has not beaten for {age:.1f} s (timeout {coordinator_timeout_s:g} s)"
+            coordinator.failure_time = cbeat.time
+    if info is not None and info.spec is not None:
+        parts = [shard_part(i) for i in range(info.spec.shards)]
+    else:
+        parts = sorted(beats, key=lambda p: (len(p), p))
+    active = coordinator is None or coordinator.state == "running"
+    shards = []
+    for part in parts:
+        beat = beats.get(part)
+        if beat is not None and session_start is not None and beat.time < session_start - SESSION_SLACK_S:
+            beat = None  # a beat of a previous run of this run id
+        shards.append(_assess_shard(store, part, beat, coordinator, info, now=now, timeout_s=timeout_s,
+                                    start_timeout_s=start_timeout_s, memory=memory if active else None, url=url))
+    committed = None
+    try:
+        steps = commit.committed_steps(store)
+        committed = steps[-1] if steps else None
+    except StoreError:
+        pass
+    return RunView(url, run_name(url), coordinator, shards, committed, info)
+
+
+def _assess_shard(store: Store, part: str, beat: Beat | None, coordinator: PartView | None,
+                  info: CoordinatorInfo | None, *, now: float, timeout_s: float, start_timeout_s: float,
+                  memory: dict | None, url: str) -> PartView:
+    live = commit.live_generation(store, part)
+    coord_running = coordinator is not None and coordinator.state == "running"
+    c_round = coordinator.round if coordinator is not None else None
+    if beat is not None and coord_running and c_round is not None and beat.round < c_round:
+        return _waiting(store, part, live, beat, coordinator, info, now=now, start_timeout_s=start_timeout_s)
+    if beat is None:
+        return _waiting(store, part, live, None, coordinator, info, now=now, start_timeout_s=start_timeout_s)
+    view = PartView.of(part, "running", live, beat, now)
+    if beat.generation < live:  # the beat is a fenced attempt's: the live generation has not beaten yet
+        return _replaced(store, view, beat, coordinator, now=now, start_timeout_s=start_timeout_s,
+                         memory=memory, url=url)
+    if memory is not None:
+        memory[("beat", url, part, beat.generation)] = beat.time
+    if beat.status in ("finished", "failed", "fenced"):
+        view.state = beat.status
+        return view
+    if coordinator is not None and not coord_running:
+        view.state = coordinator.state if coordinator.state in ("finished", "failed") else "waiting"
+        return view
+    if _fragment_done(store, beat.round, part, beat.generation):
+        view.state = "done"  # it wrote its fragment; only its final beat is missing
+        return view
+    age = beat.age(now)
+    if coordinator is None and age > abandoned_after(timeout_s):
+        view.state = "abandoned"  # no coordinator says the run goes on, and this died long ago: leave it
+        view.reason = f"no heartbeat for {age:.0f} s and no coordinator: an abandoned run, not rerun"
+        return view
+    # an attempt still loading (no round_step yet: it beats round_step 0 once loaded and built) is
+    # starting: a fresh worker process on a busy machine takes seconds, so the start timeout applies
+    limit = start_timeout_s if beat.round_step is None else timeout_s
+    if age > limit:
+        view.state = "silent"
+        view.reason = (f"no heartbeat for {age:.1f} s ({'start timeout' if beat.round_step is None else 'timeout'} "
+                       f"{limit:g} s) {_where(beat)}")
+        view.failure_time = beat.time
+        return view
+    if memory is not None:
+        key = ("progress", url, part, beat.generation, beat.attempt, beat.round)
+        first = memory.get(key)
+        if first is None or first[0] != beat.step:
+            memory[key] = (beat.step, beat.time)
+        elif beat.time - first[1] > timeout_s:
+            view.state = "stalled"
+            view.reason = f"beats but no progress for {beat.time - first[1]:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
+            view.failure_time = first[1]
+    return view
+
+
+def _waiting(store: Store, part: str, live: int, prior: Beat | None, coordinator: PartView | None,
+             info: CoordinatorInfo | None, *, now: float, start_timeout_s: float) -> PartView:
+    """No beat in this round yet (``prior``: a beat of an earlier round): waiting, done or missing."""
+    view = PartView.of(part, "waiting", live, prior, now)
+    coord_running = coordinator is not None and coordinator.state == "running"
+    if coord_running and coordinator is not None and coordinator.round is not None and info is not None \
+            and info.phase == "shards":
+        c_round = coordinator.round
+        waited = now - info.phase_time
+        if _fragment_done(store, c_round, part, live):
+            view.state = "done"
+        elif waited > start_timeout_s:
+            view.state = "missing"
+            view.round = c_round
+            view.reason = (f"round {c_round} started {waited:.1f} s ago and {part} has not beaten in it "
+                           f"(start timeout {start_timeout_s:g} s)")
+            view.failure_time = info.phase_time
+    elif not coord_running and coordinator is not None:
+        view.state = coordinator.state if coordinator.state in ("finished", "failed") else "waiting"
+    return view
+
+
+def _replaced(store: Store, view: PartView, beat: Beat, coordinator: PartView | None, *, now: float,
+              start_timeout_s: float, memory: dict | None, url: str) -> PartView:
+    """A fenced attempt's beat: replaced until the live generation beats, then lost if it never does."""
+    live, part = view.live, view.part
+    fence = read_fence(store, part, live)
+    since = fence.time if fence is not None and fence.time is not None else beat.time
+    view.state, view.reason = "replaced", f"generation {beat.generation} was fenced; waiting for generation {live} to beat"
+    if memory is not None:
+        seen = memory.get(("beat", url, part, live))
+        if seen is not None:
+            since = max(since, seen)
+    coord_running = coordinator is not None and coordinator.state == "running"
+    if _fragment_done(store, beat.round, part, live):
+        view.state, view.reason = "done", None
+    elif (coordinator is None or coord_running) and now - since > start_timeout_s:
+        view.state = "lost"
+        view.reason = (f"generation {live} was started {now - since:.1f} s ago and never beat "
+                       f"(start timeout {start_timeout_s:g} s)")
+        view.failure_time = since
+    return view
+
+
+def _where(beat: Beat) -> str:
+    if beat.round_step is None:
+        return f"in round {beat.round}, its last beat from before its first step (loading the cut)"
+    return f"at step {beat.round_step}/{beat.steps_per_round} of round {beat.round}"
+
+
+def _fragment_done(store: Store, step: int, part: str, generation: int) -> bool:
+    try:
+        return store.exists(commit.fragment_key(step, part, generation))
+    except StoreError:
+        return False
+
+
+def superseded(store: Store, part: str, round: int, generation: int) -> int | None:
+    """The live generation if it is newer than ``generation`` and has written its fragment of ``round``:
+    the training flow then stops waiting for the attempt of ``generation`` (it may never return)."""
+    live = commit.live_generation(store, part)
+    if live > generation and store.exists(commit.fragment_key(round, part, live)):
+        return live
+    return None
