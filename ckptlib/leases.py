@@ -153,7 +153,7 @@ def read_gc_lock(store: Store) -> dict[str, Any] | None:
         doc = json.loads(store.get(GC_LOCK))
     except ObjectNotFound:
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"expires": 0.0}  # unreadable: an expired lock
     return doc if isinstance(doc, dict) else {"expires": 0.0}
 
@@ -169,7 +169,7 @@ def live_leases(store: Store) -> list[LeaseDoc]:
     for info in _lease_keys(store):
         try:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
-        except (ObjectNotFound, ValueError):
+        except (ObjectNotFound, ValueError, RecursionError):
             continue
         if doc is not None and doc.expires > now:
             out.append(doc)
@@ -186,7 +186,7 @@ def expired_leases(store: Store, older_than: float) -> list[str]:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
         except ObjectNotFound:
             continue
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         if doc is None or doc.expires <= now:
             out.append(info.key)

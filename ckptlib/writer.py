@@ -30,7 +30,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -431,18 +431,27 @@ def encode_part(
 
 def _run_all(pool: Executor, fn: Any, n: int, failed: threading.Event) -> list[Any]:
     """fn(0..n-1) on the pool; on the first error, stop starting new calls, wait for the running
-    ones, and raise that error (so a failed save leaves no upload running behind it)."""
-    futures: list[Future] = [pool.submit(fn, i) for i in range(n)]
+    ones, and raise that error (so a failed save leaves no upload running behind it). The failing
+    call itself raises the flag, so calls still queued see it at once, whatever their order."""
+    def run(i: int) -> Any:
+        try:
+            return fn(i)
+        except _Cancelled:
+            raise
+        except BaseException:
+            failed.set()
+            raise
+
+    futures: list[Future] = [pool.submit(run, i) for i in range(n)]
     first: BaseException | None = None
     for f in futures:
         try:
             f.result()
-        except _Cancelled:
+        except (_Cancelled, CancelledError):
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised below, once every upload has stopped
             if first is None:
                 first = e
-                failed.set()
                 for other in futures:
                     other.cancel()
     if first is not None:

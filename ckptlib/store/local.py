@@ -102,13 +102,10 @@ class LocalStore(Store):
         with self._os_errors("read", key):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except (FileNotFoundError, NotADirectoryError):
-                raise self._not_found(key) from None
-            with os.fdopen(fd, "rb") as f:
-                try:
+                with os.fdopen(fd, "rb") as f:
                     return f.read()
-                except IsADirectoryError:
-                    raise self._not_found(key) from None
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise self._not_found(key) from None  # a folder of keys is not an object
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

@@ -115,9 +115,10 @@ class FaultyStore(WrapperStore):
             self._state.rules.append(_Rule(kind, op, pattern, times, seconds, nth - 1, hook))
         return self
 
-    def fail_on(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
-        """Raise InjectedFault instead of performing the call (a crash before the write)."""
-        return self._add("fail", op, pattern, times)
+    def fail_on(self, op: str, pattern: str = "*", times: int | None = None, nth: int = 1) -> FaultyStore:
+        """Raise InjectedFault instead of performing the call (a crash before the write), from the
+        ``nth`` matching call on."""
+        return self._add("fail", op, pattern, times, nth=nth)
 
     def lose_reply(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
         """Perform the call, then raise InjectedFault as if its reply was lost."""
@@ -192,7 +193,8 @@ class FaultyStore(WrapperStore):
         if fault == "truncate" and op == "get":
             result = result[: len(result) // 2]
         for hook in hooks:
-            hook()
+            if hook is not None:
+                hook()
         if fault == "lose_reply":
             raise InjectedFault(f"injected lost reply: {op} {key!r} in {self.url} was performed")
         if fault == "crash":

@@ -416,6 +416,6 @@ class _Interleaving:
                 self.resume.set()
                 self.thread.join(self.timeout_s)
         if self.gc_error is not None:
-            e = self.gc_error
-            raise AssertionError(f"GC at call {self.k} ({self.call}) failed: {type(e).__name__}: {e}") from e
+            err = self.gc_error
+            raise AssertionError(f"GC at call {self.k} ({self.call}) failed: {type(err).__name__}: {err}") from err
         return self.call, self.calls

@@ -145,8 +145,8 @@ class StoreContract:
         assert self.reopen(store).get("chunks/ab/abcdef") == data
 
     def test_put_accepts_bytes_like(self, store: Store) -> None:
-        store.put("a", bytearray(b"ba"))
-        store.put("b", memoryview(b"mv"))
+        store.put("a", bytearray(b"ba"))  # type: ignore[arg-type]  # bytes-like, as backends accept
+        store.put("b", memoryview(b"mv"))  # type: ignore[arg-type]
         assert store.get("a") == b"ba" and store.get("b") == b"mv"
         assert isinstance(store.get("a"), bytes)
 
@@ -229,7 +229,7 @@ class StoreContract:
             barrier = threading.Barrier(n)
             results: list[Any] = [None] * n
 
-            def race(i: int, barrier=barrier, results=results, key=key) -> None:
+            def race(i: int, barrier: Any = barrier, results: list[Any] = results, key: str = key) -> None:
                 data = f"writer {i} ".encode() * 2000
                 barrier.wait(timeout=30)
                 try:
