@@ -175,12 +175,7 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
         restores.append(dt)
         del restored
         progress(f"ckptlib run {r + 1}/{repeats}: save {saves[-2][1]:.2f}/{saves[-1][1]:.2f} s, restore {dt:.2f} s")
-    out["systems"]["ckptlib"] = {
-        "save_first_s": statistics.median(dt for step, dt in saves if step == 0),
-        "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
-        "restore_s": statistics.median(restores),
-        "objects": statistics.median(objects),
-    }
+    out["systems"]["ckptlib"] = _figures(saves, restores, statistics.median(objects))
 
     saves, restores = [], []
     for r in range(repeats):
@@ -205,13 +200,16 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
         restores.append(dt)
         del restored
         progress(f"torch.save+upload run {r + 1}/{repeats}: save {saves[-1][1]:.2f} s, restore {dt:.2f} s")
-    out["systems"]["torch.save+upload"] = {
-        "save_first_s": statistics.median(dt for step, dt in saves if step == 0),
-        "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
-        "restore_s": statistics.median(restores),
-        "objects": 1,
-    }
+    out["systems"]["torch.save+upload"] = _figures(saves, restores, 1)
     return out
+
+
+def _figures(saves: list[tuple[int, float]], restores: list[float], objects: float) -> dict[str, float]:
+    """Medians over the repeats: the first save (everything new), the second (after one more
+    training step), the restore of the latest."""
+    return {"save_first_s": statistics.median(dt for step, dt in saves if step == 0),
+            "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
+            "restore_s": statistics.median(restores), "objects": objects}
 
 
 def _all_tensors(state: Any) -> list[torch.Tensor]:
