@@ -206,7 +206,7 @@ def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | Non
         doc = json.loads(store.get(fence_key(part, generation)))
     except ObjectNotFound:
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"part": part, "generation": generation}
     return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 
