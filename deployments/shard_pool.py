@@ -129,20 +129,32 @@ class PrefectWorkers:
         raise RuntimeError(f"{n} workers of pool {self.pool!r} are not ONLINE after {timeout:.0f} s:\n{logs}")
 
     def pids(self, i: int) -> set[int]:
-        """Process ids of worker ``i``'s session: the worker and the flow runs it started."""
-        sid = self.procs[i].pid
-        out = set()
+        """Process ids of worker ``i`` and of every process below it: the flow runs it started run in
+        sessions of their own (Prefect starts them with ``start_new_session``), so they are found by
+        parent, not by session."""
+        children: dict[int, list[int]] = {}
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:
-                    if os.getsid(int(d.name)) == sid:
-                        out.add(int(d.name))
-                except OSError:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
                     continue
-        return out
+                children.setdefault(ppid, []).append(int(d.name))
+        out, todo = set(), [self.procs[i].pid]
+        while todo:
+            pid = todo.pop()
+            if pid not in out:
+                out.add(pid)
+                todo.extend(children.get(pid, []))
+        return out if self.procs[i].poll() is None else set()
 
     def kill(self, i: int) -> None:
-        """SIGKILL worker ``i`` and every flow run it started (a machine that dies)."""
+        """SIGKILL worker ``i`` and every flow run it started (a machine that dies): the worker's
+        process group and the session of each process below it."""
+        below = self.pids(i)
+        for pid in below:
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.procs[i].pid, signal.SIGKILL)
         self.procs[i].wait(30)

@@ -81,6 +81,29 @@ def test_ls_shows_validation_verdicts(store):
     assert "passed" in out and "failed" in out
 
 
+def test_ls_pages_newest_first_and_before_pages_back(tmp_path):
+    path = str(tmp_path / "many")
+    with Checkpointer(path, chunk_bytes=4096) as ck:
+        for step in range(1, 8):
+            ck.save(step, {"w": torch.full((8,), float(step))})
+
+    def rows(result) -> list[int]:
+        assert result.exit_code == 0, result.output
+        cells = [line.strip("│┃ ").split("│")[0].strip() for line in result.stdout.splitlines()]
+        return [int(c) for c in cells if c.isdigit()]
+
+    first = ckpt("ls", path, "--limit", "3")
+    assert rows(first) == [5, 6, 7]
+    assert f"3 of 7 committed steps (5..7); older: ckpt ls {path} --before 5" in first.stdout
+    assert rows(ckpt("ls", path, "-n", "3", "--before", "5")) == [2, 3, 4]
+    last = ckpt("ls", path, "-n", "3", "--before", "2")
+    assert rows(last) == [1] and "older:" not in last.stdout
+    assert rows(ckpt("ls", path, "--limit", "0")) == list(range(1, 8))
+    assert rows(ckpt("ls", path)) == list(range(1, 8))  # fewer than a page: every step, no footer
+    none = ckpt("ls", path, "--before", "1")
+    assert none.exit_code == 0 and "no committed checkpoint before step 1" in none.stdout
+
+
 def test_ls_empty_store_is_a_message_not_an_error(tmp_path):
     (tmp_path / "empty").mkdir()
     result = ckpt("ls", str(tmp_path / "empty"))

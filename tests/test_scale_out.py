@@ -14,6 +14,7 @@ Every run here reaches the digest of a clean run with the same settings (threads
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -24,7 +25,7 @@ from ckptlib.heartbeat import read_heartbeats
 from ckptlib.store import Store
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
-SETTINGS = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=60, seed=0,
+SETTINGS = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=2, steps_per_round=60, seed=0,
                 heartbeat_every_s=0.1, retry_delay_s=0.2, validation_runner="threads")
 
 
@@ -60,8 +61,8 @@ def worker_env(storage_options: dict) -> dict[str, str]:
 
 
 class KillMidRound(threading.Thread):
-    """Watches the run's heartbeats; the first time a shard beats mid-round (round >= 2, some steps
-    done, its fragment not written yet) from a process of a watched machine, kills that machine."""
+    """Watches the run's heartbeats; the first time a shard beats mid-round (some steps done, its
+    fragment not written yet) from a process of a watched machine, kills that machine."""
 
     def __init__(self, store: Store, machines: dict[int, object], pids_of, kill):
         super().__init__(daemon=True)
@@ -72,7 +73,7 @@ class KillMidRound(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set() and self.killed is None:
             for beat in read_heartbeats(self.store).values():
-                if beat.part == "coordinator" or beat.status != "running" or beat.round < 2 or not beat.round_step:
+                if beat.part == "coordinator" or beat.status != "running" or not beat.round_step:
                     continue
                 if self.store.exists(f"fragments/{beat.round}/{beat.part}.g{beat.generation}.json"):
                     continue
@@ -96,6 +97,7 @@ def test_dask_cli_workers_on_s3_survive_a_killed_worker_and_reshard(clean, s3_ur
     monkeypatch.setenv("CKPT_STORAGE_OPTIONS", json.dumps(so))
     with DaskCluster.start(tmp_path / "dask", workers=3, env=worker_env(so)) as dc:
         url = f"{store}/dask-cli"
+        workers = set().union(*(dc.worker_pids(i) for i in range(3)))  # the "machines'" processes
         killer = KillMidRound(Store.from_url(url, so), {0: None, 1: None, 2: None}, dc.worker_pids, dc.kill_worker)
         killer.start()
         try:
@@ -104,17 +106,17 @@ def test_dask_cli_workers_on_s3_survive_a_killed_worker_and_reshard(clean, s3_ur
             killer.stop.set()
         assert killer.killed is not None, "no shard was caught mid-round: the round was over too soon"
         assert dc.alive_workers() == 2
-        assert s["final_digest"] == clean[3] and digests(url, so) == clean
+        assert s["final_digest"] == clean[2] and digests(url, so) == clean
+        # the shards' last beats came from the workers' processes, none from this one
         pids = {b.pid for b in read_heartbeats(Store.from_url(url, so)).values() if b.part != "coordinator"}
-        assert not pids & {p for i in range(3) for p in [0]}  # shards ran in the workers' processes ...
-        assert all(b.host for b in read_heartbeats(Store.from_url(url, so)).values())
+        assert pids and pids <= workers and os.getpid() not in pids, (pids, workers)
         # ... and a resume with another shard count continues from the last step on the same cluster
-        r = train_run(params(store=store, run_id="dask-cli", task_runner=dc.runner, resume=True, shards=3, rounds=4))
+        r = train_run(params(store=store, run_id="dask-cli", task_runner=dc.runner, resume=True, shards=3, rounds=3))
     with Checkpointer(url, so) as ck:
-        assert sorted(ck.manifest(4).parts) == ["coordinator", "shard-0", "shard-1", "shard-2"]
-        assert ck.restore(4, part="coordinator")["reshards"] == [{"step": 3, "shards": [2, 3]}]
-        assert ck.healthy_steps() == [0, 1, 2, 3, 4]
-    assert r["committed"] == [4] and {k: v for k, v in digests(url, so).items() if k <= 3} == clean
+        assert sorted(ck.manifest(3).parts) == ["coordinator", "shard-0", "shard-1", "shard-2"]
+        assert ck.restore(3, part="coordinator")["reshards"] == [{"step": 2, "shards": [2, 3]}]
+        assert ck.healthy_steps() == [0, 1, 2, 3]
+    assert r["committed"] == [3] and {k: v for k, v in digests(url, so).items() if k <= 2} == clean
 
 
 @pytest.mark.slow
@@ -141,9 +143,11 @@ def test_work_pool_shards_survive_a_killed_prefect_worker(clean, s3_url, tmp_pat
             killer.stop.set()
             guard.stop()
         assert killer.killed is not None, "no shard was caught mid-round: the round was over too soon"
-    assert s["final_digest"] == clean[3] and digests(url, so) == clean
-    fenced = [d for d in guard.decisions() if d["kind"] == "fenced"]
-    assert [(d["part"], d["round"]) for d in fenced] == [(killer.killed["part"], killer.killed["round"])]
+    assert s["final_digest"] == clean[2] and digests(url, so) == clean
+    # the dead machine's shard was fenced and rerun; on a loaded machine a flow run slow to start
+    # (tens of seconds) may be fenced too ("missing"): the digest is the same either way
+    fenced = {(d["part"], d["round"]) for d in guard.decisions() if d["kind"] == "fenced"}
+    assert (killer.killed["part"], killer.killed["round"]) in fenced, (killer.killed, fenced)
     hosts = {r["shard"]: r for x in s["rounds_log"] for r in x["shards"]}
     assert hosts  # the rounds' shard results were read back from the store
 
