@@ -342,6 +342,27 @@ def test_gc_keeps_what_kept_checkpoints_need(tmp_path):
         RetentionPolicy(keep_last=0)
 
 
+def test_gc_memory_is_the_union_of_marks_not_one_set_per_step(tmp_path):
+    """GC over many steps that share most objects (here 256 unchanged tensors) holds the distinct
+    keys once, not one set per committed step (a run with 10,000 checkpoints)."""
+    import tracemalloc
+
+    url = str(tmp_path)
+    frozen = {f"t{i}": torch.full((4,), float(i)) for i in range(256)}
+    with Checkpointer(url, chunk_bytes=4096) as ck:
+        for step in range(120):
+            ck.save(step, {**frozen, "w": torch.full((4,), float(step))})
+        tracemalloc.start()
+        try:
+            report = ck.gc(RetentionPolicy(keep_last=10), grace_s=0, dry_run=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert len(report.dropped_steps) == 110
+    # one set per step: 120 x 257 keys (~4 MiB); folded: ~400 distinct keys and the work in flight
+    assert peak < 2 << 20, f"GC peak {peak / 2**20:.1f} MiB"
+
+
 def test_gc_dry_run_deletes_nothing_and_grace_protects_fresh_chunks(tmp_path):
     url = str(tmp_path)
     with Checkpointer(url) as ck:
