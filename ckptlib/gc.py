@@ -60,6 +60,9 @@ class GcReport:
     skipped: list[str] = field(default_factory=list)  # keys that are not objects ckptlib writes
 
 
+_MARK_WINDOW = 256  # manifests read at once while marking (the lock is renewed between windows)
+
+
 class _Stop(Exception):
     """A save started, or the lock was lost: stop deleting objects."""
 
@@ -90,18 +93,23 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
     report = GcReport(sorted(kept), dropped, dry_run=dry_run)
     newest = steps[-1] if steps else -1
 
-    # 1. mark (reads only; any damage aborts here, before a single delete)
-    marks: dict[int, set[str]] = {}
+    # 1. mark (reads only; any damage aborts here, before a single delete). Each step's keys are
+    # folded into the kept or the dropped union as they come: memory is the run's distinct objects,
+    # not one set per step (10,000 steps sharing most of their objects), and steps are read in
+    # windows, so no more than a window of manifests is in flight.
+    kept_marks: set[str] = set()
+    dropped_marks: set[str] = set()
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckpt-gc") as pool:
-        for step, keys in zip(steps, pool.map(lambda s: _needed(store, s), steps)):
-            marks[step] = keys
-            if lock is not None and len(marks) % 256 == 0 and not lock.renew():
+        for start in range(0, len(steps), _MARK_WINDOW):
+            window = steps[start:start + _MARK_WINDOW]
+            for step, keys in zip(window, pool.map(lambda s: _needed(store, s), window)):
+                (kept_marks if step in kept else dropped_marks).update(keys)
+            if lock is not None and start + _MARK_WINDOW < len(steps) and not lock.renew():
                 raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
                                       "nothing was deleted: run it again")
-    kept_marks = set().union(*(marks[s] for s in kept)) if kept else set()
-    dropped_only = set().union(*(marks[s] for s in dropped)) - kept_marks if dropped else set()
+    dropped_only = dropped_marks - kept_marks
+    del dropped_marks
     kept_marks |= _pending_fragment_marks(store, newest)
-    del marks
 
     cutoff = time.time() - grace_s
 
