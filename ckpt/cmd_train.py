@@ -145,19 +145,29 @@ def _bytes(n: int | None) -> str:
 
 # --- the watchdog beside the run -------------------------------------------------------------------
 
+# A shard on a work pool is a flow run: a worker polls for it, then starts a fresh Python process that
+# imports Prefect and torch (40 s measured on a loaded 2-core machine). Until its first beat the
+# watchdog allows this long (the default start timeout, max(2 x timeout, timeout + 30), fits
+# threads and Dask workers, which are already running).
+POOL_START_TIMEOUT_S = 120.0
+
+
 class BesideWatchdog:
     """The ``watchdog`` flow for this one run, in a thread of this process (its own flow run in the
     UI): it fences a hung or silent shard and reruns it here, with this run's own spec (never one
     read from the store), so a local run recovers with nothing else started. Stopped when the
     training flow returns. Credentials: this process's environment (``CKPT_STORAGE_OPTIONS``)."""
 
-    def __init__(self, params: Any, timeout_s: float):
+    def __init__(self, params: Any, timeout_s: float, start_timeout_s: float | None = None):
         import contextvars
         import uuid
 
         from flows.watchdog import stop_event
 
         self.params, self.timeout_s = params, timeout_s
+        if start_timeout_s is None and str(params.task_runner).startswith("pool:"):
+            start_timeout_s = max(POOL_START_TIMEOUT_S, 2 * timeout_s)
+        self.start_timeout_s = start_timeout_s
         self.key = f"train-{params.run_id}-{uuid.uuid4().hex[:6]}"
         self.stop_flag = stop_event(self.key)
         self.summary: dict | None = None
@@ -171,7 +181,7 @@ class BesideWatchdog:
         p = self.params
         try:
             self.summary = self._ctx.run(
-                watchdog, store=p.store, run_id=p.run_id, timeout_s=self.timeout_s,
+                watchdog, store=p.store, run_id=p.run_id, timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
                 poll_s=min(2.0, max(0.2, self.timeout_s / 8)), duration_s=0, credentials_block=p.credentials_block,
                 spec=p.spec(), stop_key=self.key)
         except BaseException as e:  # noqa: BLE001 - reported with the summary; the run goes on

@@ -175,3 +175,15 @@ def test_watchdog_simulator_look_cost_memory_and_detection(tmp_path):
         assert not [d for d in wd.decisions if d.kind == "fenced"], wd.decisions  # healthy shards are left alone
         jitter = detection_jitter(sim, wd, trials=2, poll_s=0.2, timeout_s=timeout)
     assert all(0 <= j["jitter_s"] < 1.0 for j in jitter), jitter
+
+
+def test_a_work_pool_run_gives_shards_a_flow_runs_start_before_calling_them_missing():
+    """A shard flow run on a work pool starts a fresh process (40 s on a loaded machine): the
+    watchdog beside the run must not fence every shard of every round as never started."""
+    from ckpt.cmd_train import POOL_START_TIMEOUT_S, BesideWatchdog
+    from trainrun.watchdog.judge import start_timeout_for
+
+    assert BesideWatchdog(params(task_runner="pool:train-shard/shard"), 4.0).start_timeout_s == POOL_START_TIMEOUT_S
+    assert BesideWatchdog(params(task_runner="pool:train-shard/shard"), 90.0).start_timeout_s == 180.0
+    assert BesideWatchdog(params(task_runner="threads"), 4.0).start_timeout_s is None  # the default
+    assert start_timeout_for(4.0) < 40 < POOL_START_TIMEOUT_S
