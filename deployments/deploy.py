@@ -187,8 +187,9 @@ def store_defaults(flow, store: str, model_defaults: dict[str, Any] | None = Non
                 continue  # required fields: leave the form to the user
             extra = {k: v for k, v in (model_defaults or {}).items() if k in model.model_fields}
             # validated, so a renamed or retyped field fails here and not in the UI
-            out[name] = model.model_validate({**base.model_dump(mode="json"), "store": store, **extra}
-                                             ).model_dump(mode="json")
+            full = model.model_validate({**base.model_dump(mode="json"), "store": store, **extra}).model_dump(mode="json")
+            shown = model.model_json_schema()["properties"]  # not the fields kept out of the form (credentials)
+            out[name] = {k: v for k, v in full.items() if k in shown}
         elif name in STORE_PARAMS:
             out[name] = store
         elif name == "run_url":

@@ -352,7 +352,8 @@ def test_deploy_registers_typed_deployments(stack, webhook):
         validate = api.deployment("validate-checkpoint/validate")
         assert validate["parameters"]["run_url"] == stack["store"] + "/"
         watchdog = api.deployment("watchdog/watchdog")
-        assert watchdog["concurrency_limit"] == 1 and not watchdog["schedules"]
+        limit = watchdog.get("concurrency_limit") or (watchdog.get("global_concurrency_limit") or {}).get("limit")
+        assert limit == 1 and not watchdog["schedules"], watchdog
         assert watchdog["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         assert watchdog["parameters"]["duration_s"] == 0 and watchdog["parameters"]["timeout_s"] == 8
         automations = {a["name"] for a in api._call("POST", "/automations/filter", {})}
@@ -405,7 +406,7 @@ def test_training_run_on_the_worker(stack):
         # Every report is one click away: links (not s3:// text) that open over the stack's HTTP.
         report = f"{stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/1/index.html"
         links = [a["data"] for a in arts if a["type"] == "markdown" and a["key"] and a["key"].endswith("-link")]
-        assert report in links, links
+        assert any(f"]({report})" in link for link in links), links
         md = next(a["data"] for a in arts if a["key"] and a["key"].endswith("-report") and "step 1" in a["data"])
         assert f"]({report})" in md and "](" + report.replace("/1/index.html", "/index.html") + ")" in md, md
         summary = by_key[f"train-{run_id}-summary"][0]["data"]
