@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from ckptlib.validate.thresholds import Thresholds
 from trainrun.credentials import StorageOptions, StoreAccess, check_url
 from trainrun.layout import check_run_id
 from trainrun.spec import RunSettings, RunSpec
@@ -22,21 +21,23 @@ from trainrun.spec import RunSettings, RunSpec
 
 class ValidationThresholds(BaseModel):
     """The bounds of a checkpoint's validation (``ckptlib.validate.Thresholds``, docs/validation.md), as a
-    form: every field a number with ckptlib's default, so the UI shows them filled in."""
+    form: every field a number with ckptlib's default, so the UI shows them filled in. The defaults
+    are repeated here because importing ckptlib.validate loads torch (this module must not); a test
+    checks them against ckptlib's (tests/test_operate.py)."""
 
     model_config = ConfigDict(extra="forbid", title="Validation thresholds")
 
-    max_abs_value: float = Field(Thresholds.max_abs_value, ge=0, description="Largest |value| of a model "
+    max_abs_value: float = Field(1e4, ge=0, description="Largest |value| of a model "
                                  "tensor (parameters and buffers).")
-    max_norm: float = Field(Thresholds.max_norm, ge=0, description="Largest L2 norm of one model tensor.")
-    max_rel_change: float = Field(Thresholds.max_rel_change, ge=0, description="Largest relative change of a "
+    max_norm: float = Field(1e6, ge=0, description="Largest L2 norm of one model tensor.")
+    max_rel_change: float = Field(10.0, ge=0, description="Largest relative change of a "
                                   "model tensor against the previous healthy checkpoint (an exploding update "
                                   "fails it).")
-    rel_change_floor: float = Field(Thresholds.rel_change_floor, ge=0, description="Floor of the relative "
+    rel_change_floor: float = Field(0.05, ge=0, description="Floor of the relative "
                                     "change's denominator, per element (tensors that start at zero).")
-    min_data_advance: int = Field(Thresholds.min_data_advance, ge=0, description="Batches each shard must have "
+    min_data_advance: int = Field(1, ge=0, description="Batches each shard must have "
                                   "consumed since the previous healthy checkpoint.")
-    max_step_spread: int = Field(Thresholds.max_step_spread, ge=0, description="Largest spread of an "
+    max_step_spread: int = Field(0, ge=0, description="Largest spread of an "
                                  "optimizer's per-parameter step counters.")
 
     def to_dict(self) -> dict[str, Any]:

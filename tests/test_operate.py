@@ -53,18 +53,19 @@ def test_a_branch_starts_from_a_step_of_another_run_and_reaches_the_same_digests
     s = train_run(params(store=source["store"], run_id="br", start_from=StartFrom(run_id="src", step=1)))
     assert s["start_step"] == 1 and s["committed"] == [2, 3] and s["validated"] == [2, 3]
     got = digests(s["run_url"])
+    src = Store.from_url(source["url"]).url  # as the store names itself (file:///...)
     assert sorted(got) == [1, 2, 3] and all(got[k] == source["digests"][k] for k in got)  # determinism, branched
     with Checkpointer(s["run_url"]) as ck:
-        assert ck.manifest(1).lineage == {"run": source["url"], "step": 1}  # the branch point
-        assert all(ck.manifest(k).meta["lineage"] == {"run": source["url"], "step": 1} for k in (2, 3))
+        assert ck.manifest(1).lineage == {"run": src, "step": 1}  # the branch point
+        assert all(ck.manifest(k).meta["lineage"] == {"run": src, "step": 1} for k in (2, 3))
         assert ck.healthy_steps() == [1, 2, 3]  # the verdict came with the state
     # the objects are the source's, linked (content addressing): the branch point cost no bytes
     chunk = next(k for k in Store.from_url(s["run_url"]).list("chunks"))
     assert (Store.from_url(source["url"]).exists(chunk))
     shown = CliRunner().invoke(app, ["show", s["run_url"], "--step", "1"])
-    assert shown.exit_code == 0 and f"branched from step 1 of {source['url']}" in shown.output, shown.output
+    assert shown.exit_code == 0 and f"branched from step 1 of {src}" in shown.output, shown.output
     index = (Store.from_url(s["run_url"]).get("reports/index.html")).decode()
-    assert "Branched from step 1 of run" in index and source["url"] in index
+    assert "Branched from step 1 of run" in index and src in index
     # branching again into it (a retry of the same flow run) changes nothing; into a run with others, refused
     again = train_run(params(store=source["store"], run_id="br", start_from=StartFrom(run_id="src", step=1)))
     assert again["committed"] == [2, 3] and digests(s["run_url"]) == got
@@ -140,3 +141,10 @@ def _red(png: bytes) -> int:
 
     img = (imread(io.BytesIO(png), format="png")[..., :3] * 255).round().astype(int)
     return int((np.abs(img - np.array([0xC6, 0x28, 0x28])).sum(axis=-1) < 30).sum())
+
+
+def test_the_thresholds_form_has_ckptlib_defaults():
+    from ckptlib.validate import Thresholds
+    from flows.params import ValidationThresholds
+
+    assert ValidationThresholds().to_dict() == Thresholds().to_dict()
