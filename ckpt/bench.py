@@ -62,8 +62,9 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -234,7 +235,7 @@ class PeakRss:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         if self.method == "vmhwm-reset":
             _reset_hwm()
         elif self.method == "sampling-1ms":
@@ -354,28 +355,18 @@ class CkptlibRunner(Runner):
             reader.restore(into=dest)
             return time.perf_counter() - t0
 
-    def restore_following(self) -> dict[int, float]:
-        """Seconds to restore each step by a reader that follows the stream (keeps what it restored):
-        an evaluator or an inference worker that picks up every new checkpoint."""
+    def restore_each_step(self, *, follow: bool) -> dict[int, float]:
+        """Seconds to restore each committed step, in order, by one reader. ``follow``: the reader
+        keeps what it restored (``keep_base=True``), as an evaluator or an inference worker that
+        picks up every new checkpoint does; else each restore starts from nothing (chains differ in
+        length from step to step)."""
         from ckptlib import Checkpointer
 
         out = {}
         with Checkpointer(self.root) as reader:
             for step in reader.steps():
                 t0 = time.perf_counter()
-                reader.restore(step, keep_base=True)
-                out[step] = time.perf_counter() - t0
-        return out
-
-    def restore_every_step(self) -> dict[int, float]:
-        """Seconds to restore each committed step (chains differ in length from step to step)."""
-        from ckptlib import Checkpointer
-
-        out = {}
-        with Checkpointer(self.root) as reader:
-            for step in reader.steps():
-                t0 = time.perf_counter()
-                reader.restore(step, keep_base=False)
+                reader.restore(step, keep_base=follow)
                 out[step] = time.perf_counter() - t0
         return out
 
@@ -606,8 +597,8 @@ def measure_system(system: str, series: Series, cfg: BenchConfig) -> dict[str, A
         extra: dict[str, Any] = {}
         if isinstance(runner, CkptlibRunner):
             infos = runner.infos[1:]
-            per_step = runner.restore_every_step()
-            following = runner.restore_following()
+            per_step = runner.restore_each_step(follow=False)
+            following = runner.restore_each_step(follow=True)
             extra = {"restore_worst_s": max(per_step.values()), "restore_per_step_s": per_step,
                      "restore_follow_s": statistics.median(list(following.values())[1:] or list(following.values())),
                      "ckptlib_reported_bytes_written": statistics.fmean(i.bytes_written for i in infos),

@@ -23,7 +23,8 @@ import statistics
 import tempfile
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,7 +159,7 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
     states.append(training.state())
     nbytes = sum(t.numel() * t.element_size() for t in _all_tensors(states[-1]))
     progress(f"state: {count_tensors(states[-1])} tensors, {nbytes / 2**20:.1f} MiB")
-    fs = s3fs.S3FileSystem(**{k: v for k, v in options.items()}, use_listings_cache=False)
+    fs = s3fs.S3FileSystem(**options, use_listings_cache=False)
     out: dict[str, Any] = {"state": {"tensors": count_tensors(states[-1]), "bytes": nbytes}, "systems": {}}
 
     saves, restores, objects = [], [], []
@@ -166,20 +167,15 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
         url = f"s3://{BUCKET}/ckptlib-{uuid.uuid4().hex[:8]}"
         with Checkpointer(url, options) as ck:
             for step, state in enumerate(states):
-                _, dt = _timed(lambda: ck.save(step, state))
+                _, dt = _timed(lambda ck=ck, step=step, state=state: ck.save(step, state))
                 saves.append((step, dt))
         objects.append(sum(1 for _ in Store.from_url(url, options).scan()))  # chunks, manifests, marker
         with Checkpointer(url, options) as reader:
-            restored, dt = _timed(lambda: reader.restore())
+            restored, dt = _timed(reader.restore)
         restores.append(dt)
         del restored
         progress(f"ckptlib run {r + 1}/{repeats}: save {saves[-2][1]:.2f}/{saves[-1][1]:.2f} s, restore {dt:.2f} s")
-    out["systems"]["ckptlib"] = {
-        "save_first_s": statistics.median(dt for step, dt in saves if step == 0),
-        "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
-        "restore_s": statistics.median(restores),
-        "objects": statistics.median(objects),
-    }
+    out["systems"]["ckptlib"] = _figures(saves, restores, statistics.median(objects))
 
     saves, restores = [], []
     for r in range(repeats):
@@ -187,7 +183,7 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
         for step, state in enumerate(states):
             path = os.path.join(work, f"{step}.pt")
 
-            def save_and_upload(state: Any = state, path: str = path, step: int = step) -> None:
+            def save_and_upload(state: Any = state, path: str = path, step: int = step, key: str = key) -> None:
                 with open(path, "wb") as f:
                     torch.save(state, f)
                 fs.put_file(path, f"{key}/{step}.pt")
@@ -196,7 +192,7 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
             saves.append((step, dt))
         local = os.path.join(work, "download.pt")
 
-        def download_and_load() -> Any:
+        def download_and_load(key: str = key, local: str = local) -> Any:
             fs.get_file(f"{key}/{len(states) - 1}.pt", local)
             return torch.load(local, weights_only=True)
 
@@ -204,13 +200,16 @@ def _measure(options: dict, work: str, repeats: int, progress: Callable[[str], N
         restores.append(dt)
         del restored
         progress(f"torch.save+upload run {r + 1}/{repeats}: save {saves[-1][1]:.2f} s, restore {dt:.2f} s")
-    out["systems"]["torch.save+upload"] = {
-        "save_first_s": statistics.median(dt for step, dt in saves if step == 0),
-        "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
-        "restore_s": statistics.median(restores),
-        "objects": 1,
-    }
+    out["systems"]["torch.save+upload"] = _figures(saves, restores, 1)
     return out
+
+
+def _figures(saves: list[tuple[int, float]], restores: list[float], objects: float) -> dict[str, float]:
+    """Medians over the repeats: the first save (everything new), the second (after one more
+    training step), the restore of the latest."""
+    return {"save_first_s": statistics.median(dt for step, dt in saves if step == 0),
+            "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
+            "restore_s": statistics.median(restores), "objects": objects}
 
 
 def _all_tensors(state: Any) -> list[torch.Tensor]:

@@ -17,11 +17,13 @@ app = typer.Typer(
 )
 
 # Command modules register themselves on ``app`` when imported (one module per area).
-from . import cmd_store  # noqa: E402,F401  ls, show, verify, gc, export, demo
-from . import cmd_bench  # noqa: E402,F401  bench
-from . import cmd_train  # noqa: E402,F401  train
-from . import cmd_validate  # noqa: E402,F401  validate, report
-from . import cmd_watchdog  # noqa: E402,F401  watchdog, status
+from . import (  # noqa: E402 - after app exists
+    cmd_bench,  # noqa: E402,F401  bench
+    cmd_store,  # noqa: E402,F401  ls, show, verify, gc, export, demo
+    cmd_train,  # noqa: E402,F401  train
+    cmd_validate,  # noqa: E402,F401  validate, report
+    cmd_watchdog,  # noqa: E402,F401  watchdog, status
+)
 
 
 def main() -> None:

@@ -73,8 +73,9 @@ def bench(
             raise ValueError(f"--store {store!r} is not an existing directory: create it or drop the option")
         from rich.console import Console
 
-        from .bench import BenchConfig, check_targets, render_table, run_benchmark
         from workloads.base import BUILTIN_WORKLOADS
+
+        from .bench import BenchConfig, check_targets, render_table, run_benchmark
 
         names = _names(workloads, "workloads")
         bad = [n for n in names if n not in BUILTIN_WORKLOADS and ":" not in n]

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -111,7 +112,7 @@ def url_or_exit(url: str) -> str:
     raise AssertionError("unreachable")
 
 
-def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> "Checkpointer":
+def open_checkpointer(url: str, storage_options: str | None, *, must_exist: bool = True) -> Checkpointer:
     """A Checkpointer on ``url``. With ``must_exist``, a local path that does not exist is an error
     (a typo would otherwise look like an empty store)."""
     from ckptlib import Checkpointer, NoCheckpoint
@@ -142,7 +143,7 @@ def verdict_word(verdict: dict | None) -> str:
     return "passed" if verdict.get("passed") is True else "failed"
 
 
-def checkpoint_table(ck: "Checkpointer", steps: list[int] | None = None):
+def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None):
     """The rich table of ``ckpt ls`` (also printed by ``ckpt demo``)."""
     from rich.table import Table
 
@@ -179,14 +180,13 @@ def _runs_below(url: str) -> list[str]:
 @app.command("ls")
 def ls(url: UrlArg, storage_options: StorageOptionsOpt = None) -> None:
     """List the committed checkpoints of a run: step, kind, bytes written, ratio, digest, validation."""
-    with command_errors():
-        with open_checkpointer(url, storage_options) as ck:
-            if not ck.steps():
-                runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
-                hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
-                typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
-                return
-            console().print(checkpoint_table(ck))
+    with command_errors(), open_checkpointer(url, storage_options) as ck:
+        if not ck.steps():
+            runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
+            hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
+            typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
+            return
+        console().print(checkpoint_table(ck))
 
 
 # --- show ----------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def describe_lineage(lineage: dict | None) -> str:
     return "-" if not lineage else f"branched from step {lineage.get('step')} of {lineage.get('run')}"
 
 
-def describe_manifest(m: "Manifest", frags: dict, verdict: dict | None) -> list[str]:
+def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[str]:
     """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact); ``frags``: the
     fragment of every part."""
     stats = m.stats
@@ -237,12 +237,11 @@ def describe_manifest(m: "Manifest", frags: dict, verdict: dict | None) -> list[
 @app.command("show")
 def show(url: UrlArg, step: StepOpt = None, storage_options: StorageOptionsOpt = None) -> None:
     """Details of one checkpoint (default: the latest): digest, parent, parts, sizes, chunk stats, meta."""
-    with command_errors():
-        with open_checkpointer(url, storage_options) as ck:
-            m = ck.manifest(step)
-            frags = {name: ck.fragment(m.step, name) for name in m.parts}
-            for line in describe_manifest(m, frags, ck.verdict(m.step)):
-                typer.echo(line)
+    with command_errors(), open_checkpointer(url, storage_options) as ck:
+        m = ck.manifest(step)
+        frags = {name: ck.fragment(m.step, name) for name in m.parts}
+        for line in describe_manifest(m, frags, ck.verdict(m.step)):
+            typer.echo(line)
 
 
 # --- verify --------------------------------------------------------------------------------------
@@ -318,117 +317,23 @@ def _steps_text(steps: list[int]) -> str:
 
 # --- export --------------------------------------------------------------------------------------
 
-def to_weights_only(obj: Any) -> Any:
-    """A copy of a restored state that ``torch.load(weights_only=True)`` accepts: numpy arrays and
-    scalars become tensors and Python scalars; containers, tensors and JSON values stay."""
-    import numpy as np
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return _numpy_to_tensor(obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, dict):
-        return {k: to_weights_only(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_weights_only(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_weights_only(v) for v in obj)
-    return obj
-
-
-def _numpy_to_tensor(a):
-    import numpy as np
-    import torch
-
-    if a.dtype.kind in "mM":  # datetimes: their int64 ticks
-        a = a.view(np.int64)
-    return torch.from_numpy(np.ascontiguousarray(a).copy())
-
-
-def flatten_for_safetensors(state: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """(dotted name -> tensor, dotted name -> JSON string of a non-tensor value)."""
-    import numpy as np
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    metadata: dict[str, str] = {}
-
-    def has_tensor(obj: Any) -> bool:
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
-            return True
-        if isinstance(obj, dict):
-            return any(has_tensor(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return any(has_tensor(v) for v in obj)
-        return False
-
-    def claim(name: str) -> str:
-        if name in tensors or name in metadata:
-            raise ValueError(f"two values of the state flatten to the same safetensors name {name!r}; "
-                             "export to .pt instead")
-        return name
-
-    def walk(obj: Any, name: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors[claim(name)] = obj.detach().cpu().contiguous()
-        elif isinstance(obj, np.ndarray):
-            tensors[claim(name)] = _numpy_to_tensor(obj)
-        elif isinstance(obj, dict) and has_tensor(obj):
-            for k, v in obj.items():
-                walk(v, f"{name}.{k}" if name else str(k))
-        elif isinstance(obj, (list, tuple)) and has_tensor(obj):
-            for i, v in enumerate(obj):
-                walk(v, f"{name}.{i}" if name else str(i))
-        else:
-            metadata[claim(name or "__root__")] = json.dumps(to_weights_only(obj), default=_json_default)
-
-    walk(state, "")
-    return tensors, metadata
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, tuple):
-        return list(obj)
-    raise TypeError(f"value of type {type(obj).__name__} is not JSON serialisable")
-
-
 @app.command("export")
 def export(url: UrlArg,
            out: Annotated[str, typer.Option("--out", metavar="FILE", help="Output file: *.pt or *.safetensors.")],
-           step: StepOpt = None, storage_options: StorageOptionsOpt = None) -> None:
-    """Write one checkpoint (default: the latest) as a .pt (torch.load(weights_only=True)) or .safetensors file."""
-    with command_errors():
-        suffix = os.path.splitext(out)[1].lower()
-        if suffix not in (".pt", ".pth", ".safetensors"):
-            raise ValueError(f"cannot export to {out!r}: the file name must end in .pt (torch.load with "
-                             "weights_only=True) or .safetensors (flat tensors + JSON metadata)")
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ValueError(f"cannot write {out}: the directory {parent} does not exist; create it first")
-        import torch
+           step: StepOpt = None, storage_options: StorageOptionsOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists.")] = False) -> None:
+    """Write one checkpoint (default: the latest) as a .pt (torch.load(weights_only=True)) or .safetensors file.
 
+    The file is written atomically (a temp file beside it, renamed); an existing FILE is replaced
+    only with --force. A state the format cannot hold is refused with the value that does not fit."""
+    with command_errors():
+        from ckptlib.export import format_of
+
+        format_of(out)
         with open_checkpointer(url, storage_options) as ck:
             m = ck.manifest(step)
-            state = ck.restore(m.step)
-        if suffix == ".safetensors":
-            from safetensors.torch import save_file
-
-            tensors, metadata = flatten_for_safetensors(state)
-            metadata["__ckpt__"] = json.dumps({"url": ck.url, "step": m.step, "digest": m.digest})
-            try:
-                save_file(tensors, out, metadata=metadata)
-            except (ValueError, TypeError, RuntimeError) as e:
-                raise ValueError(f"safetensors cannot hold this state ({e}); export to .pt instead") from None
-        else:
-            try:
-                torch.save(to_weights_only(state), out)
-            except RuntimeError as e:  # torch's file writer reports I/O problems as RuntimeError
-                raise OSError(f"cannot write {out}: {e}") from None
-        typer.echo(f"exported step {m.step} (digest {m.digest}) of {ck.url} to {out} "
-                   f"({fmt_bytes(os.path.getsize(out))})")
+            size = ck.export(m.step, out, force=force)
+        typer.echo(f"exported step {m.step} (digest {m.digest}) of {ck.url} to {out} ({fmt_bytes(size)})")
 
 
 # --- demo ----------------------------------------------------------------------------------------

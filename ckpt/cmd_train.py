@@ -44,7 +44,7 @@ class Progress:
         self._thread = threading.Thread(target=self._run, name="ckpt-train-progress", daemon=True)
         self.started = time.time()
 
-    def start(self) -> "Progress":
+    def start(self) -> Progress:
         self._thread.start()
         return self
 
@@ -53,14 +53,14 @@ class Progress:
         self._thread.join(timeout=5)
         try:
             self.poll()  # the final state
-        except Exception:
+        except Exception:  # noqa: BLE001 - the display must never break the run
             pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
                 self.poll()
-            except Exception as e:  # the display must never break the run
+            except Exception as e:  # noqa: BLE001 - the display must never break the run
                 self.error = f"{type(e).__name__}: {e}"
 
     def poll(self) -> None:
@@ -93,7 +93,7 @@ class Progress:
 
         p = self.params
         done_rounds = max([b.round for b in self.beats.values() if b.status == "finished"] +
-                          [s for s in self.manifests], default=0)
+                          list(self.manifests), default=0)
         head = Text.assemble(("training ", "bold"), (f"{p.workload}", "cyan"),
                              f" · {p.shards} shards · {p.rounds} rounds × {p.steps_per_round} steps · ",
                              (self.url, "dim"), f"   {time.time() - self.started:5.0f} s")
@@ -306,7 +306,7 @@ def train(
     from flows.api import PrefectAPI
 
     api = PrefectAPI()
-    from ckptlib import CheckpointError, Checkpointer
+    from ckptlib import Checkpointer, CheckpointError
     from trainrun.rounds import RunRefused, plan_run
 
     try:

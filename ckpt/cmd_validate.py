@@ -41,10 +41,10 @@ def validate(
         verdict = validate_run_checkpoint(url, step, storage_options=opts, thresholds=th)
     except (NoCheckpoint, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except StoreError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(3)
+        raise typer.Exit(3) from None
     typer.echo(json.dumps(verdict.to_dict(), indent=1) if as_json else format_verdict(verdict))
     raise typer.Exit(0 if verdict.passed else 1)
 
@@ -69,7 +69,7 @@ def report(
         key = write_run_index(store)
     except StoreError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(3)
+        raise typer.Exit(3) from None
     table = Table(title=f"checkpoints of {store.url}")
     for col in ("step", "verdict", "failed expectations", "kind", "written MiB", "full MiB", "ratio", "loss",
                 "report"):

@@ -191,7 +191,6 @@ def status(
 ) -> None:
     """Each shard's last beat (age), step, generation and state, per run; the fences and why."""
     from ckptlib.errors import StoreError
-
     from trainrun.layout import store_url
 
     so = storage_options_or_exit(storage_options)

@@ -24,13 +24,27 @@ _EXPORTS = {
     "FormatVersionError": "errors", "NoCheckpoint": "errors", "ObjectNotFound": "errors", "StoreError": "errors",
     "UnsupportedState": "errors",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CheckpointError", "Checkpointer", "CommitConflict", "CommitInfo", "CorruptCheckpoint", "FencedError",
+    "FormatVersionError", "NoCheckpoint", "ObjectNotFound", "Problem", "RetentionPolicy", "SaveFuture", "Store",
+    "StoreError", "UnsupportedState", "branch",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .branch import branch
     from .checkpointer import Checkpointer, CommitInfo, SaveFuture
-    from .errors import (CheckpointError, CommitConflict, CorruptCheckpoint, FencedError, FormatVersionError,
-                         NoCheckpoint, ObjectNotFound, StoreError, UnsupportedState)
+    from .errors import (
+        CheckpointError,
+        CommitConflict,
+        CorruptCheckpoint,
+        FencedError,
+        FormatVersionError,
+        NoCheckpoint,
+        ObjectNotFound,
+        StoreError,
+        UnsupportedState,
+    )
     from .reader import Problem
     from .retention import RetentionPolicy
     from .store import Store

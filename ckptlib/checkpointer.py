@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -38,12 +39,20 @@ from .reader import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .store import Store
 from .throttle import RateLimiter
-from .writer import (DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, Base, Snapshot, WriteOptions, encode_part,
-                     take_snapshot)
+from .writer import (
+    DEFAULT_DELTA_BUDGET,
+    DEFAULT_KEYFRAME_EVERY,
+    Base,
+    Snapshot,
+    WriteOptions,
+    encode_part,
+    take_snapshot,
+)
 
 log = logging.getLogger("ckptlib")
 
 SINGLE_PART = "state"
+_FRAGMENTS_KEPT = 16  # fragments of recent multi-part manifests kept by a Checkpointer
 
 
 @dataclass(frozen=True)
@@ -178,10 +187,10 @@ class Checkpointer:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         self._bases: dict[str, Base] = {}
         self._spare: dict[str, dict] = {}  # per part: staging buffers kept for the next snapshot
-        # Committed manifests are write-once, so each is read once; only a deletion (GC, possibly by
-        # another process) can make an entry stale, and a restore of it then fails on missing chunks.
-        self._manifests: dict[int, Manifest] = {}
-        self._fragments: dict[tuple[int, str], Fragment] = {}
+        # Manifests are read afresh by every call: GC (maybe another process's) drops steps, and a
+        # step dropped may be committed again with another state. Fragments a manifest names are
+        # immutable by their checksum, so the last few are kept.
+        self._fragments: OrderedDict[tuple, Fragment] = OrderedDict()
         self._inflight: SaveFuture | None = None
         self._marked = False
         self._closed = False
@@ -276,7 +285,7 @@ class Checkpointer:
             commit.ensure_marker(self.store)
             self._marked = True
 
-    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> "_Encoded":
+    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> _Encoded:
         """Encode ``snap`` as ``part`` of ``step`` against the part's base."""
         base = self._base(part)
         try:
@@ -295,7 +304,7 @@ class Checkpointer:
             self._bases[part] = base.without_bytes()
         self._spare.pop(part, None)
 
-    def _adopt(self, enc: "_Encoded") -> None:
+    def _adopt(self, enc: _Encoded) -> None:
         """The committed (or published) fragment becomes the part's base, with its bytes."""
         self._bases[enc.part] = enc.new
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(enc.snap)
@@ -428,16 +437,20 @@ class Checkpointer:
         return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force)
 
     def _read_manifest(self, step: int) -> Manifest:
-        """The committed manifest of ``step``, read once per Checkpointer (restoring several parts
-        of one cut, as every shard task does, reads it once)."""
-        if step not in self._manifests:
-            self._manifests[step] = commit.read_manifest(self.store, step)
-        return self._manifests[step]
+        """The committed manifest of ``step``, as the store has it now."""
+        return commit.read_manifest(self.store, step)
 
     def _fragment(self, m: Manifest, part: str) -> Fragment:
-        key = (m.step, part)
-        if key not in self._fragments:
+        ref = m.parts.get(part)
+        if ref is None or ref.fragment is not None:
+            return commit.load_part(self.store, m, part)  # embedded (or a clear error)
+        key = (m.step, part, ref.key, ref.checksum)
+        if key in self._fragments:
+            self._fragments.move_to_end(key)
+        else:
             self._fragments[key] = commit.load_part(self.store, m, part)
+            while len(self._fragments) > _FRAGMENTS_KEPT:
+                self._fragments.popitem(last=False)
         return self._fragments[key]
 
     def _resolve(self, step: int | None, *, healthy: bool) -> int:
@@ -458,7 +471,7 @@ class Checkpointer:
             doc = json.loads(self.store.get(commit.validation_key(step)))
         except ObjectNotFound:
             return None
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("passed"), bool):
             log.warning("%s/%s is not a valid verdict: step %d counts as not validated", self.url,
@@ -474,9 +487,10 @@ class Checkpointer:
             if v is not None and v["passed"] is True:
                 healthy.append(step)
             elif v is not None:
-                failed = v.get("failed") if isinstance(v.get("failed"), list) else []
+                failed = v.get("failed")
+                failed = failed if isinstance(failed, list) else []
                 log.warning("skipping checkpoint step %d of %s: its validation failed (%s)", step, self.url,
-                            ", ".join(map(str, failed)) or "see validations/%d.json" % step)
+                            ", ".join(map(str, failed)) or f"see validations/{step}.json")
         return healthy
 
     # --- multi-writer: fragments and the coordinator's commit ------------------------------------
@@ -553,7 +567,6 @@ class Checkpointer:
         """Drop checkpoints the policy does not keep and sweep unreferenced objects (see ckptlib.gc)."""
         self._check_open()
         self._drain()
-        self._manifests.clear()  # GC uncommits steps
         self._fragments.clear()
         return collect_garbage(self.store, policy, grace_s=grace_s, dry_run=dry_run)
 
@@ -577,7 +590,7 @@ class Checkpointer:
             self._bases.clear()
             self._spare.clear()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -25,6 +25,7 @@ import zstandard
 
 from .errors import CorruptCheckpoint
 
+
 def checksum(data: np.ndarray | bytes | memoryview) -> str:
     """Hex XXH3-128 of the bytes: the identity of a chunk and the integrity check of every decode.
 
@@ -32,7 +33,12 @@ def checksum(data: np.ndarray | bytes | memoryview) -> str:
     matters because every byte of a save and a restore is hashed. It detects corruption, not
     tampering: a store writable by an adversary could plant colliding chunks (see docs/format.md).
     """
-    return xxhash.xxh3_128_hexdigest(memoryview(data))
+    return xxhash.xxh3_128_hexdigest(_mv(data))
+
+
+def _mv(data: np.ndarray | bytes | memoryview) -> memoryview:
+    """A memoryview of any buffer (numpy's stubs do not declare ndarray a Buffer)."""
+    return memoryview(data)  # type: ignore[arg-type]
 
 
 class Codec(Protocol):
@@ -157,20 +163,21 @@ class BytePlane(_Transform):
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         if not self._usable(data.nbytes):
             return data
-        return self.decode_into(data, np.empty(data.nbytes, dtype=np.uint8))
+        out = np.empty(data.nbytes, dtype=np.uint8)
+        self.decode_into(data, out)
+        return out
 
-    def decode_into(self, data: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def decode_into(self, data: np.ndarray, out: np.ndarray) -> None:
         """Interleave the planes straight into ``out`` (e.g. the destination tensor's memory)."""
         if data.nbytes != out.nbytes:
             raise CorruptCheckpoint(f"byte planes hold {data.nbytes} bytes, expected {out.nbytes}")
         if not self._usable(data.nbytes):
             out[:] = data
-            return out
+            return
         planes = data.reshape(self.itemsize, -1)
         elements = out.reshape(-1, self.itemsize)
         for k in range(self.itemsize):
             elements[:, k] = planes[k]
-        return out
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"itemsize": self.itemsize}}
@@ -194,17 +201,17 @@ class Zstd(_Transform):
         return cache[self.level]
 
     def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
-        return np.frombuffer(self._compressor().compress(memoryview(data)), dtype=np.uint8)
+        return np.frombuffer(self._compressor().compress(_mv(data)), dtype=np.uint8)
 
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         dctx = self._local.__dict__.setdefault("decompressor", zstandard.ZstdDecompressor())
         try:
             # The frame header declares its content size, and zstd would allocate that much before
             # finding out it lies: a small hostile chunk could declare gigabytes. Check it first.
-            declared = zstandard.frame_content_size(memoryview(data))
+            declared = zstandard.frame_content_size(_mv(data))
             if declared != nbytes:
                 raise CorruptCheckpoint(f"zstd frame declares {declared} bytes, the chunk holds {nbytes}")
-            out = dctx.decompress(memoryview(data), max_output_size=nbytes, allow_extra_data=False)
+            out = dctx.decompress(_mv(data), max_output_size=nbytes, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise CorruptCheckpoint(f"zstd frame does not decode ({e})") from None
         if len(out) != nbytes:
@@ -449,7 +456,7 @@ def _zstd_as(data: np.ndarray, level: int, source_size: int) -> np.ndarray:
         params = zstandard.ZstdCompressionParameters.from_level(level, source_size=1 << key[1],
                                                                 write_checksum=1, write_content_size=1)
         cache[key] = zstandard.ZstdCompressor(compression_params=params)
-    return np.frombuffer(cache[key].compress(memoryview(data)), dtype=np.uint8)
+    return np.frombuffer(cache[key].compress(_mv(data)), dtype=np.uint8)
 
 
 def _narrowest(largest: int, limit: int) -> int:
@@ -542,7 +549,7 @@ def from_ordered(acc: np.ndarray, ordered_float: bool, out: np.ndarray) -> None:
 
 
 def uses_base(configs: list[dict[str, Any]]) -> bool:
-    return any(getattr(REGISTRY.get(c.get("name")), "uses_base", False) for c in configs)
+    return any(getattr(REGISTRY.get(str(c.get("name"))), "uses_base", False) for c in configs)
 
 
 def keyframe_codecs(itemsize: int, level: int) -> list[Codec]:

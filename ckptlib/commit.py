@@ -25,12 +25,21 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
-from .manifest import (Fragment, Manifest, PartRef, combined_digest, document_checksum, dumps, fragment_key,
-                       loads_fragment, loads_manifest)
+from .manifest import (
+    Fragment,
+    Manifest,
+    PartRef,
+    combined_digest,
+    document_checksum,
+    dumps,
+    fragment_key,
+    loads_fragment,
+    loads_manifest,
+)
 from .store import Store
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -44,7 +53,7 @@ def ensure_marker(store: Store) -> None:
     """Mark ``store`` as a ckptlib store (idempotent)."""
     from .manifest import FORMAT_VERSION
 
-    doc = {"ckptlib": True, "format": FORMAT_VERSION, "created": datetime.now(timezone.utc).isoformat()}
+    doc = {"ckptlib": True, "format": FORMAT_VERSION, "created": datetime.now(UTC).isoformat()}
     store.put_if_absent(STORE_MARKER, json.dumps(doc).encode())
 
 
@@ -125,7 +134,7 @@ def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragmen
     refs = {name: PartRef.of(name, frag, embed=checksum is None, checksum=checksum)
             for name, (frag, checksum) in parts.items()}
     stored = sum({b.key: b.size for frag, _ in parts.values() for b in frag.blobs.values()}.values())
-    return Manifest(step=step, parent=parent, created=datetime.now(timezone.utc).isoformat(),
+    return Manifest(step=step, parent=parent, created=datetime.now(UTC).isoformat(),
                     digest=combined_digest({n: r.digest for n, r in refs.items()}, single), single=single,
                     parts=refs, meta=dict(meta or {}), lineage=lineage, stored_bytes=stored)
 
@@ -185,7 +194,7 @@ def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | Non
         doc = json.loads(store.get(fence_key(part, generation)))
     except ObjectNotFound:
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"part": part, "generation": generation}
     return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 

@@ -83,9 +83,9 @@ class Document:
     def from_json(cls: type[D], data: bytes | str, where: str = "") -> D:
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             at = f" at {where}" if where else ""
-            raise DocumentError(f"{cls.KIND} document{at} is not JSON ({e})") from None
+            raise DocumentError(f"{cls.KIND} document{at} is not JSON ({type(e).__name__}: {e})") from None
         return cls.from_dict(doc, where)
 
     @classmethod

@@ -140,8 +140,9 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         delete(garbage)
 
     try:
-        # 2. garbage: what no committed manifest needs
-        if not dry_run:
+        # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
+        # a write's temp file is as old as the write began, and a slow write can outlive the grace.
+        if not dry_run and saving() is None:
             for name in store.remove_stale_temp(cutoff):
                 report.deleted_objects.append(name)
             delete([(key, 0) for key in expired_leases(store, cutoff)])

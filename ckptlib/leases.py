@@ -69,7 +69,7 @@ class LeaseDoc:
                 "host": self.host, "pid": self.pid}
 
     @classmethod
-    def from_json(cls, d: Any) -> "LeaseDoc | None":
+    def from_json(cls, d: Any) -> LeaseDoc | None:
         """The lease, or None for a document that is not one (it then protects nothing)."""
         try:
             step = d.get("step")
@@ -95,13 +95,13 @@ class Lease:
         self.held = False
         self._renewed = self.doc.start
 
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
         self.held = True
         self.gc_seen = read_gc_lock(self.store) is not None
         return self
 
-    def try_acquire(self) -> "Lease":
+    def try_acquire(self) -> Lease:
         """``acquire``, or nothing when the store cannot be written (a read-only reader)."""
         try:
             return self.acquire()
@@ -141,7 +141,7 @@ class Lease:
             except StoreError as e:  # it expires by itself
                 log.warning("could not remove lease %s/%s: %s", self.store.url, self.key, e)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
@@ -153,7 +153,7 @@ def read_gc_lock(store: Store) -> dict[str, Any] | None:
         doc = json.loads(store.get(GC_LOCK))
     except ObjectNotFound:
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"expires": 0.0}  # unreadable: an expired lock
     return doc if isinstance(doc, dict) else {"expires": 0.0}
 
@@ -169,7 +169,7 @@ def live_leases(store: Store) -> list[LeaseDoc]:
     for info in _lease_keys(store):
         try:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
-        except (ObjectNotFound, ValueError):
+        except (ObjectNotFound, ValueError, RecursionError):
             continue
         if doc is not None and doc.expires > now:
             out.append(doc)
@@ -186,7 +186,7 @@ def expired_leases(store: Store, older_than: float) -> list[str]:
             doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
         except ObjectNotFound:
             continue
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         if doc is None or doc.expires <= now:
             out.append(info.key)
@@ -200,10 +200,10 @@ class GcLock:
     def __init__(self, store: Store, ttl_s: float = GC_LOCK_TTL_S):
         self.store, self.ttl_s = store, ttl_s
         self.id = uuid.uuid4().hex
-        self._doc = {"id": self.id, "start": _now(), "expires": _now() + ttl_s, "host": socket.gethostname(),
-                     "pid": os.getpid()}
+        self._doc: dict[str, Any] = {"id": self.id, "start": _now(), "expires": _now() + ttl_s,
+                                     "host": socket.gethostname(), "pid": os.getpid()}
 
-    def acquire(self) -> "GcLock":
+    def acquire(self) -> GcLock:
         data = json.dumps(self._doc).encode()
         if self.store.put_if_absent(GC_LOCK, data):
             return self
@@ -237,7 +237,7 @@ class GcLock:
         if self.still_held():
             self.store.delete(GC_LOCK)
 
-    def __enter__(self) -> "GcLock":
+    def __enter__(self) -> GcLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

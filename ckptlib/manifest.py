@@ -81,7 +81,7 @@ class Blob:
                 "codecs": list(self.codecs), "base": self.base, "depth": self.depth}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Blob":
+    def from_json(cls, d: dict[str, Any]) -> Blob:
         if not isinstance(d.get("key"), str) or not _BLOB_KEY.match(d["key"]):
             raise ValueError(f"blob key {str(d.get('key'))[:80]!r} is not chunks/<h2>/<hash>")
         codecs = d["codecs"]
@@ -123,7 +123,7 @@ class Leaf:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Leaf":
+    def from_json(cls, d: dict[str, Any]) -> Leaf:
         spec = LeafSpec.from_json(d)
         digest = _checksum(d["digest"], "leaf digest")
         if "pack" in d:
@@ -165,7 +165,7 @@ class Fragment:
                 "stats": self.stats, "meta": self.meta}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Fragment":
+    def from_json(cls, d: dict[str, Any]) -> Fragment:
         fmt = _check_format(d)
         if d.get("checksum") != CHECKSUM:
             raise FormatVersionError(
@@ -233,7 +233,7 @@ class PartRef:
     checksum: str | None = None
 
     @classmethod
-    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> "PartRef":
+    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> PartRef:
         return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
                    dict(frag.stats), frag.config_hash, frag if embed else None,
                    None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum)
@@ -249,7 +249,7 @@ class PartRef:
         return d
 
     @classmethod
-    def from_json(cls, name: str, d: dict[str, Any]) -> "PartRef":
+    def from_json(cls, name: str, d: dict[str, Any]) -> PartRef:
         frag = Fragment.from_json(d["fragment"]) if "fragment" in d else None
         key = checksum = None
         if frag is None:
@@ -262,7 +262,7 @@ class PartRef:
                    frag, key, checksum)
 
     @classmethod
-    def from_v1(cls, name: str, d: dict[str, Any]) -> "PartRef":
+    def from_v1(cls, name: str, d: dict[str, Any]) -> PartRef:
         return cls.of(name, Fragment.from_json(d), embed=True)
 
 
@@ -309,14 +309,15 @@ class Manifest:
                 "stored_bytes": self.stored_bytes, "lineage": self.lineage, "meta": self.meta}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+    def from_json(cls, d: dict[str, Any]) -> Manifest:
         fmt = _check_format(d)
         raw_parts = d["parts"]
         if not isinstance(raw_parts, dict):
             raise ValueError("parts is not an object")
         if fmt == 1:
             parts = {name: PartRef.from_v1(name, f) for name, f in raw_parts.items()}
-            stored = sum({b.key: b.size for p in parts.values() for b in p.fragment.blobs.values()}.values())  # type: ignore[union-attr]
+            sizes = {b.key: b.size for p in parts.values() if p.fragment is not None for b in p.fragment.blobs.values()}
+            stored = sum(sizes.values())
         else:
             parts = {name: PartRef.from_json(name, p) for name, p in raw_parts.items()}
             stored = _int(d["stored_bytes"], "stored_bytes", 0, 2**63)
@@ -388,7 +389,7 @@ def loads_fragment(data: bytes, where: str) -> Fragment:
     return _parse(Fragment, data, where)
 
 
-def _parse(cls: type, data: bytes, where: str) -> Any:
+def _parse(cls: Any, data: bytes, where: str) -> Any:
     if len(data) > MAX_DOCUMENT_BYTES:
         raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than any {cls.__name__.lower()} ckptlib "
                                 f"writes ({MAX_DOCUMENT_BYTES}); it was not written by ckptlib")

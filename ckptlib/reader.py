@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,9 +159,10 @@ class _ChainDecoder:
         (nothing done) when the run is not worth summing or not additive in one way."""
         chains = [self._codecs(blob, out.nbytes) for blob in deltas]
         kinds = {codecs.additive(c) for c in chains}
-        if len(kinds) != 1 or None in kinds:
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind is None:
             return False
-        ((itemsize, ordered_float),) = kinds
+        itemsize, ordered_float = kind
         dense = any(not isinstance(c[0], codecs.SparseDelta) for c in chains)
         if out.nbytes % itemsize or not (dense or sum(b.size for b in deltas) * 2 * itemsize >= out.nbytes):
             return False

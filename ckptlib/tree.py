@@ -40,7 +40,7 @@ import math
 import re
 import struct
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -171,7 +171,7 @@ def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
         items = [[walk_key(k, path, depth), walk(v, f"{path}/{k}", depth)] for k, v in obj.items()]
         if cls is dict:
             return {"__items__": items}
-        node: dict[str, Any] = {"type": _MAP_NAMES[cls], "items": items}
+        node: dict[str, Any] = {"type": _MAP_NAMES[cls], "items": items}  # type: ignore[index]
         if cls is collections.defaultdict:
             if obj.default_factory is not None and obj.default_factory not in _FACTORY_NAMES:
                 raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} would have to be run on "
@@ -355,8 +355,9 @@ def empty_leaf(spec: LeafSpec) -> tuple[Any, np.ndarray]:
     if spec.kind in ("bytes", "bytearray"):
         buf = bytearray(spec.nbytes)
         return buf, np.frombuffer(buf, dtype=np.uint8) if spec.nbytes else np.empty(0, np.uint8)
-    a = np.empty(spec.shape, dtype=np.dtype(spec.dtype), order=spec.order)
-    return a, a.ravel(order=spec.order).view(np.uint8)
+    order: Literal["C", "F"] = "F" if spec.order == "F" else "C"
+    a = np.empty(spec.shape, dtype=np.dtype(spec.dtype), order=order)
+    return a, a.ravel(order=order).view(np.uint8)
 
 
 def finish_leaf(obj: Any, spec: LeafSpec, device: Any = "cpu") -> Any:
@@ -717,9 +718,9 @@ def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dic
             if tag == "__attrs__" and isinstance(v, list) and len(v) == 2:
                 return {"__attrs__": [walk(v[0], obj, path), v[1]]}
             if tag == "__tuple__" and isinstance(v, list):
-                out = {"__tuple__": [walk(x, child(obj, k), f"{path}/{k}") for k, x in enumerate(v)]}
+                walked = {"__tuple__": [walk(x, child(obj, k), f"{path}/{k}") for k, x in enumerate(v)]}
                 extras(obj, set(range(len(v))), path)
-                return out
+                return walked
             pairs = v if tag == "__items__" else (v.get("items") if tag == "__map__" and isinstance(v, dict) else None)
             if isinstance(pairs, list):
                 new_pairs, seen = [], set()
@@ -737,9 +738,9 @@ def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dic
             if _is_array(obj):
                 mismatches.append(f"{path or '/'}: the destination holds an array, the checkpoint a {tag.strip('_')}")
             return node
-        out = {k: walk(v, child(obj, k), f"{path}/{k}") for k, v in node.items()}
+        mapping = {k: walk(v, child(obj, k), f"{path}/{k}") for k, v in node.items()}
         extras(obj, set(node), path)
-        return out
+        return mapping
 
     new_skeleton = walk(skeleton, into, "")
     return new_skeleton, dest, aliases, mismatches

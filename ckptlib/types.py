@@ -95,7 +95,7 @@ class LeafSpec:
         return {**self.logical_json(), "nbytes": self.nbytes, "itemsize": self.itemsize}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "LeafSpec":
+    def from_json(cls, d: dict[str, Any]) -> LeafSpec:
         """Parse and check a spec from a manifest (raises CorruptCheckpoint on anything wrong)."""
         try:
             stride = d.get("stride")
@@ -106,7 +106,7 @@ class LeafSpec:
             raise CorruptCheckpoint(f"malformed leaf entry in manifest ({type(e).__name__}: {e})") from None
         return spec.checked()
 
-    def checked(self) -> "LeafSpec":
+    def checked(self) -> LeafSpec:
         """This spec, if it describes an array that can exist; CorruptCheckpoint otherwise."""
         where = f"leaf {self.path!r}"
 
@@ -131,11 +131,10 @@ class LeafSpec:
                 raise bad(f"shape {list(self.shape)} is larger than {MAX_LEAF_BYTES} bytes")
         if not _is_int(self.nbytes) or self.nbytes != numel * itemsize:
             raise bad(f"nbytes {self.nbytes!r} is not shape x itemsize ({numel * itemsize})")
-        if self.stride is not None:
-            if self.kind != "torch" or len(self.stride) != len(self.shape) \
-                    or not all(_is_int(v) and v >= 0 for v in self.stride) \
-                    or not dense_strides(self.shape, self.stride):
-                raise bad(f"stride {list(self.stride)!r} is not a dense layout of shape {list(self.shape)}")
+        if self.stride is not None and (self.kind != "torch" or len(self.stride) != len(self.shape)
+                                        or not all(_is_int(v) and v >= 0 for v in self.stride)
+                                        or not dense_strides(self.shape, self.stride)):
+            raise bad(f"stride {list(self.stride)!r} is not a dense layout of shape {list(self.shape)}")
         if self.kind in ("bytes", "bytearray") and len(self.shape) != 1:
             raise bad("a bytes leaf is one-dimensional")
         if self.param and self.kind != "torch":

@@ -29,9 +29,10 @@ import os
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ class Base:
     def held_bytes(self) -> int:
         return sum(b.nbytes for b in self.raw.values())
 
-    def without_bytes(self) -> "Base":
+    def without_bytes(self) -> Base:
         return Base(self.step, self.blobs, self.units, chunk_bytes=self.chunk_bytes)
 
 
@@ -303,7 +304,7 @@ def encode_part(
         with slots:  # CPU work with chunk-sized buffers: one per core at a time bounds a save's memory
             digest, blob, payload, kind = encode_one(u)
         wrote = False
-        if payload is not None:  # the upload runs outside a slot: many requests in flight
+        if payload is not None and blob is not None:  # the upload runs outside a slot: many in flight
             opts.limiter.acquire(payload.nbytes)
             if failed.is_set():
                 raise _Cancelled
@@ -359,7 +360,7 @@ def encode_part(
         if prev_bytes is not None and prev_bytes.nbytes == view.nbytes:
             if prev_digest == digest:
                 return prev_bytes  # the base holds these bytes already
-            if shared[prev_digest] == 1:  # bytes read in place from the caller: copy into the old buffer
+            if prev_digest is not None and shared[prev_digest] == 1:  # read in place: copy into the old buffer
                 prev_bytes[:] = view
                 return prev_bytes
         keep = _host_buffer(view.nbytes)
@@ -430,18 +431,27 @@ def encode_part(
 
 def _run_all(pool: Executor, fn: Any, n: int, failed: threading.Event) -> list[Any]:
     """fn(0..n-1) on the pool; on the first error, stop starting new calls, wait for the running
-    ones, and raise that error (so a failed save leaves no upload running behind it)."""
-    futures: list[Future] = [pool.submit(fn, i) for i in range(n)]
+    ones, and raise that error (so a failed save leaves no upload running behind it). The failing
+    call itself raises the flag, so calls still queued see it at once, whatever their order."""
+    def run(i: int) -> Any:
+        try:
+            return fn(i)
+        except _Cancelled:
+            raise
+        except BaseException:
+            failed.set()
+            raise
+
+    futures: list[Future] = [pool.submit(run, i) for i in range(n)]
     first: BaseException | None = None
     for f in futures:
         try:
             f.result()
-        except _Cancelled:
+        except (_Cancelled, CancelledError):
             pass
         except BaseException as e:  # noqa: BLE001 - re-raised below, once every upload has stopped
             if first is None:
                 first = e
-                failed.set()
                 for other in futures:
                     other.cancel()
     if first is not None:

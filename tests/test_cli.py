@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from ckpt.bench import first_difference
 from ckpt.cli import app
-from ckpt.cmd_store import to_weights_only
+from ckptlib.export import to_weights_only
 from ckptlib import Checkpointer
 
 runner = CliRunner()

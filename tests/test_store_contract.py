@@ -1,160 +1,17 @@
-"""The Store contract, run against every backend (local dir, memory://, S3 on a real SeaweedFS),
-then bad-input errors and the FaultyStore wrapper."""
+"""Store URLs, S3 errors and the FaultyStore wrapper. The store contract itself (every backend and
+wrapper) is ckptlib.testing.store_contract.StoreContract, run in tests/store/."""
 
 from __future__ import annotations
 
 import pickle
-import random
 import socket
-import threading
 import time
 
 import pytest
 
-from ckptlib.errors import ObjectNotFound, StoreError
-from ckptlib.store import Store, StoreCapabilities
+from ckptlib.errors import StoreError
+from ckptlib.store import Store
 from ckptlib.testing import FaultyStore, InjectedFault, SimulatedCrash
-
-
-def reopen(store: Store) -> Store:
-    """The same store, opened again from its URL (as another process would)."""
-    return Store.from_url(store.url, getattr(store, "storage_options", None))
-
-
-# ----------------------------------------------------------------------------- the contract
-
-
-def test_round_trip_binary_and_empty(any_store):
-    data = bytes(range(256)) * 3 + b"\x00\r\n\xff"
-    any_store.put("chunks/ab/abcdef", data)
-    any_store.put("empty", b"")
-    assert any_store.get("chunks/ab/abcdef") == data
-    assert any_store.get("empty") == b""
-    assert reopen(any_store).get("chunks/ab/abcdef") == data
-
-
-def test_put_overwrites(any_store):
-    any_store.put("heartbeats/0.json", b"old")
-    any_store.put("heartbeats/0.json", b"new")
-    assert any_store.get("heartbeats/0.json") == b"new"
-
-
-def test_missing_key_raises_object_not_found(any_store):
-    with pytest.raises(ObjectNotFound) as err:
-        any_store.get("manifests/7.json")
-    assert "manifests/7.json" in str(err.value) and any_store.url in str(err.value)
-    assert isinstance(err.value, KeyError) and isinstance(err.value, StoreError)
-    with pytest.raises(ObjectNotFound):
-        any_store.modified("manifests/7.json")
-    assert not any_store.exists("manifests/7.json")
-
-
-def test_put_if_absent_creates_once(any_store):
-    assert any_store.put_if_absent("manifests/1.json", b"first") is True
-    assert any_store.put_if_absent("manifests/1.json", b"second") is False
-    assert any_store.get("manifests/1.json") == b"first"
-    assert any_store.list("manifests") == ["manifests/1.json"]  # no temp files left behind
-
-
-def test_concurrent_put_if_absent_has_one_winner(any_store):
-    n = 8
-    barrier = threading.Barrier(n)
-    results: list[tuple[bool, bytes]] = [None] * n  # type: ignore[list-item]
-
-    def race(i: int) -> None:
-        data = f"writer {i} ".encode() * 1000
-        barrier.wait(timeout=30)
-        results[i] = (any_store.put_if_absent("manifests/5.json", data), data)
-
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    winners = [data for won, data in results if won]
-    assert len(winners) == 1
-    assert any_store.get("manifests/5.json") == winners[0]
-
-
-def test_list_is_recursive_sorted_and_folder_based(any_store):
-    assert any_store.list() == []
-    keys = ["fragments/1/0.g0.json", "fragments/10/0.g0.json", "fragments/1/1.g0.json",
-            "chunks/ab/ab12", "chunks/cd/cd34", "manifests/1.json"]
-    for k in keys:
-        any_store.put(k, b"x")
-    assert any_store.list() == sorted(keys)
-    assert any_store.list("fragments/1") == ["fragments/1/0.g0.json", "fragments/1/1.g0.json"]
-    assert any_store.list("fragments/1/") == any_store.list("fragments/1")
-    assert any_store.list("chunks") == ["chunks/ab/ab12", "chunks/cd/cd34"]
-    assert any_store.list("nothing/here") == []
-    assert any_store.list("manifests/1.json") == []  # a key is not a folder
-
-
-def test_delete(any_store):
-    any_store.put("fences/0/1", b"")
-    assert any_store.exists("fences/0/1")
-    any_store.delete("fences/0/1")
-    assert not any_store.exists("fences/0/1")
-    assert any_store.list() == []
-    with pytest.raises(ObjectNotFound):
-        any_store.get("fences/0/1")
-    any_store.delete("fences/0/1")  # missing is fine
-    assert any_store.put_if_absent("fences/0/1", b"again") is True
-
-
-def test_exists_is_for_objects_not_folders(any_store):
-    any_store.put("reports/3/summary.json", b"{}")
-    assert any_store.exists("reports/3/summary.json")
-    assert not any_store.exists("reports/3")
-
-
-def test_child_store_is_rooted_below(any_store):
-    run = any_store.child("runs/a")
-    assert run.url == any_store.url + "/runs/a"
-    assert type(run) is type(any_store)
-    run.put("manifests/1.json", b"m")
-    any_store.put("other", b"o")
-    assert any_store.get("runs/a/manifests/1.json") == b"m"
-    assert run.list() == ["manifests/1.json"]
-    assert any_store.list() == ["other", "runs/a/manifests/1.json"]
-    assert reopen(run).get("manifests/1.json") == b"m"
-    assert run.put_if_absent("manifests/1.json", b"x") is False
-
-
-def test_modified_is_recent(any_store):
-    before = time.time()
-    any_store.put("heartbeats/1.json", b"{}")
-    after = time.time()
-    # S3 reports whole seconds; allow for that and for a little clock skew with the server.
-    assert before - 2 <= any_store.modified("heartbeats/1.json") <= after + 2
-
-
-def test_large_object_round_trip(any_store):
-    data = random.Random(0).randbytes(12 * 2**20)
-    any_store.put("chunks/big/1", data)
-    assert any_store.get("chunks/big/1") == data
-    assert any_store.put_if_absent("chunks/big/2", data) is True
-    assert any_store.put_if_absent("chunks/big/2", data[:10]) is False
-    assert any_store.get("chunks/big/2") == data
-
-
-@pytest.mark.parametrize("key", ["", "/abs", "a//b", "../x", "a/./b", "a/", "a\\b", "x/.ckpt-tmp-1"])
-def test_invalid_keys_are_refused(any_store, key):
-    with pytest.raises(StoreError, match="invalid key"):
-        any_store.put(key, b"x")
-
-
-def test_pickles_for_other_workers(any_store):
-    # Prefect/Dask may ship a Store to another worker; it must arrive usable.
-    any_store.put("a", b"1")
-    copy = pickle.loads(pickle.dumps(any_store))
-    assert copy == any_store and copy.get("a") == b"1"
-
-
-def test_capabilities(any_store):
-    assert isinstance(any_store.capabilities, StoreCapabilities)
-    assert any_store.capabilities.conditional_put is True
-
 
 # ----------------------------------------------------------------------------- URLs
 
@@ -310,3 +167,32 @@ def test_faulty_delay_and_child(faulty):
     assert faulty.child("runs/a").get("x") == b"1"  # children share the rules and the log
     assert time.monotonic() - start >= 0.2
     assert faulty.keys("get") == ["x"]
+
+
+def test_faulty_nth_call_and_hooks(faulty):
+    ran = []
+    faulty.on_call("put", "*", lambda: ran.append(faulty.inner.list()), nth=2)
+    faulty.crash_after("*", nth=4)
+    faulty.put("a", b"1")
+    assert ran == []
+    faulty.put("b", b"2")
+    assert ran == [["a", "b"]]  # after the 2nd put was performed, before it returned
+    assert faulty.get("a") == b"1"
+    with pytest.raises(SimulatedCrash):
+        faulty.get("b")  # the 4th call of any kind
+    assert [c.fault for c in faulty.calls] == [None, None, None, "crash"]
+    with pytest.raises(ValueError):
+        faulty.crash_after("*", nth=0)
+
+
+def test_faulty_remove_stale_temp_is_a_call(faulty):
+    faulty.crash_after("remove_stale_temp")
+    with pytest.raises(SimulatedCrash):
+        faulty.remove_stale_temp(time.time())
+
+
+def test_faulty_store_pickles(faulty):
+    faulty.fail_on("get", "x")
+    copy = pickle.loads(pickle.dumps(faulty))
+    with pytest.raises(InjectedFault):
+        copy.get("x")

@@ -6,8 +6,18 @@ the backends. ``ckptlib.testing.store_contract.StoreContract`` is the test kit a
 subclasses.
 """
 
-from .base import (SUPPORTED_URLS, TMP_PREFIX, ObjectInfo, Store, StoreCapabilities, WrapperStore, check_key,
-                   check_prefix, open_store, redact_url)
+from .base import (
+                   SUPPORTED_URLS,
+                   TMP_PREFIX,
+                   ObjectInfo,
+                   Store,
+                   StoreCapabilities,
+                   WrapperStore,
+                   check_key,
+                   check_prefix,
+                   open_store,
+                   redact_url,
+)
 from .local import LocalStore
 from .memory import MemoryStore
 from .s3 import S3Store

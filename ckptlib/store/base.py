@@ -48,6 +48,7 @@ Note for implementers: a new backend subclasses :class:`Store`, implements the m
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -134,7 +135,7 @@ class Store:
     capabilities: StoreCapabilities
 
     @classmethod
-    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> "Store":
+    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
         """Open the store at ``url``: a plain path, ``file://``, ``memory://name`` or ``s3://bucket/prefix``.
 
         ``storage_options`` are s3fs arguments (``endpoint_url``, ``key``, ``secret``, ...) and
@@ -166,7 +167,7 @@ class Store:
         particular order, read page by page."""
         raise NotImplementedError
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         """Names of the folders directly under ``prefix`` (one level), sorted."""
         raise NotImplementedError
 
@@ -178,23 +179,23 @@ class Store:
         """Last-modified time of ``key``, epoch seconds; ObjectNotFound if missing."""
         raise NotImplementedError
 
-    def child(self, subpath: str) -> "Store":
+    def child(self, subpath: str) -> Store:
         """A store of the same kind rooted at ``<root>/<subpath>`` (e.g. one run under a store root)."""
         raise NotImplementedError
 
     # --- with defaults ------------------------------------------------------------------------------
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """All keys under the folder ``prefix``, recursive, sorted. ``prefix`` is a folder, not a
         string prefix: ``list("fragments/1")`` does not return ``fragments/10/...``."""
         return sorted(info.key for info in self.scan(prefix))
 
-    def remove_stale_temp(self, older_than: float) -> list[str]:
+    def remove_stale_temp(self, older_than: float) -> builtins.list[str]:
         """Delete temp files of killed writes last modified before ``older_than`` (epoch seconds);
         returns their names. Backends whose writes are atomic without temp files have none."""
         return []
 
-    def copy_from(self, source: "Store", key: str) -> bool:
+    def copy_from(self, source: Store, key: str) -> bool:
         """Copy object ``key`` of ``source`` to the same key here, if absent (True if copied).
         Backends override it with a cheaper copy where one exists (a hard link, a server-side copy)."""
         return self.put_if_absent(key, source.get(key))
@@ -206,7 +207,7 @@ class Store:
         return f"{type(self).__name__}({self.url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.url == self.url  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.url == self.url
 
     def __hash__(self) -> int:
         return hash((type(self), self.url))
@@ -246,10 +247,10 @@ class WrapperStore(Store):
     def scan(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return iter(self._forward("scan", prefix))
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         return self._forward("list", prefix)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:
         return self._forward("list_dirs", prefix)
 
     def delete(self, key: str) -> None:
@@ -258,7 +259,7 @@ class WrapperStore(Store):
     def modified(self, key: str) -> float:
         return self._forward("modified", key)
 
-    def remove_stale_temp(self, older_than: float) -> list[str]:
+    def remove_stale_temp(self, older_than: float) -> builtins.list[str]:
         return self.inner.remove_stale_temp(older_than)
 
     def copy_from(self, source: Store, key: str) -> bool:
@@ -274,7 +275,7 @@ class WrapperStore(Store):
         return f"{type(self).__name__}({self.inner!r})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.inner == self.inner  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.inner == self.inner
 
     def __hash__(self) -> int:
         return hash((type(self), self.inner))

@@ -102,13 +102,10 @@ class LocalStore(Store):
         with self._os_errors("read", key):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except (FileNotFoundError, NotADirectoryError):
-                raise self._not_found(key) from None
-            with os.fdopen(fd, "rb") as f:
-                try:
+                with os.fdopen(fd, "rb") as f:
                     return f.read()
-                except IsADirectoryError:
-                    raise self._not_found(key) from None
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise self._not_found(key) from None  # a folder of keys is not an object
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -202,10 +199,9 @@ class LocalStore(Store):
         folder = self._folder(prefix)
         if folder is None:
             return []
-        with self._os_errors("list", prefix):
-            with os.scandir(folder) as entries:
-                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False)
-                              and not e.name.startswith(TMP_PREFIX))
+        with self._os_errors("list", prefix), os.scandir(folder) as entries:
+            return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False)
+                          and not e.name.startswith(TMP_PREFIX))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -227,7 +223,7 @@ class LocalStore(Store):
         return info.st_mtime
 
     def remove_stale_temp(self, older_than: float) -> list[str]:
-        removed = []
+        removed: list[str] = []
         if not os.path.isdir(self.root):
             return removed
         stack = [self.root]
@@ -250,5 +246,5 @@ class LocalStore(Store):
                     continue  # finished (renamed or linked) meanwhile
         return removed
 
-    def child(self, subpath: str) -> "LocalStore":
+    def child(self, subpath: str) -> LocalStore:
         return LocalStore(self._path(subpath, "subpath"))

@@ -76,5 +76,5 @@ class MemoryStore(Store):
         except FileNotFoundError:
             raise self._not_found(key) from None
 
-    def child(self, subpath: str) -> "MemoryStore":
+    def child(self, subpath: str) -> MemoryStore:
         return MemoryStore(f"{self.root}/{check_key(subpath, 'subpath')}")

@@ -24,6 +24,10 @@ _S3_CONFIG = {
     "retries": {"max_attempts": 2, "mode": "standard"},
 }
 _S3FS_RETRIES = 1
+# Every call, retries included, ends within this many seconds (fsspec cancels it: the request is
+# aborted, not left running): a stalled endpoint fails a save within a minute. storage_options
+# {"ckpt_timeout_s": ...} changes it (e.g. for huge objects over a slow link).
+DEFAULT_TIMEOUT_S = 55.0
 _CONFLICT_RETRIES = 4  # 409 ConditionalRequestConflict: a concurrent conditional write, retry
 
 _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
@@ -40,7 +44,7 @@ def _s3_code(exc: BaseException) -> str | None:
     return None
 
 
-def _s3_filesystem(options: dict[str, Any]):
+def _s3_filesystem(options: dict[str, Any]) -> tuple[Any, str | None]:
     """An s3fs filesystem with our timeouts and retries; ``options`` (s3fs kwargs) win."""
     import s3fs
 
@@ -75,7 +79,12 @@ class S3Store(Store):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.storage_options = storage_options
-        self._conn = _fs or _s3_filesystem(storage_options)  # (filesystem, endpoint), shared by children
+        options = dict(storage_options)
+        timeout = options.pop("ckpt_timeout_s", DEFAULT_TIMEOUT_S)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise StoreError(f"storage_options ckpt_timeout_s must be a positive number of seconds, got {timeout!r}")
+        self.timeout_s = float(timeout)
+        self._conn = _fs or _s3_filesystem(options)  # (filesystem, endpoint), shared by children
         self.fs, endpoint = self._conn
         self.endpoint = endpoint or "the default AWS S3 endpoint"
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
@@ -93,8 +102,8 @@ class S3Store(Store):
 
     def _error(self, exc: BaseException, op: str, key: str | None) -> StoreError:
         """Turn an s3fs/botocore exception into one StoreError naming the cause and the fix."""
-        from botocore.exceptions import (ConnectionError as BotoConnectionError, HTTPClientError,
-                                         NoCredentialsError, PartialCredentialsError)
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError, NoCredentialsError, PartialCredentialsError
 
         code = _s3_code(exc)
         what = f"{op} {key!r} in {self.url}" if key else f"{op} {self.url}"
@@ -136,13 +145,13 @@ class S3Store(Store):
         """Fail now, clearly, if the endpoint, the bucket or the credentials are wrong."""
         prefix = self.prefix + "/" if self.prefix else ""
         with self._errors("list"):
-            self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+            self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1, timeout=self.timeout_s)
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
         with self._errors("get", key):
             try:
-                return self.fs.cat_file(path)
+                return self.fs.cat_file(path, timeout=self.timeout_s)
             except FileNotFoundError as e:
                 if _s3_code(e) == "NoSuchBucket":
                     raise
@@ -151,7 +160,7 @@ class S3Store(Store):
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         with self._errors("put", key):
-            self.fs.pipe_file(path, bytes(data))
+            self.fs.pipe_file(path, bytes(data), timeout=self.timeout_s)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
@@ -159,7 +168,7 @@ class S3Store(Store):
             attempt = 0
             while True:
                 try:
-                    self.fs.pipe_file(path, bytes(data), mode="create")
+                    self.fs.pipe_file(path, bytes(data), mode="create", timeout=self.timeout_s)
                     return True
                 except OSError as e:
                     code = _s3_code(e)
@@ -175,7 +184,7 @@ class S3Store(Store):
     def _head(self, key: str) -> dict | None:
         """HEAD the object; None if missing."""
         try:
-            return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._key(key))
+            return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._key(key), timeout=self.timeout_s)
         except FileNotFoundError:
             return None
 
@@ -189,7 +198,8 @@ class S3Store(Store):
         token: dict[str, str] = {}
         with self._errors("list", prefix or None):
             while True:
-                page = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=s3_prefix, **extra, **token)
+                page = self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=s3_prefix, **extra, **token,
+                                       timeout=self.timeout_s)
                 yield page
                 if not page.get("IsTruncated"):
                     return
@@ -216,7 +226,7 @@ class S3Store(Store):
             return False
         with self._errors("copy", key):
             try:
-                self.fs.call_s3("copy_object", Bucket=self.bucket, Key=self._key(key),
+                self.fs.call_s3("copy_object", Bucket=self.bucket, Key=self._key(key), timeout=self.timeout_s,
                                 CopySource={"Bucket": source.bucket, "Key": source._key(key)})
             except FileNotFoundError:
                 raise source._not_found(key) from None
@@ -224,7 +234,7 @@ class S3Store(Store):
 
     def delete(self, key: str) -> None:
         with self._errors("delete", key):
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._key(key))  # 204 if missing
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._key(key), timeout=self.timeout_s)  # 204 if missing
 
     def modified(self, key: str) -> float:
         with self._errors("stat", key):

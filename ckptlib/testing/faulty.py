@@ -7,14 +7,18 @@
     fs.drop("put", "heartbeats/*")                        # reports success, stores nothing
     fs.delay("get", "chunks/*", 0.5)                      # sleeps before the call
     fs.crash_after("put_if_absent", "fragments/*")        # stored, then SimulatedCrash; dead from then on
+    fs.crash_after("*", nth=7)                             # the 7th call of any kind, then SimulatedCrash
+    fs.on_call("*", "*", run_gc, nth=3)                    # run_gc() between the 3rd and the 4th call
     ...
     assert fs.keys("put_if_absent") == ["chunks/ab/abcd", "manifests/3.json"]
 
 Rules match the operation and the key with fnmatch (``"put*"`` matches put and put_if_absent,
 ``"*"`` any key; for ``list`` the key is the prefix). A rule fires on at most ``times`` matching
 calls (None: on all of them). Rules are checked in the order they were added: every matching delay
-sleeps, then the first matching other rule decides what happens. Every call is recorded in
-``calls``, with the fault it got.
+sleeps, then the first matching other rule decides what happens (hooks run besides). Every
+call is recorded in ``calls``, with the fault it got. ``nth=n`` lets the first n-1 matching calls
+pass before a rule fires. Calls are counted in the order they reach the wrapper: with several
+threads, which upload is "the 7th call" varies from run to run.
 
 ``InjectedFault`` is a StoreError: the code under test should handle it like any storage failure.
 ``SimulatedCrash`` is a BaseException, so ``except Exception`` does not swallow it, as a dead
@@ -26,14 +30,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Callable
+from typing import Any
 
 from ckptlib.errors import StoreError
 from ckptlib.store import Store, WrapperStore
 
-OPS = ("get", "put", "put_if_absent", "exists", "scan", "list", "list_dirs", "delete", "modified")
+OPS = ("get", "put", "put_if_absent", "exists", "scan", "list", "list_dirs", "delete", "modified",
+       "remove_stale_temp")
 _WRITES = ("put", "put_if_absent", "delete")
 
 
@@ -61,10 +67,15 @@ class _Rule:
     pattern: str
     times: int | None
     seconds: float = 0.0
+    skip: int = 0  # matching calls to let pass before the rule fires
+    hook: Callable[[], None] | None = None
 
     def take(self, op: str, key: str) -> bool:
         """Whether this rule fires for (op, key); uses up one of its ``times``."""
         if self.times == 0 or not (fnmatchcase(op, self.op) and fnmatchcase(key, self.pattern)):
+            return False
+        if self.skip:
+            self.skip -= 1
             return False
         if self.times is not None:
             self.times -= 1
@@ -78,6 +89,12 @@ class _State:  # shared by a FaultyStore and its children
     crashed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __getstate__(self) -> dict:  # a pickled FaultyStore (shipped to a worker) gets its own lock
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d, lock=threading.Lock())
+
 
 class FaultyStore(WrapperStore):
     """Same API as ``inner``; faults are injected by the rules added with the methods below."""
@@ -88,16 +105,20 @@ class FaultyStore(WrapperStore):
 
     # ------------------------------------------------------------------ rules
 
-    def _add(self, kind: str, op: str, pattern: str, times: int | None, allowed=OPS, seconds=0.0):
+    def _add(self, kind: str, op: str, pattern: str, times: int | None, allowed: tuple[str, ...] = OPS,
+             seconds: float = 0.0, nth: int = 1, hook: Callable[[], None] | None = None) -> FaultyStore:
         if not any(fnmatchcase(o, op) for o in allowed):
             raise ValueError(f"{kind} rule for op {op!r} matches none of {allowed}")
+        if not isinstance(nth, int) or nth < 1:
+            raise ValueError(f"nth must be an int >= 1, got {nth!r}")
         with self._state.lock:
-            self._state.rules.append(_Rule(kind, op, pattern, times, seconds))
+            self._state.rules.append(_Rule(kind, op, pattern, times, seconds, nth - 1, hook))
         return self
 
-    def fail_on(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
-        """Raise InjectedFault instead of performing the call (a crash before the write)."""
-        return self._add("fail", op, pattern, times)
+    def fail_on(self, op: str, pattern: str = "*", times: int | None = None, nth: int = 1) -> FaultyStore:
+        """Raise InjectedFault instead of performing the call (a crash before the write), from the
+        ``nth`` matching call on."""
+        return self._add("fail", op, pattern, times, nth=nth)
 
     def lose_reply(self, op: str, pattern: str = "*", times: int | None = None) -> FaultyStore:
         """Perform the call, then raise InjectedFault as if its reply was lost."""
@@ -115,9 +136,16 @@ class FaultyStore(WrapperStore):
         """Sleep ``seconds`` before performing the call."""
         return self._add("delay", op, pattern, times, seconds=seconds)
 
-    def crash_after(self, op: str, pattern: str = "*") -> FaultyStore:
-        """Perform the first matching call, then raise SimulatedCrash; every later call raises it too."""
-        return self._add("crash", op, pattern, times=1)
+    def crash_after(self, op: str, pattern: str = "*", nth: int = 1) -> FaultyStore:
+        """Perform the ``nth`` matching call, then raise SimulatedCrash; every later call raises it too."""
+        return self._add("crash", op, pattern, times=1, nth=nth)
+
+    def on_call(self, op: str, pattern: str, hook: Callable[[], None], nth: int = 1,
+                times: int | None = 1) -> FaultyStore:
+        """Run ``hook()`` right after the ``nth`` matching call has been performed (before it returns
+        to its caller), e.g. to run a garbage collection between two calls of a save. The hook's own
+        store calls do not go through this wrapper unless it uses it."""
+        return self._add("hook", op, pattern, times, nth=nth, hook=hook)
 
     def reset(self) -> None:
         """Remove all rules and revive a crashed store; keeps ``calls``."""
@@ -135,17 +163,19 @@ class FaultyStore(WrapperStore):
 
     # ------------------------------------------------------------------ the wrapper
 
-    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None):
+    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None) -> Any:
         state = self._state
         with state.lock:
             if state.crashed:
                 state.calls.append(Call(op, key, "dead"))
                 raise SimulatedCrash(f"{op} {key!r}: this store's writer crashed earlier")
-            pause, fault = 0.0, None
+            pause, fault, hooks = 0.0, None, []
             for rule in state.rules:
-                if (rule.kind == "delay" or fault is None) and rule.take(op, key):
+                if (rule.kind in ("delay", "hook") or fault is None) and rule.take(op, key):
                     if rule.kind == "delay":
                         pause += rule.seconds
+                    elif rule.kind == "hook":
+                        hooks.append(rule.hook)
                     else:
                         fault = rule.kind
             state.calls.append(Call(op, key, fault))
@@ -162,20 +192,26 @@ class FaultyStore(WrapperStore):
         result = do(data) if data is not None else do()
         if fault == "truncate" and op == "get":
             result = result[: len(result) // 2]
+        for hook in hooks:
+            if hook is not None:
+                hook()
         if fault == "lose_reply":
             raise InjectedFault(f"injected lost reply: {op} {key!r} in {self.url} was performed")
         if fault == "crash":
             raise SimulatedCrash(f"injected crash after {op} {key!r} in {self.url}")
         return result
 
-    def _forward(self, op: str, key: str, *args):
-        def do(*data):
+    def _forward(self, op: str, key: str, *args: Any) -> Any:
+        def do(*data: Any) -> Any:
             result = getattr(self.inner, op)(key, *data)
             return list(result) if op == "scan" else result
 
         if args:
             return self._call(op, key, do, args[0])
         return self._call(op, key, do)
+
+    def remove_stale_temp(self, older_than: float) -> list[str]:
+        return self._call("remove_stale_temp", "", lambda: self.inner.remove_stale_temp(older_than))
 
     def _wrap_child(self, inner_child: Store) -> FaultyStore:
         """The inner store's child, wrapped; shares rules, calls and crash state with this one."""

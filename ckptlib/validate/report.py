@@ -137,7 +137,7 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
     unit, scale = ("GiB", 2**30) if peak >= 2**30 else ("MiB", 2**20) if peak >= 2**20 else ("KiB", 2**10)
     nan = float("nan")
     written = [(_num(r.get("bytes_written")) or 0) / scale for r in history]
-    full = [nan if _num(r.get("logical_bytes")) is None else _num(r.get("logical_bytes")) / scale for r in history]
+    full = [(_num(r.get("logical_bytes")) or nan) / scale for r in history]
     colors = ["#2e7d32" if r["passed"] else "#c62828" if r["passed"] is False else "#9e9e9e" for r in history]
     width = 0.8 * (min((b - a for a, b in zip(steps, steps[1:], strict=False)), default=1) or 1)
     ax1.bar(steps, written, width=width, color="#42a5f5", label="bytes written")

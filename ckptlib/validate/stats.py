@@ -44,7 +44,7 @@ def role(path: str, single: bool) -> str:
     return "other"
 
 
-def model_filter(single: bool):
+def model_filter(single: bool) -> Any:
     if single:
         return lambda p: role(p, True) == "param"
     return lambda p: p.startswith("model/")
@@ -212,7 +212,7 @@ def manifest_loss(store: Store, m: Manifest) -> tuple[float | None, float | None
     return (sum(losses) / len(losses) if losses else None), ev
 
 
-def spec_ok(obj: Any, spec) -> bool:
+def spec_ok(obj: Any, spec: Any) -> bool:
     """Whether a restored value has the dtype and shape its spec records (and the spec is consistent)."""
     shape_ok = spec.nbytes == math.prod(spec.shape) * spec.itemsize
     if isinstance(obj, torch.Tensor):
