@@ -524,10 +524,10 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
         assert old["state_type"] == "CRASHED", old["state"]
         assert not [t["name"] for t in api.task_runs(fr["id"]) if t["state_type"] in ("RUNNING", "PENDING")]
     assert digest(stack, run_id) == clean
-    body = webhook.wait_for("ckpt-notify-run-crashed")
-    assert body["event"] == "prefect.flow-run.Crashed" and body["what"]["flow_run"] == old["name"], body
     print(f"dead run {run_id}: resumed run created {started_s:.1f} s after the kill, completed {done_s:.1f} s "
           f"after it, with the clean digest")
+    body = webhook.wait_for("ckpt-notify-run-crashed")
+    assert body["event"] == "prefect.flow-run.Crashed" and body["what"]["flow_run"] == old["name"], body
 
 
 def test_retry_of_a_failed_run_resumes_it(stack):

@@ -109,6 +109,7 @@ def page(ui_stack, tmp_path):
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
             viewport={"width": 1400, "height": 1000})
         ctx.set_default_timeout(30_000)
+        sync_api.expect.set_options(timeout=30_000)  # a loaded 2-core machine renders slowly
         pg = ctx.pages[0] if ctx.pages else ctx.new_page()
         try:
             yield pg
