@@ -102,7 +102,7 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
+def _http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:  # a busy server is slow
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
