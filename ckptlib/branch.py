@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .commit import committed_steps, ensure_marker, load_part, publish, read_manifest, validation_key
 from .errors import CommitConflict, ObjectNotFound
+from .leases import Lease
 from .manifest import Manifest
 from .store import Store, redact_url
 
@@ -38,15 +39,16 @@ def branch(source: Store, step: int, target: Store, *, threads: int = 16) -> Man
         if ref.key is not None:
             keys.add(ref.key)
         keys.update(b.key for b in load_part(source, m, name).blobs.values())
-    ensure_marker(target)
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-branch") as pool:
-        list(pool.map(lambda key: target.copy_from(source, key), sorted(keys)))
-    try:
-        target.copy_from(source, validation_key(step))  # the verdict describes the same state
-    except ObjectNotFound:
-        pass
-    branched = Manifest(step=m.step, parent=None, created=m.created, digest=m.digest, single=m.single,
-                        parts=m.parts, meta={**m.meta, "branched_from": {"run": redact_url(source.url), "step": step}},
-                        lineage={"run": redact_url(source.url), "step": step}, stored_bytes=m.stored_bytes)
-    publish(target, branched)
+    with Lease(target, "save", None):  # a GC of the target leaves the copies alone until the manifest is in
+        ensure_marker(target)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-branch") as pool:
+            list(pool.map(lambda key: target.copy_from(source, key), sorted(keys)))
+        try:
+            target.copy_from(source, validation_key(step))  # the verdict describes the same state
+        except ObjectNotFound:
+            pass
+        branched = Manifest(step=m.step, parent=None, created=m.created, digest=m.digest, single=m.single,
+                            parts=m.parts, meta={**m.meta, "branched_from": {"run": redact_url(source.url), "step": step}},
+                            lineage={"run": redact_url(source.url), "step": step}, stored_bytes=m.stored_bytes)
+        publish(target, branched)
     return read_manifest(target, step)

@@ -317,9 +317,9 @@ class Checkpointer:
             self._spare[enc.part] = spare
 
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
-        self._ensure_marker()
         base = self._base(SINGLE_PART)
         with Lease(self.store, "save", base.step if base else None) as lease:
+            self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
             enc = self._encode(snap, SINGLE_PART, step, lease)
             manifest = commit.build_manifest(step, base.step if base else None, {SINGLE_PART: (enc.fragment, None)},
                                              single=True, meta=meta)
@@ -503,10 +503,10 @@ class Checkpointer:
         commit.check_part_name(part)
         self._check_open()
         commit.check_live(self.store, part, generation)
-        self._ensure_marker()
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
         base = self._base(part)
         with Lease(self.store, "save", base.step if base else None) as lease:
+            self._ensure_marker()
             enc = self._encode(snap, part, step, lease, generation=generation, config_hash=config_hash, meta=meta)
             try:
                 commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it

@@ -43,6 +43,9 @@ log = logging.getLogger("ckptlib")
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
 _FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
+# A temp file lives for one put (seconds); some puts (the store marker, a lease's own document, a
+# validation report) are not covered by a save lease, so a grace of 0 must still not reach them.
+TEMP_MIN_AGE_S = 900.0
 DEFAULT_GRACE_S = 600.0  # unreferenced objects younger than this are left alone (saves in flight)
 
 
@@ -143,7 +146,7 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
         # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
         # a write's temp file is as old as the write began, and a slow write can outlive the grace.
         if not dry_run and saving() is None:
-            for name in store.remove_stale_temp(cutoff):
+            for name in store.remove_stale_temp(min(cutoff, time.time() - TEMP_MIN_AGE_S)):
                 report.deleted_objects.append(name)
             delete([(key, 0) for key in expired_leases(store, cutoff)])
         sweep(kept_marks | dropped_only)

@@ -352,6 +352,23 @@ local.LocalStore(sys.argv[1]).put("chunks/ab/ab" + "0" * 30, b"x" * 100000)
 """
 
 
+def test_gc_with_no_grace_leaves_a_put_in_flight_alone(tmp_path):
+    """Found by the hostile-store suite in CI: a put outside any save lease (the store marker, a
+    lease's own document, a report) was swept mid-write by a GC with grace 0, and the put failed."""
+    import os
+
+    url = str(tmp_path / "run")
+    first, _ = states()
+    with Checkpointer(url) as ck:
+        ck.save(1, first)
+        in_flight = tmp_path / "run" / ".ckpt-tmp-marker"
+        in_flight.write_bytes(b"{}")
+        ten_s_ago = time.time() - 10
+        os.utime(in_flight, (ten_s_ago, ten_s_ago))
+        report = ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        assert in_flight.exists(), report.deleted_objects
+
+
 def test_temp_files_of_a_killed_put_are_removed_by_gc_after_the_grace_period(tmp_path):
     import os
     import subprocess
