@@ -81,7 +81,7 @@ class TrainParams(RunSettings, RunSpec):
         None, description="s3fs options, from Python only (masked in every record); prefer credentials_block.")
     resume: bool = Field(False, description="Continue the run from its last healthy (committed and validated) "
                          "checkpoint. A retry of the flow run (Retry in the UI) resumes too.")
-    start_from: StartFrom | None = Field(None, description="Start from a chosen committed checkpoint: of this run "
+    start_from: StartFrom | None = Field(None, title="Start From", description="Start from a chosen committed checkpoint: of this run "
                                          "(resume from that step) or of another run (branch).")
     # validation
     validate_checkpoints: bool = Field(True, description="Validate every committed checkpoint beside the next "
