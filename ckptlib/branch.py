@@ -26,9 +26,15 @@ from .store import Store, redact_url
 
 def branch(source: Store, step: int, target: Store, *, threads: int = 16) -> Manifest:
     """Copy committed ``step`` of ``source`` into ``target`` as its first checkpoint (see module doc).
-    Refuses when ``target`` already has committed checkpoints other than this very one."""
+    Idempotent: a target whose first checkpoint is already this branch (a retried run that went on
+    from it) is returned as it is. Refuses a target with any other committed checkpoints."""
     m = read_manifest(source, step)
     existing = committed_steps(target)
+    lineage = {"run": redact_url(source.url), "step": step}
+    if existing and existing[0] == step:
+        first = read_manifest(target, step)
+        if first.lineage == lineage and first.digest == m.digest:
+            return first
     if existing and existing != [step]:
         raise CommitConflict(
             f"{target.url} already holds checkpoints {existing[:5]}{'...' if len(existing) > 5 else ''}: branch "
@@ -49,6 +55,6 @@ def branch(source: Store, step: int, target: Store, *, threads: int = 16) -> Man
             pass
         branched = Manifest(step=m.step, parent=None, created=m.created, digest=m.digest, single=m.single,
                             parts=m.parts, meta={**m.meta, "branched_from": {"run": redact_url(source.url), "step": step}},
-                            lineage={"run": redact_url(source.url), "step": step}, stored_bytes=m.stored_bytes)
+                            lineage=lineage, stored_bytes=m.stored_bytes)
         publish(target, branched)
     return read_manifest(target, step)

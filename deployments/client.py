@@ -95,8 +95,39 @@ class PrefectAPI:
         import uuid
 
         self._call("POST", "/events", [{
-            "id": str(uuid.uuid4()), "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "id": str(uuid.uuid4()), "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
             "event": event, "resource": resource, "payload": payload or {}, "related": []}])
+
+    def events(self, names: list[str], since: float, limit: int = 200) -> list[dict[str, Any]]:
+        """Events named ``names`` that occurred since ``since`` (wall time), newest first."""
+        import datetime
+
+        start = datetime.datetime.fromtimestamp(since, datetime.UTC).isoformat()
+        page = self._call("POST", "/events/filter", {"filter": {"event": {"name": names}, "occurred": {"since": start}},
+                                                     "limit": min(limit, 50)})
+        out = list(page.get("events") or [])
+        while page.get("next_page") and len(out) < limit:
+            r = self._http.get(page["next_page"])
+            page = r.json() if r.status_code < 400 else {}
+            out += page.get("events") or []
+        return out
+
+    def alive_flow_runs(self, event: str, since: float) -> set[str]:
+        """Ids of the flow runs that emitted ``event`` since ``since`` (its related flow-run resource)."""
+        out = set()
+        for e in self.events([event], since):
+            for r in e.get("related") or []:
+                rid = r.get("prefect.resource.id", "")
+                if rid.startswith("prefect.flow-run."):
+                    out.add(rid[len("prefect.flow-run."):])
+        return out
+
+    def set_state(self, flow_run_id: str, state_type: str, message: str, name: str | None = None) -> None:
+        """Force a flow run into a state (e.g. CRASHED for one whose process is gone)."""
+        state: dict[str, Any] = {"type": state_type, "message": message}
+        if name:
+            state["name"] = name
+        self._call("POST", f"/flow_runs/{flow_run_id}/set_state", {"state": state, "force": True})
 
     def artifacts(self, flow_run_id: str) -> list[dict[str, Any]]:
         return self._call("POST", "/artifacts/filter",

@@ -10,10 +10,17 @@ What gets registered (``DEPLOYMENTS`` below; flow name / deployment name):
 ``validate-checkpoint/validate``  flows.validate.validate_checkpoint_flow   on demand
 ``gc-store/gc``                   flows.gc.gc_store                         daily 03:30 UTC (inactive
                                                                             until switched on in the UI)
-``<watchdog>/watchdog``           flows.watchdog (the flow in it)           every 2 min, plus an
-                                                                            automation when shard
-                                                                            heartbeats stop
+``<watchdog>/watchdog``           flows.watchdog (the flow in it)           one long-lived run, started
+                                                                            here; concurrency 1,
+                                                                            CANCEL_NEW; an automation
+                                                                            starts another if it dies
 ================================  ========================================  =============================
+
+Every deployment runs its flow runs with the job variable ``stream_output: false``: a flow-run
+process whose output is piped to the worker crashes with BrokenPipeError once the worker dies;
+without the pipe it outlives the worker (its logs reach the API either way). Automations
+(``deployments/automations.py``): the watchdog's keeper, and with ``--webhook URL`` notifications
+of failed validations, runs the watchdog gave up on and crashed training runs.
 
 Every deployment's store URL parameter defaults to the stack's bucket (``s3://checkpoints/runs``,
 from ``<stack-dir>/stack.json``; ``--store`` or ``CKPT_STORE`` override it), so the UI's run form
@@ -34,9 +41,9 @@ parent package").
 
 Why a Python script rather than ``prefect.yaml`` + ``prefect deploy --all``: the defaults are
 computed (the stack's store URL and pool, the absolute checkout path for the pull step, the full
-``TrainParams`` default), a flow that does not exist yet (the watchdog, while it is being written)
-is skipped with a message instead of failing the whole command, the watchdog's automation is
-created (or replaced) idempotently in the same command, and one Python process registers
+``TrainParams`` default), a flow that does not exist yet is skipped with a message instead of
+failing the whole command, the automations are created (or replaced) idempotently and the
+watchdog's long-lived run started in the same command, and one Python process registers
 everything (``prefect deploy`` builds each deployment by importing the flow anyway, and needs the
 current directory to be the repo root and non-interactive flags to be safe in CI).
 """
@@ -74,7 +81,7 @@ class Spec:
     interval_s: float | None = None
     cron: str | None = None
     schedule_active: bool = True
-    concurrency_limit: int | None = None
+    concurrency_limit: Any = None  # an int, or a prefect ConcurrencyLimitConfig
     extra_defaults: dict[str, Any] = field(default_factory=dict)  # top-level parameters
     model_defaults: dict[str, Any] = field(default_factory=dict)  # fields of a pydantic-model parameter
 
@@ -83,8 +90,8 @@ DEPLOYMENTS = [
     Spec("train", "flows.train.train_run", "train",
          "A training run (rounds of shard tasks, consistent cuts, validated incremental checkpoints) "
          "with its checkpoints in the stack's S3 bucket.",
-         # shard heartbeats also as Prefect events: the watchdog automation reacts when they stop
-         model_defaults={"heartbeat_events": True}),
+         # the watchdog reads the heartbeats from the store: no Prefect event per beat (they flooded the events)
+         model_defaults={"heartbeat_events": False}),
     Spec("validate", "flows.validate.validate_checkpoint_flow", "validate",
          "Validate one committed checkpoint of a run (verdict, Data Docs report, artifacts)."),
     Spec("gc", "flows.gc.gc_store", "gc",
@@ -93,8 +100,12 @@ DEPLOYMENTS = [
          cron="30 3 * * *", schedule_active=False, concurrency_limit=1),
     Spec("watchdog", "flows.watchdog.*", "watchdog",
          "Watch every run under the store root: fence silent or stuck shards and rerun them from the "
-         "last healthy checkpoint.", interval_s=120, concurrency_limit=1),
+         "last healthy checkpoint; start dead deployment runs again. One long-lived run per store: a "
+         "second one is cancelled at once; an automation starts another when it dies.",
+         concurrency_limit="one, cancel new", extra_defaults={"duration_s": 0}),
 ]
+# Flow runs must outlive the worker that starts them (see the module docstring).
+JOB_VARIABLES = {"stream_output": False}
 
 
 # --------------------------------------------------------------------------- configuration
@@ -176,8 +187,9 @@ def store_defaults(flow, store: str, model_defaults: dict[str, Any] | None = Non
                 continue  # required fields: leave the form to the user
             extra = {k: v for k, v in (model_defaults or {}).items() if k in model.model_fields}
             # validated, so a renamed or retyped field fails here and not in the UI
-            out[name] = model.model_validate({**base.model_dump(mode="json"), "store": store, **extra}
-                                             ).model_dump(mode="json")
+            full = model.model_validate({**base.model_dump(mode="json"), "store": store, **extra}).model_dump(mode="json")
+            shown = model.model_json_schema()["properties"]  # not the fields kept out of the form (credentials)
+            out[name] = {k: v for k, v in full.items() if k in shown}
         elif name in STORE_PARAMS:
             out[name] = store
         elif name == "run_url":
@@ -187,8 +199,8 @@ def store_defaults(flow, store: str, model_defaults: dict[str, Any] | None = Non
 
 # --------------------------------------------------------------------------- deploy
 
-def deploy(spec: Spec, *, source: str, pool: str, store: str,
-           schedules_active: bool | None) -> tuple[str, str] | None:
+def deploy(spec: Spec, *, source: str, pool: str, store: str, schedules_active: bool | None,
+           extra: dict[str, Any] | None = None) -> tuple[str, str] | None:
     """Register one deployment; return (flow name, deployment id), or None when its flow does not exist yet."""
     from prefect.schedules import Cron, Interval
 
@@ -201,12 +213,17 @@ def deploy(spec: Spec, *, source: str, pool: str, store: str,
         schedules.append(Interval(timedelta(seconds=spec.interval_s), active=active))
     if spec.cron:
         schedules.append(Cron(spec.cron, timezone="UTC", active=active))
-    parameters = {**store_defaults(flow, store, spec.model_defaults), **spec.extra_defaults}
+    parameters = {**store_defaults(flow, store, spec.model_defaults), **spec.extra_defaults, **(extra or {})}
+    limit = spec.concurrency_limit
+    if limit == "one, cancel new":
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+        limit = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
     quiet = io.StringIO()  # .deploy() prints a table per deployment; main() prints one line instead
     with contextlib.redirect_stdout(quiet):
         dep_id = flow.deploy(
             name=spec.name, work_pool_name=pool, parameters=parameters, description=spec.description,
-            tags=TAGS, schedules=schedules or None, concurrency_limit=spec.concurrency_limit,
+            tags=TAGS, schedules=schedules or None, concurrency_limit=limit, job_variables=JOB_VARIABLES,
             print_next_steps=False, ignore_warnings=True,
         )
     return flow.name, str(dep_id)
@@ -226,6 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules-inactive", action="store_true",
                     help="register every schedule inactive (tests, or to switch them on in the UI)")
     ap.add_argument("--list", action="store_true", help="list what would be registered and exit")
+    ap.add_argument("--watchdog-timeout", type=float, default=None,
+                    help="the watchdog's timeout_s: a shard silent or stuck this long is dead (default 30)")
+    ap.add_argument("--watchdog-poll", type=float, default=None, help="the watchdog's poll_s (default 2)")
+    ap.add_argument("--keeper-within", type=float, default=None,
+                    help="seconds without a sign of life of the watchdog before another is started (default 60)")
+    ap.add_argument("--no-watchdog-run", action="store_true",
+                    help="register the watchdog without starting its long-lived run")
+    ap.add_argument("--webhook", default=os.environ.get("CKPT_NOTIFY_WEBHOOK"),
+                    help="notify this URL (a Webhook block) of failed validations, runs the watchdog gave up on "
+                         "and crashed training runs (default: CKPT_NOTIFY_WEBHOOK; none: no notifications)")
     a = ap.parse_args(argv)
 
     specs = DEPLOYMENTS
@@ -254,10 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Registering deployments on work pool {pool!r} of {os.environ['PREFECT_API_URL']} "
           f"(code: {a.source}; default store: {store})", flush=True)
     failed = 0
+    watchdog_params = {k: v for k, v in (("timeout_s", a.watchdog_timeout), ("poll_s", a.watchdog_poll))
+                       if v is not None}
     for spec in specs:
         try:
-            done = deploy(spec, source=a.source, pool=pool, store=store, schedules_active=schedules_active)
-        except Exception as e:  # one broken flow does not keep the others from registering
+            done = deploy(spec, source=a.source, pool=pool, store=store, schedules_active=schedules_active,
+                          extra=watchdog_params if spec.key == "watchdog" else None)
+        except Exception as e:  # noqa: BLE001 - one broken flow does not keep the others from registering
             failed += 1
             print(f"  FAILED  {spec.key}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             continue
@@ -267,17 +297,41 @@ def main(argv: list[str] | None = None) -> int:
         flow_name, dep_id = done
         print(f"  ok      {flow_name}/{spec.name}  ({spec.entrypoint})  id {dep_id}", flush=True)
         if spec.key == "watchdog":
-            try:
-                aid = watchdog_automation(dep_id)
-                print(f"  ok      automation {AUTOMATION} (no heartbeat for {HEARTBEAT_SILENCE_S} s -> "
-                      f"watchdog)  id {aid}", flush=True)
-            except Exception as e:
-                failed += 1
-                print(f"  FAILED  automation {AUTOMATION}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            failed += _watchdog_extras(dep_id, store, a)
+    if a.webhook:
+        try:
+            from deployments.automations import notifications
+
+            for name, aid in notifications(a.webhook).items():
+                print(f"  ok      automation {name} (-> webhook block ckpt-notify)  id {aid}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            print(f"  FAILED  notifications: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     ui = info.get("ui_url") or os.environ.get("PREFECT_UI_URL")
     if ui:
         print(f"Open {ui} (Deployments) to run them.")
     return 1 if failed else 0
+
+
+def _watchdog_extras(dep_id: str, store: str, a: argparse.Namespace) -> int:
+    """The keeper automation, and the long-lived run (unless one is alive); returns failures (0 or 1)."""
+    from deployments.automations import KEEPER, KEEPER_WITHIN_S, ensure_watchdog, watchdog_keeper
+    from deployments.client import PrefectAPI
+
+    within = a.keeper_within or KEEPER_WITHIN_S
+    try:
+        aid = watchdog_keeper(dep_id, store, within_s=within)
+        print(f"  ok      automation {KEEPER} (no sign of life for {within:.0f} s -> another watchdog)  id {aid}",
+              flush=True)
+        if not a.no_watchdog_run:
+            with PrefectAPI(os.environ["PREFECT_API_URL"]) as api:
+                started = ensure_watchdog(api, api._call("GET", f"/deployments/{dep_id}"), alive_within_s=within)
+            print(f"  ok      watchdog of {store}: " + (f"started (flow run {started})" if started else
+                                                         "already running"), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"  FAILED  watchdog keeper / run: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _answers(api_url: str) -> bool:
@@ -292,45 +346,6 @@ def _answers(api_url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-AUTOMATION = "ckpt-shard-heartbeats-stopped"
-HEARTBEAT_SILENCE_S = 30  # = the watchdog's default timeout_s; shards send a heartbeat event every 5 s
-
-
-def watchdog_automation(deployment_id: str, *, within_s: float = HEARTBEAT_SILENCE_S,
-                        parameters: dict[str, Any] | None = None) -> str:
-    """Create (or replace) the automation that starts the watchdog deployment when a shard's
-    heartbeat events stop: a proactive trigger per shard resource (``ckpt.shard.<run>.<part>``):
-    after a ``ckpt.shard.heartbeat``, expect another beat or the attempt's final status
-    (finished / failed / fenced) within ``within_s`` seconds; if none comes, run the watchdog with
-    its deployment defaults (every run under the store root, for ``duration_s``), updated with
-    ``parameters``. Heartbeats become events when the training run has ``heartbeat_events`` on
-    (the train deployment's default). Returns its id."""
-    from datetime import timedelta
-    from uuid import UUID
-
-    from prefect.automations import Automation
-    from prefect.client.orchestration import get_client
-    from prefect.events.actions import RunDeployment
-    from prefect.events.schemas.automations import EventTrigger, Posture
-
-    with get_client(sync_client=True) as client:
-        for old in client.read_automations_by_name(AUTOMATION):
-            client.delete_automation(old.id)
-    automation = Automation(
-        name=AUTOMATION,
-        description=f"A shard stopped beating for {within_s:.0f} s: start the watchdog deployment "
-                    "(registered by deployments/deploy.py).",
-        trigger=EventTrigger(
-            match={"prefect.resource.id": "ckpt.shard.*"},
-            after={"ckpt.shard.heartbeat"},
-            expect={"ckpt.shard.heartbeat", "ckpt.shard.finished", "ckpt.shard.failed", "ckpt.shard.fenced"},
-            for_each={"prefect.resource.id"},
-            posture=Posture.Proactive, threshold=1, within=timedelta(seconds=within_s)),
-        actions=[RunDeployment(source="selected", deployment_id=UUID(deployment_id), parameters=parameters or {})],
-    ).create()
-    return str(automation.id)
 
 
 if __name__ == "__main__":

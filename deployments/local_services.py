@@ -111,6 +111,7 @@ class SeaweedFS:
         timeout: float = 60.0,
         filer_port: int | None = None,
         admin: tuple[str, str] = (ADMIN_KEY, ADMIN_SECRET),
+        ports: dict[str, int] | None = None,
     ) -> SeaweedFS:
         """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
 
@@ -119,7 +120,8 @@ class SeaweedFS:
         stack gives it a fixed port so that report links stay valid across restarts). Raises
         RuntimeError (with the log tail) if the server exits or does not answer within ``timeout``
         seconds. ``admin``: the admin identity's (access key, secret key), e.g. a secret unique to
-        one test that then looks for it wherever it must not be.
+        one test that then looks for it wherever it must not be. ``ports``: every port by name (as
+        ``.ports`` of an earlier start), so a restart on the same data comes back where it was.
         """
         data_dir = Path(data_dir).absolute()
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -138,7 +140,7 @@ class SeaweedFS:
 
         # A picked port can be taken by someone else before weed binds it: try again on new ports.
         for attempt in range(3):
-            server = cls._launch(weed, data_dir, host, s3_port, filer_port)
+            server = cls._launch(weed, data_dir, host, s3_port, filer_port, ports if attempt == 0 else None)
             server.admin = admin
             try:
                 server._wait_ready(timeout)
@@ -152,9 +154,10 @@ class SeaweedFS:
 
     @classmethod
     def _launch(cls, weed: str, data_dir: Path, host: str, s3_port: int | None,
-                filer_port: int | None = None) -> SeaweedFS:
+                filer_port: int | None = None, known: dict[str, int] | None = None) -> SeaweedFS:
         names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc"]
         ports = dict(zip(names, _free_ports(host, len(names))))
+        ports.update({k: v for k, v in (known or {}).items() if k in ports and _port_is_free(host, v)})
         if s3_port is not None:
             ports["s3"] = s3_port
         if filer_port is not None:

@@ -70,6 +70,7 @@ DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
 MARKER = "CKPT_STACK_ID"
 SERVICES = ("worker", "server", "seaweedfs")  # stop order
+START_ORDER = ("server", "seaweedfs", "worker")
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -101,7 +102,7 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> Any:
+def _http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:  # a busy server is slow
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -276,7 +277,10 @@ class Stack:
             return None
 
     def status(self) -> dict[str, Any]:
-        """Per service: pid, whether it runs, whether it answers; plus the URLs from stack.json."""
+        """Per service: pid, whether its process lives (``running``), whether it answers (``answers``:
+        only a live process can); plus the URLs from stack.json. For the worker, ``api_status`` is what
+        the API says (a killed worker stays ONLINE there until its heartbeats expire, about 90 s):
+        ``answers`` needs both a live process and ONLINE."""
         info = self.info()
         if info is None:
             return {"dir": str(self.dir), "running": False, "services": {}}
@@ -288,8 +292,10 @@ class Stack:
         services["server"]["answers"] = services["server"]["running"] and _api_healthy(info["api_url"])
         services["seaweedfs"]["answers"] = services["seaweedfs"]["running"] and _tcp_open(
             info["host"], info["s3_port"])
-        services["worker"]["answers"] = services["server"]["answers"] and _worker_online(
-            info["api_url"], info["pool"], info["worker_name"])
+        api_status = _worker_status(info["api_url"], info["pool"], info["worker_name"]) \
+            if services["server"]["answers"] else None
+        services["worker"]["api_status"] = api_status
+        services["worker"]["answers"] = services["worker"]["running"] and api_status == "ONLINE"
         running = all(s["running"] and s["answers"] for s in services.values())
         return {**info, "dir": str(self.dir), "running": running, "services": services,
                 "processes": stack_processes(sid)}
@@ -300,15 +306,14 @@ class Stack:
            filer_port: int = DEFAULT_FILER_PORT, bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX,
            pool: str = DEFAULT_POOL, worker_limit: int | None = None, poll_seconds: float = 5.0,
            timeout: float = 120.0) -> dict[str, Any]:
-        """Start everything; return the stack's info (as in stack.json). See the module docstring."""
+        """Start everything, or what is dead of a stack that partly runs; return the stack's info (as
+        in stack.json). See the module docstring."""
         current = self.status()
         if current["running"]:
             _log(f"stack in {self.dir} is already running")
             return current
         if current.get("processes"):
-            raise RuntimeError(
-                f"stack in {self.dir} is partly running (pids {current['processes']}): "
-                f"stop it first with `make stack-down` (python -m deployments.stack down --dir {self.dir})")
+            return self.repair(current, timeout=timeout)
         if s3_port == 0:
             s3_port = free_port(host)
         if filer_port == 0:
@@ -327,9 +332,11 @@ class Stack:
         api_url = f"http://{host}:{api_port}/api"
         ui_url = f"http://{host}:{api_port}"
         db_url = database_url(sqlite_path=self.dir / "prefect" / "prefect.db")
-        worker_name = f"{pool}-worker"
+        # The server's database URL may hold a password: kept for restarts in a file only we may read,
+        # never in stack.json, env or the output.
+        _write_private(self.db_url_path, db_url)
 
-        from deployments.local_services import ADMIN_KEY, ADMIN_SECRET, SeaweedFS
+        from deployments.local_services import ADMIN_KEY, ADMIN_SECRET
 
         s3_endpoint = f"http://{host}:{s3_port}"
         client_env = {  # what a client (a shell, the worker, a flow run) needs; written to <dir>/env
@@ -351,67 +358,126 @@ class Stack:
             "api_port": api_port, "api_url": api_url, "ui_url": ui_url,
             "database": _masked(db_url), "s3_port": s3_port, "s3_endpoint": s3_endpoint,
             "filer_port": filer_port, "s3_http_base": f"http://{host}:{filer_port}/buckets",
-            "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name,
+            "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name(pool),
+            "worker_limit": worker_limit, "poll_seconds": poll_seconds,
             "logs": str(self.logs), "env_file": str(self.env_path), "env": client_env,
         }
-        base_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(("PREFECT_", "AWS_")) and k != "DATABASE_URL"}  # the server gets the DB URL
-        base_env.update({MARKER: stack_id, "DO_NOT_TRACK": "1", "PREFECT_HOME": str(self.dir / "prefect"),
-                         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                         "PYTHONUNBUFFERED": "1"})  # logs reach the files as they happen
         started: list[str] = []
         try:
-            # 1. Prefect server (starts in the background while SeaweedFS comes up).
-            server_env = {**base_env,
-                          "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(api_port),
-                          "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url,
-                          "PREFECT_UI_API_URL": api_url}
-            self._spawn("server", [*_prefect_cli(), "server", "start", "--host", host, "--port", str(api_port)],
-                        server_env, self.logs / "prefect-server.log")
+            # the server boots (imports, migrations) while SeaweedFS starts
+            self._start("server", info, timeout, wait=False)
             started.append("server")
-
-            # 2. SeaweedFS S3 with the bucket (its process inherits our environment: mark it).
-            os.environ[MARKER] = stack_id
-            try:
-                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=s3_port, timeout=timeout,
-                                     filer_port=filer_port)
-            finally:
-                os.environ.pop(MARKER, None)
-            self.pid_path("seaweedfs").write_text(str(s3.detach()))
+            self._start("seaweedfs", info, timeout)
             started.append("seaweedfs")
-            info["seaweedfs_ports"] = s3.ports
-            link = self.logs / "seaweedfs.log"
-            if not link.is_symlink():
-                link.unlink(missing_ok=True)
-                link.symlink_to(os.path.relpath(s3.log_path, self.logs))
-            s3.create_bucket(bucket)
-
-            # 3. Wait for the API, create the pool, start the worker.
-            self._wait("Prefect API", lambda: _api_healthy(api_url), timeout, "server",
-                       self.logs / "prefect-server.log")
-            cli_env = {**base_env, **client_env}
-            if not _pool_exists(api_url, pool):
-                out = subprocess.run([*_prefect_cli(), "work-pool", "create", pool, "--type", "process"],
-                                     env=cli_env, capture_output=True, text=True, timeout=120)
-                if out.returncode != 0 and not _pool_exists(api_url, pool):
-                    raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
-            worker_cmd = [*_prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
-                          "--name", worker_name, "--install-policy", "never"]
-            if worker_limit:
-                worker_cmd += ["--limit", str(worker_limit)]
-            worker_env = {**cli_env, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds)}
-            self._spawn("worker", worker_cmd, worker_env, self.logs / "worker.log", cwd=Path.cwd())
+            self._write_info(info)  # its ports, for `down` and restarts
+            self._wait_api(info, timeout)
+            self._start("worker", info, timeout)
             started.append("worker")
-            self._wait("worker", lambda: _worker_online(api_url, pool, worker_name), timeout, "worker",
-                       self.logs / "worker.log")
         except BaseException:
             if started:
                 self._write_info(info)  # so that down finds everything by its marker
                 self.down(grace=3.0, quiet=True)
             raise
-
         self._write_info(info)
         return info
+
+    def repair(self, current: dict[str, Any] | None = None, *, timeout: float = 120.0,
+               restart: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Start again every service of this stack whose process is dead (and those in ``restart``,
+        stopped first), with the stack's own settings (ports, database, bucket, pool); the others go
+        on untouched, and so do flow runs in flight (their processes do not depend on the worker's).
+        Returns the stack's info with ``restarted``: the services started."""
+        current = current or self.status()
+        info = self.info()
+        if info is None:
+            raise RuntimeError(f"no stack in {self.dir}: start one with `make stack`")
+        for service in restart:
+            pid = self.pid(service)
+            if pid and _owned(pid, info["stack_id"]):
+                _log(f"stopping {service} (pid {pid})")
+                # SIGKILL on purpose for the worker: a worker that shuts down gracefully cancels the
+                # flow runs it started; killed, it leaves them running (they talk to the API themselves).
+                _terminate([pid], 0.0 if service == "worker" else 10.0)
+        dead = [s for s in START_ORDER if s in restart or not _owned(self.pid(s) or 0, info["stack_id"])]
+        if not dead:
+            return {**current, "restarted": []}
+        for service in dead:
+            _log(f"starting {service} (its process is not running)")
+            self._start(service, info, timeout)
+        self._write_info(info)
+        return {**self.status(), "restarted": dead}
+
+    # ----------------------------------------------------------- one service
+
+    @property
+    def db_url_path(self) -> Path:
+        return self.dir / "prefect" / "database-url"
+
+    def _base_env(self, info: dict[str, Any]) -> dict[str, str]:
+        """The environment of every service: ours without client settings (the stack is self-contained),
+        plus the stack's marker, no telemetry, and unbuffered output."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PREFECT_", "AWS_")) and k != "DATABASE_URL"}  # the server gets the DB URL
+        env.update({MARKER: info["stack_id"], "DO_NOT_TRACK": "1", "PREFECT_HOME": str(self.dir / "prefect"),
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONUNBUFFERED": "1"})
+        return env
+
+    def _wait_api(self, info: dict[str, Any], timeout: float) -> None:
+        self._wait("Prefect API", lambda: _api_healthy(info["api_url"]), timeout, "server",
+                   self.logs / "prefect-server.log")
+
+    def _start(self, service: str, info: dict[str, Any], timeout: float, wait: bool = True) -> None:
+        """Start one service of ``info``'s stack and (``wait``) wait until it answers."""
+        host = info["host"]
+        if service == "server":
+            try:
+                db_url = self.db_url_path.read_text().strip()
+            except OSError:  # a stack from before the file existed: SQLite unless the environment says otherwise
+                db_url = database_url(sqlite_path=self.dir / "prefect" / "prefect.db")
+            env = {**self._base_env(info), "PREFECT_SERVER_API_HOST": host,
+                   "PREFECT_SERVER_API_PORT": str(info["api_port"]),
+                   "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url, "PREFECT_UI_API_URL": info["api_url"]}
+            self._spawn("server", [*_prefect_cli(), "server", "start", "--host", host, "--port",
+                                   str(info["api_port"])], env, self.logs / "prefect-server.log")
+            if wait:
+                self._wait_api(info, timeout)
+        elif service == "seaweedfs":
+            from deployments.local_services import SeaweedFS
+
+            os.environ[MARKER] = info["stack_id"]  # its process inherits our environment: mark it
+            try:
+                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=info["s3_port"], timeout=timeout,
+                                     filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"))
+            finally:
+                os.environ.pop(MARKER, None)
+            self.pid_path("seaweedfs").write_text(str(s3.detach()))
+            info["seaweedfs_ports"] = s3.ports
+            link = self.logs / "seaweedfs.log"
+            if not link.is_symlink():
+                link.unlink(missing_ok=True)
+                link.symlink_to(os.path.relpath(s3.log_path, self.logs))
+            s3.create_bucket(info["bucket"])
+        elif service == "worker":
+            api_url, pool = info["api_url"], info["pool"]
+            env = {**self._base_env(info), **info["env"]}
+            if not _pool_exists(api_url, pool):
+                out = subprocess.run([*_prefect_cli(), "work-pool", "create", pool, "--type", "process"],
+                                     env=env, capture_output=True, text=True, timeout=120)
+                if out.returncode != 0 and not _pool_exists(api_url, pool):
+                    raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
+            detach_flow_runs(api_url, pool)
+            cmd = [*_prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
+                   "--name", info["worker_name"], "--install-policy", "never"]
+            if info.get("worker_limit"):
+                cmd += ["--limit", str(info["worker_limit"])]
+            env["PREFECT_WORKER_QUERY_SECONDS"] = str(info.get("poll_seconds") or 5.0)
+            since = time.time()
+            self._spawn("worker", cmd, env, self.logs / "worker.log", cwd=Path.cwd())
+            # its own heartbeat: the API still lists a worker killed a minute ago under the same name as ONLINE
+            self._wait("worker", lambda: _worker_beat_since(api_url, pool, info["worker_name"], since),
+                       timeout, "worker", self.logs / "worker.log")
+        else:
+            raise ValueError(f"unknown service {service!r}: one of {list(START_ORDER)}")
 
     def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path,
                cwd: Path | None = None) -> None:
@@ -514,12 +580,56 @@ def _pool_exists(api_url: str, pool: str) -> bool:
         raise
 
 
-def _worker_online(api_url: str, pool: str, name: str) -> bool:
+def worker_name(pool: str) -> str:
+    return f"{pool}-worker"
+
+
+def _worker_record(api_url: str, pool: str, name: str) -> dict[str, Any] | None:
     try:
         workers = _http("POST", f"{api_url}/work_pools/{pool}/workers/filter", {})
     except (OSError, ValueError, urllib.error.URLError):
+        return None
+    return next((w for w in workers or [] if w.get("name") == name), None)
+
+
+def _worker_status(api_url: str, pool: str, name: str) -> str | None:
+    """What the API says of the worker: ONLINE, OFFLINE, or None (unknown to it, or no API)."""
+    record = _worker_record(api_url, pool, name)
+    return record.get("status") if record else None
+
+
+def _worker_beat_since(api_url: str, pool: str, name: str, since: float) -> bool:
+    """The worker is ONLINE with a heartbeat sent after ``since`` (wall time)."""
+    from datetime import datetime
+
+    record = _worker_record(api_url, pool, name)
+    beat = (record or {}).get("last_heartbeat_time")
+    if not beat or record.get("status") != "ONLINE":
         return False
-    return any(w.get("name") == name and w.get("status") == "ONLINE" for w in workers or [])
+    return datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() >= since - 1.0
+
+
+def detach_flow_runs(api_url: str, pool: str) -> None:
+    """Make flow runs of ``pool`` independent of the worker that starts them: the default of the process
+    pool's ``stream_output`` job variable becomes false. With output streamed (Prefect's default) a
+    flow-run process writes into a pipe the worker reads; once the worker dies, its next write raises
+    BrokenPipeError and the run crashes. Without, its output goes nowhere (its logs still reach the
+    API: the UI and ``prefect flow-run logs`` show them) and it outlives the worker."""
+    template = _http("GET", f"{api_url}/work_pools/{pool}")["base_job_template"]
+    prop = template.get("variables", {}).get("properties", {}).get("stream_output")
+    if prop is None or prop.get("default") is False:
+        return
+    prop["default"] = False
+    _http("PATCH", f"{api_url}/work_pools/{pool}", {"base_job_template": template})
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by this user only (it may hold a password)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    os.chmod(path, 0o600)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -583,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     add_dir(p_status)
     p_status.add_argument("--json", action="store_true")
 
+    p_restart = sub.add_parser("restart", help="stop and start services of a running stack (flow runs go on)")
+    add_dir(p_restart)
+    p_restart.add_argument("services", nargs="+", choices=START_ORDER)
+    p_restart.add_argument("--timeout", type=float, default=120.0)
+
     args = parser.parse_args(argv)
     stack = Stack(args.dir)
     if args.command == "up":
@@ -594,8 +709,20 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        if "restarted" in info:
+            _log(f"stack in {stack.dir}: started again {', '.join(info['restarted'])}; the rest ran on")
+            _print_status(info)
+            return 0 if info["running"] else 1
         _print_up(info)
         return 0
+    if args.command == "restart":
+        try:
+            info = stack.repair(timeout=args.timeout, restart=tuple(args.services))
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        _print_status(info)
+        return 0 if info["running"] else 1
     if args.command == "down":
         if stack.info() is None:
             _log(f"no stack in {stack.dir} (nothing to stop)")
@@ -612,11 +739,24 @@ def main(argv: list[str] | None = None) -> int:
     elif not st.get("services"):
         _log(f"no stack in {stack.dir}")
     else:
-        for name, s in st["services"].items():
-            state = "answers" if s.get("answers") else ("running, not answering" if s["running"] else "stopped")
-            _log(f"{name:10s} pid {s['pid'] or '-':>8}  {state}")
-        _log(f"UI {st['ui_url']}   API {st['api_url']}   S3 {st['s3_endpoint']} ({st['store']})")
+        _print_status(st)
     return 0 if st["running"] else 1
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    for name, s in st["services"].items():
+        if s.get("answers"):
+            state = "running, answers"
+        elif s["running"]:
+            state = "running, not answering"
+        else:
+            state = "DEAD (no process)" if s["pid"] else "stopped"
+            if name == "worker" and s.get("api_status") == "ONLINE":
+                state += "; the API still lists it ONLINE until its heartbeats expire"
+        _log(f"{name:10s} pid {s['pid'] or '-':>8}  {state}")
+    if not st["running"] and any(s["running"] for s in st["services"].values()):
+        _log("start what is dead, leaving the rest running: `make stack` (python -m deployments.stack up)")
+    _log(f"UI {st['ui_url']}   API {st['api_url']}   S3 {st['s3_endpoint']} ({st['store']})")
 
 
 if __name__ == "__main__":

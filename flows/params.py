@@ -11,11 +11,54 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from trainrun.credentials import StorageOptions, StoreAccess, check_url
 from trainrun.layout import check_run_id
 from trainrun.spec import RunSettings, RunSpec
+
+
+class ValidationThresholds(BaseModel):
+    """The bounds of a checkpoint's validation (``ckptlib.validate.Thresholds``, docs/validation.md), as a
+    form: every field a number with ckptlib's default, so the UI shows them filled in. The defaults
+    are repeated here because importing ckptlib.validate loads torch (this module must not); a test
+    checks them against ckptlib's (tests/test_operate.py)."""
+
+    model_config = ConfigDict(extra="forbid", title="Validation thresholds")
+
+    max_abs_value: float = Field(1e4, ge=0, description="Largest |value| of a model "
+                                 "tensor (parameters and buffers).")
+    max_norm: float = Field(1e6, ge=0, description="Largest L2 norm of one model tensor.")
+    max_rel_change: float = Field(10.0, ge=0, description="Largest relative change of a "
+                                  "model tensor against the previous healthy checkpoint (an exploding update "
+                                  "fails it).")
+    rel_change_floor: float = Field(0.05, ge=0, description="Floor of the relative "
+                                    "change's denominator, per element (tensors that start at zero).")
+    min_data_advance: int = Field(1, ge=0, description="Batches each shard must have "
+                                  "consumed since the previous healthy checkpoint.")
+    max_step_spread: int = Field(0, ge=0, description="Largest spread of an "
+                                 "optimizer's per-parameter step counters.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class StartFrom(BaseModel):
+    """A committed checkpoint a run starts from: a step of this very run (resume from there) or of
+    another run under the same store (a branch: a new run whose first checkpoint is that step, its
+    objects referenced, not rewritten; its lineage in its manifests)."""
+
+    model_config = ConfigDict(extra="forbid", title="Start from a checkpoint", hide_input_in_errors=True)
+
+    run_id: str = Field(description="The run whose checkpoint to start from (under the same store). This run's "
+                        "own id: resume from that step; another run's: branch from it.")
+    step: int = Field(-1, ge=-1, description="Its committed step; -1: its last healthy (validated) step.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, v: str) -> str:
+        return check_run_id(v)
 
 
 class TrainParams(RunSettings, RunSpec):
@@ -33,21 +76,30 @@ class TrainParams(RunSettings, RunSpec):
                                           "options of an s3:// store as JSON (endpoint_url, key, secret, ...). "
                                           "Empty: the environment of the processes that run the tasks "
                                           "(AWS_ACCESS_KEY_ID, ...).")
-    storage_options: StorageOptions | None = Field(None, description="s3fs options, from Python only (masked in "
-                                                   "the UI and the API); prefer credentials_block.")
+    # Not in the form (SkipJsonSchema): a secret is typed into a Secret block, never into a run's parameters.
+    storage_options: SkipJsonSchema[StorageOptions | None] = Field(
+        None, description="s3fs options, from Python only (masked in every record); prefer credentials_block.")
     resume: bool = Field(False, description="Continue the run from its last healthy (committed and validated) "
-                         "checkpoint.")
+                         "checkpoint. A retry of the flow run (Retry in the UI) resumes too.")
+    start_from: StartFrom | None = Field(None, title="Start From", description="Start from a chosen committed checkpoint: of this run "
+                                         "(resume from that step) or of another run (branch).")
     # validation
     validate_checkpoints: bool = Field(True, description="Validate every committed checkpoint beside the next "
                                        "round. Only validated checkpoints are healthy (resume needs them).")
     validation_runner: Literal["process", "threads"] = Field("process", description="Where validations run: "
                                                            "one separate process (default) or the flow's threads.")
-    thresholds: dict[str, Any] | None = Field(None, description="Validation thresholds (docs/validation.md).")
+    thresholds: ValidationThresholds = Field(default_factory=ValidationThresholds,
+                                             description="Bounds of the validation (docs/validation.md).")
 
     @field_validator("run_id")
     @classmethod
     def _check_run_id(cls, v: str | None) -> str | None:
         return check_run_id(v) if v else None
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _default_thresholds(cls, v: Any) -> Any:
+        return {} if v is None else v  # None (older callers): the defaults
 
     @field_validator("store")
     @classmethod

@@ -3,7 +3,8 @@
 The watchdog found the coordinator of a run silent (a ``run-dead`` decision). Its beat names the
 Prefect flow run and deployment it came from; those names are only trusted as far as Prefect
 confirms them: the flow run must exist, belong to that deployment and have trained that run id.
-Then the old flow run is marked ``Crashed`` (when it is not final already) and the deployment runs
+Then the old flow run is marked ``Crashed`` (when it is not final already), with every task run of it
+that was still running (their process is gone: nobody else would end them), and the deployment runs
 again with ``resume: true`` and the same run id (``run_deployment(..., timeout=0)``, idempotent per
 dead flow run). A flow run that ended otherwise (cancelled, failed) is not restarted. Parameters are
 the dead run's over the deployment's, except masked storage options, which stay the deployment's.
@@ -26,8 +27,6 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
         return None
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.states import Crashed
-
     run_id = d.run_id or d.run
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment(UUID(d.deployment_id))
@@ -42,15 +41,36 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
                            old.state.name)
             return None
         if old.state is not None and not old.state.is_final():
-            try:  # the UI should not show a dead run as running
-                client.set_flow_run_state(old.id, Crashed(message=f"the watchdog found its coordinator silent: "
-                                                                  f"{d.reason}"), force=True)
-            except Exception as e:  # noqa: BLE001
-                logger.debug("could not mark %s crashed: %s", old.id, e)
+            end_dead_run(client, old.id, f"the watchdog found its coordinator silent: {d.reason}", logger)
     base = dict((deployment.parameters or {}).get("params") or {})
     previous.pop("storage_options", None)  # masked in the API: keep the deployment's
+    previous.pop("start_from", None)  # a branch is made once: the restart continues the run itself
     params = {**base, **previous, "resume": True, "run_id": run_id}
     new = run_deployment(name=deployment.id, parameters={"params": params}, timeout=0, as_subflow=False,
                          idempotency_key=f"ckpt-resume-{run_id}-{d.flow_run_id}")
     return Resumed(flow_run_id=str(new.id), flow_run_name=new.name,
                    reason=f"started again from deployment {deployment.name} as flow run {new.name} (resume)")
+
+
+def end_dead_run(client: Any, flow_run_id: UUID, message: str, logger: Any) -> None:
+    """Mark a dead flow run ``Crashed`` and so every task run of it that is not final: the process that
+    would have ended them is gone, and the UI should not show them running forever."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    try:
+        client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        live = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.CANCELLING]
+        for tr in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                        task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                                            type=TaskRunFilterStateType(any_=live))), limit=200):
+            client.set_task_run_state(tr.id, Crashed(message=f"its flow run died: {message}"), force=True)
+    except Exception as e:  # noqa: BLE001 - the restart matters more than the UI's picture of the dead run
+        logger.warning("could not mark the dead flow run %s and its task runs crashed: %s", flow_run_id, e)

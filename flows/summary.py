@@ -131,7 +131,9 @@ class Ledger:
 def publish_artifacts(summary: dict[str, Any]) -> None:
     """A table of the checkpoints and a markdown verdict, keyed by run, for the Prefect UI."""
     from prefect import get_run_logger
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+    from tasks.links import http_url, md_link
 
     key = ("train-" + re.sub(r"[^a-z0-9-]+", "-", summary["run_id"].lower())).strip("-")[:90]
     rows = [{"step": c["step"], "loss": c["loss"], "eval_loss": c["eval_loss"], "bytes_written": c["bytes_written"],
@@ -148,7 +150,12 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
             f"* written {summary['bytes_written']:,} B against {summary['full_copy_bytes']:,} B of full copies "
             f"({ratio:.2f}x smaller)\n* final digest `{summary['final_digest']}`\n"
             f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
-            f"* checkpoints: `{summary['run_url']}`, reports: `{summary['reports']}`\n",
+            f"* checkpoints: `{summary['run_url']}`\n"
+            f"* {md_link('validation reports of every checkpoint', summary['run_url'] + '/reports/index.html')}\n",
             key=key + "-summary", description="Training run summary")
+        link = http_url(summary["run_url"] + "/reports/index.html")
+        if link:
+            create_link_artifact(link, link_text=f"Validation reports of run {summary['run_id']}",
+                                 key=key + "-reports", description="Every checkpoint with its verdict and report")
     except Exception as e:  # noqa: BLE001 - artifacts are a convenience; never fail a finished run over them
         get_run_logger().warning("could not create artifacts: %s", e)

@@ -37,7 +37,7 @@ from ckptlib.commit import live_generation, live_generations
 from ckptlib.store import Store
 from ckptlib.validate import Verdict, error_verdict
 from tasks.access import storage_options
-from tasks.checkpoint import checkpoint_cut, initial_cut, plan_run
+from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
 from tasks.validate import validate_step
 from trainrun.beats import CoordinatorBeat, CoordinatorInfo
@@ -73,7 +73,8 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
     url = run_url(params.store, run_id)
     spec, settings, access = params.spec(), params.settings(), params.access()
     ledger = Ledger(params, run_id, url)
-    plan = plan_run(url, spec, params.resume, run_id, access)
+    resume, from_step = _start_point(params, run_id, url, access, ledger)
+    plan = plan_run(url, spec, resume, run_id, access, from_step=from_step)
     logger.info("run %s at %s: %s", run_id, url, plan["note"])
     store = Store.from_url(url, storage_options(access))
     info = CoordinatorInfo(run_id=run_id, spec=spec, settings=settings,
@@ -128,12 +129,31 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
     return summary
 
 
+def _start_point(params: TrainParams, run_id: str, url: str, access: StoreAccess,
+                 ledger: Ledger) -> tuple[bool, int | None]:
+    """(resume, from_step): where the run starts. A retry of this flow run (Retry in the UI, a flow
+    retry) resumes: its first attempt wrote the checkpoints. ``start_from`` another run branches it
+    into this one first (``branch-run``), then resumes from the branched step; of this run, resumes
+    from the chosen step. The lineage goes into every manifest's meta (``run_meta``)."""
+    from prefect.runtime import flow_run
+
+    resume = params.resume or int(flow_run.run_count or 1) > 1
+    src = params.start_from
+    if src is None:
+        return resume, None
+    if src.run_id == run_id:
+        return True, None if src.step < 0 else src.step
+    branched = branch_run(run_url(params.store, src.run_id), src.step, url, access)
+    ledger.run_meta["lineage"] = branched["lineage"]
+    return True, branched["step"]
+
+
 class Validations:
     """Validation of committed steps, submitted to ``runner`` (never awaited before the end)."""
 
     def __init__(self, runner: Any, url: str, access: StoreAccess, params: TrainParams):
         self.runner, self.url, self.access = runner, url, access
-        self.enabled, self.thresholds = params.validate_checkpoints, params.thresholds
+        self.enabled, self.thresholds = params.validate_checkpoints, params.thresholds.to_dict()
         self.futures: dict[int, Any] = {}
 
     def submit(self, step: int) -> None:

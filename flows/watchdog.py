@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.access import storage_options
+from tasks.links import flow_run_url, md_link
 from tasks.shard import train_shard
 from trainrun.credentials import StoreAccess, check_url
 from trainrun.layout import check_run_id, run_name, run_url, store_url
@@ -57,6 +58,9 @@ from .resume import resume_from_deployment
 
 # stop_key -> Event: how a process that started the flow in a thread (ckpt train) stops it
 _STOPS: dict[str, threading.Event] = {}
+# A watchdog's own sign of life, for the automation that starts another when it dies
+# (deployments/automations.py): ``ckpt.watchdog.alive`` this often, ``ckpt.watchdog.stopped`` at its end.
+ALIVE_EVERY_S = 10.0
 
 
 def stop_event(key: str) -> threading.Event:
@@ -133,11 +137,31 @@ def watchdog(
                   rerun=submit_rerun if rerun else None,
                   resume=(lambda d: resume_from_deployment(d, logger)) if resume else None,
                   specs={url: spec} if spec is not None else None, allow_workloads=allow_workloads or (),
-                  by=f"{watchdog_name()} ({_flow_run_label()})")
+                  by=f"{watchdog_name()} ({_flow_run_label()})", by_flow_run_id=_flow_run_id())
     logger.info("watching %s: dead after %g s without a beat or progress, a look every %g s%s", url, timeout_s,
-                poll_s, f", for {duration_s:g} s" if duration_s > 0 else "")
+                poll_s, f", for {duration_s:g} s" if duration_s > 0 else " until stopped")
     polls = 0
+    try:
+        polls = _watch(wd, logger, poll_s, duration_s, until_done, stop, futures, ended, t0, url)
+    finally:
+        _alive(url, "stopped")  # a watchdog that ends (even by an error) is not restarted by the keeper
+    decisions = [d.to_dict() for d in wd.decisions]
+    _table_artifact(url, wd.decisions)
+    if stop_key:
+        _STOPS.pop(stop_key, None)
+    return {"url": url, "runs": sorted(wd.runs), "polls": polls, "seconds": round(time.time() - t0, 3),
+            "decisions": decisions, "by": wd.by}
+
+
+def _watch(wd: Watchdog, logger: Any, poll_s: float, duration_s: float, until_done: bool,
+           stop: threading.Event | None, futures: dict[str, Any], ended: queue.Queue[str], t0: float,
+           url: str) -> int:
+    """The loop: look, publish decisions, settle ended reruns, beat; returns the number of looks."""
+    polls, alive_at = 0, float("-inf")
     while True:
+        if time.monotonic() - alive_at >= ALIVE_EVERY_S:
+            alive_at = time.monotonic()
+            _alive(url, "alive")
         for d in wd.poll():
             _publish(d, logger)
         polls += 1
@@ -148,8 +172,12 @@ def watchdog(
                 res = f.result()
                 logger.info("rerun %s ended: %s", key, res.get("status"))
                 done = wd.rerun_done(key, True, result=res)
-            except Exception as e:  # noqa: BLE001 - the rerun failed after its retries
-                done = wd.rerun_done(key, False, f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - the rerun failed after its retries, or was fenced itself
+                if getattr(f.state, "name", None) == "Fenced":  # another generation owns the shard: not a failure
+                    logger.info("rerun %s ended: fenced", key)
+                    done = wd.rerun_done(key, True)
+                else:
+                    done = wd.rerun_done(key, False, f"{type(e).__name__}: {e}")
             for d in done:
                 _publish(d, logger)
         if stop is not None and stop.is_set():
@@ -163,12 +191,32 @@ def watchdog(
             stop.wait(poll_s)
         else:
             time.sleep(poll_s)
-    decisions = [d.to_dict() for d in wd.decisions]
-    _table_artifact(url, wd.decisions)
-    if stop_key:
-        _STOPS.pop(stop_key, None)
-    return {"url": url, "runs": sorted(wd.runs), "polls": polls, "seconds": round(time.time() - t0, 3),
-            "decisions": decisions, "by": wd.by}
+    return polls
+
+
+def watchdog_resource(url: str) -> str:
+    """The Prefect event resource of the watchdog of the store (root) ``url``: ``ckpt.watchdog.<slug>``."""
+    return "ckpt.watchdog." + re.sub(r"[^a-z0-9-]+", "-", url.lower()).strip("-")
+
+
+def _alive(url: str, kind: str) -> None:
+    try:
+        from prefect.events import emit_event
+
+        emit_event(event=f"ckpt.watchdog.{kind}", resource={"prefect.resource.id": watchdog_resource(url),
+                                                             "prefect.resource.name": f"watchdog of {url}",
+                                                             "ckpt.store": url})
+    except Exception:  # noqa: BLE001 - visibility must never stop the watchdog
+        pass
+
+
+def _flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _flow_run_label() -> str:
@@ -212,7 +260,13 @@ def _markdown(d: Decision) -> str:
             ("new generation", d.generation), ("last beat", _ts(d.last_beat)), ("detected", _ts(d.detected)),
             ("detection latency", f"{d.detection_latency_s} s"), ("steps lost", d.steps_lost), ("by", d.by)]
     if d.resumed is not None:
-        rows.append(("started again", f"flow run {d.resumed.flow_run_id}"))
+        link = flow_run_url(d.resumed.flow_run_id)
+        name = f"flow run {d.resumed.flow_run_name}"
+        rows.append(("started again", f"[{name}]({link})" if link else name))
+    if d.flow_run_id and d.kind in ("run-dead", "resumed", "resume-failed"):
+        link = flow_run_url(d.flow_run_id)
+        rows.append(("dead flow run", f"[{d.flow_run_id}]({link})" if link else d.flow_run_id))
+    rows.append(("reports", md_link("the run's checkpoints and verdicts", f"{d.run_url}/reports/index.html")))
     body = "\n".join(f"| {k} | {v} |" for k, v in rows if v is not None)
     return f"# Watchdog: {d.kind} {d.part}\n\n| | |\n|---|---|\n{body}\n"
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from ckptlib import Checkpointer
+from ckptlib import Checkpointer, branch
+from ckptlib.store import Store
 from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
@@ -24,12 +25,36 @@ from .retry import transient_store_error
 
 
 @task(name="plan-run", retries=0, cache_policy=NO_CACHE)
-def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None) -> dict:
+def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None,
+             from_step: int | None = None) -> dict:
     """Where the run starts (``trainrun.rounds.plan_run``); RunRefused when it must not start."""
     with Checkpointer(run_url, storage_options(access)) as ck:
-        out = plan(ck, spec, resume=resume, run_id=run_id)
+        out = plan(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
     get_run_logger().info("%s: %s", run_url, out["note"])
     return out
+
+
+@task(name="branch-run", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_store_error,
+      cache_policy=NO_CACHE)
+def branch_run(source_url: str, step: int, target_url: str, access: StoreAccess | None = None) -> dict:
+    """Make committed ``step`` of the run at ``source_url`` (-1: its last healthy step) the first
+    checkpoint of the run at ``target_url`` (``ckptlib.branch``: objects copied server-side or
+    linked, the verdict with them, lineage in the manifest). Idempotent: a retry, or a target that
+    already starts there, is fine; a target with other checkpoints is refused (CommitConflict)."""
+    options = storage_options(access)
+    with Checkpointer(source_url, options) as src:
+        if step < 0:
+            healthy = src.latest_step(healthy=True)
+            if healthy is None:
+                raise ValueError(f"run {source_url} has no healthy (validated) checkpoint to branch from: name a "
+                                 f"committed step (start_from.step; committed: {src.steps()[-5:]})")
+            step = healthy
+        if step not in src.steps():
+            raise ValueError(f"run {source_url} has no committed step {step} (committed: {src.steps()[-5:]}): "
+                             "choose one of its committed steps")
+    manifest = branch(Store.from_url(source_url, options), step, Store.from_url(target_url, options))
+    get_run_logger().info("%s starts from step %d of %s (digest %s)", target_url, step, source_url, manifest.digest)
+    return {"step": step, "digest": manifest.digest, "lineage": manifest.lineage or {"run": source_url, "step": step}}
 
 
 @task(name="initial-cut", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_store_error,

@@ -1,9 +1,12 @@
 """Prefect task ``train-shard``: one shard's round (``trainrun.rounds.train_shard_round``).
 
 Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried from the same cut and,
-training being deterministic, writes the same fragment), the attempt number (``run_count``) and,
-optionally, heartbeats as Prefect events. An attempt that finds itself fenced returns
-``status: "fenced"`` instead of failing: the live generation owns the shard.
+training being deterministic, writes the same fragment), the attempt number (``run_count``), a
+progress artifact (the round's steps done, updated with the heartbeats) and, optionally, heartbeats
+as Prefect events. An attempt that finds itself fenced ends in a ``Cancelled`` state named
+``Fenced`` (its data: ``status: "fenced"``) whose message says who fenced it, why, and which rerun
+took over, with a markdown artifact linking the watchdog's flow run: the training run's graph shows
+what happened to the shard instead of a green Completed task.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled, State
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Beat
@@ -22,12 +26,76 @@ from trainrun.credentials import StoreAccess
 from trainrun.layout import run_name, shard_part
 from trainrun.rounds import Cut, train_shard_round
 from trainrun.spec import RunSettings, RunSpec
+from trainrun.watchdog.decisions import read_fence
 
 from .access import storage_options
+from .links import flow_run_url
 from .retry import loud_failure
 
 EVENT_EVERY_S = 5.0  # at most one ckpt.shard.heartbeat event per shard attempt this often
+PROGRESS_EVERY_S = 2.0  # at most one progress artifact update per shard attempt this often
 _DEFAULTS = RunSettings()
+
+
+def progress_reporter(part: str, round: int) -> Callable[[Beat], None]:
+    """A Prefect progress artifact of this task run: the percentage of the round's steps done, updated
+    from the heartbeats (at most every ``PROGRESS_EVERY_S``; the UI's Artifacts tab shows it live)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    artifact_id = create_progress_artifact(0.0, description=f"{part}: steps of round {round} done")
+    last = [float("-inf")]
+
+    def report(beat: Beat) -> None:
+        now = time.monotonic()
+        if beat.round_step is None or not beat.steps_per_round or (now - last[0] < PROGRESS_EVERY_S
+                                                                    and beat.status == "running"):
+            return
+        last[0] = now
+        update_progress_artifact(artifact_id, 100.0 * beat.round_step / beat.steps_per_round)
+
+    return report
+
+
+def _both(*callbacks: Callable[[Beat], None] | None) -> Callable[[Beat], None]:
+    live = [c for c in callbacks if c is not None]
+
+    def call(beat: Beat) -> None:
+        for c in live:
+            try:
+                c(beat)
+            except Exception as e:  # noqa: BLE001 - what the UI shows must never stop training
+                get_run_logger().debug("heartbeat callback failed: %s", e)
+
+    return call
+
+
+def fenced_state(ck: Checkpointer, part: str, round: int, attempt: int, error: FencedError) -> State:
+    """``Cancelled(name="Fenced")``: this attempt was fenced; the message says by whom and why, and a
+    markdown artifact links the watchdog's flow run and names the rerun that took over."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from ckptlib.commit import live_generation
+
+    live = live_generation(ck.store, part)
+    fence = read_fence(ck.store, part, live)
+    rerun = f"rerun-shard-{part.rsplit('-', 1)[-1]}-round-{round}-g{live}"
+    why = fence.reason if fence is not None and fence.reason else str(error)
+    by = fence.by if fence is not None and fence.by else "a watchdog"
+    link = flow_run_url(fence.by_flow_run_id) if fence is not None else None
+    message = f"fenced by {by}: {why}; generation {live} reruns the round ({rerun})"
+    rows = [("what", f"{part} round {round}, attempt {attempt}: **fenced**, stopped"), ("why", why),
+            ("by", f"[{by}]({link})" if link else by), ("rerun", f"`{rerun}` (generation {live}), a task run "
+                                                               "of the watchdog's flow run"),
+            ("fence", f"`{ck.url}/fences/{part}/{live}`")]
+    try:
+        create_markdown_artifact("## Fenced by the watchdog\n\n| | |\n|---|---|\n" +
+                                 "\n".join(f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows) + "\n",
+                                 description=f"{part} round {round} fenced and rerun")
+    except Exception as e:  # noqa: BLE001 - the state says it anyway
+        get_run_logger().debug("fence artifact not created: %s", e)
+    return Cancelled(name="Fenced", message=message,
+                     data={"shard": int(part.rsplit("-", 1)[-1]), "round": round, "part": part, "status": "fenced",
+                           "attempt": attempt, "live_generation": live, "error": str(error)})
 
 
 def event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S) -> Callable[[Beat], None]:
@@ -74,10 +142,12 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round: int, cut: Cut, a
     try:
         result = train_shard_round(ck, spec, shard, round, cut, attempt=attempt,
                                    chaos=for_attempt(chaos, shard, round, attempt),
-                                   heartbeat_every_s=heartbeat_every_s, on_beat=forward)
+                                   heartbeat_every_s=heartbeat_every_s,
+                                   on_beat=_both(forward, progress_reporter(part, round)))
     except FencedError as e:
-        logger.warning("%s round %d: %s", part, round, e)
-        return {"shard": shard, "round": round, "part": part, "status": "fenced", "attempt": attempt, "error": str(e)}
+        state = fenced_state(ck, part, round, attempt, e)
+        logger.warning("%s round %d: %s", part, round, state.message)
+        return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
         ck.close()
     logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round, result["loss"],

@@ -28,6 +28,7 @@ from trainrun.checks import validate_run_checkpoint
 from trainrun.credentials import StoreAccess
 
 from .access import storage_options
+from .links import http_url, md_link
 from .retry import transient_store_error
 
 
@@ -42,7 +43,8 @@ def run_key(run_url: str) -> str:
 
 def artifact_keys(run_url: str) -> dict[str, str]:
     k = run_key(run_url)
-    return {"table": f"ckpt-validation-{k}", "markdown": f"ckpt-validation-{k}-report"}
+    return {"table": f"ckpt-validation-{k}", "markdown": f"ckpt-validation-{k}-report",
+            "link": f"ckpt-validation-{k}-link"}
 
 
 def _mib(n) -> str:
@@ -71,10 +73,19 @@ def _markdown(v: Verdict) -> str:
               f"| loss | {s.get('loss', '-')} |",
               f"| max relative change | {s.get('max_rel_change', '-')} |",
               f"| previous healthy step | {s.get('previous_healthy_step', '-')} |", "",
-              f"HTML report: `{rep.get('url', '-')}`", ""]
-    if rep.get("url", "").startswith("file://"):
-        lines.append("(a local file: open it on the machine that holds the run; `ckpt report` lists all reports)")
+              f"* {md_link('HTML report of this checkpoint', rep.get('url'))}",
+              f"* {md_link('every checkpoint of the run', _index_url(rep.get('url')))}", ""]
+    if not http_url(rep.get("url")):
+        lines.append("(no HTTP address for this store: open the report where the store is, or run `ckpt report`; "
+                     "the local stack serves its bucket over HTTP)")
     return "\n".join(lines)
+
+
+def _index_url(report_url: str | None) -> str | None:
+    """``.../reports/<step>/index.html`` -> ``.../reports/index.html``."""
+    if not report_url or "/reports/" not in report_url:
+        return None
+    return report_url.rsplit("/reports/", 1)[0] + "/reports/index.html"
 
 
 def _table(v: Verdict) -> list[dict]:
@@ -83,12 +94,12 @@ def _table(v: Verdict) -> list[dict]:
              "failed_expectations": ", ".join(v.failed) or "-",
              "bytes_written": s.get("bytes_written"), "logical_bytes": s.get("logical_bytes"),
              "ratio": s.get("ratio"), "loss": s.get("loss"), "max_rel_change": s.get("max_rel_change"),
-             "seconds": v.seconds.get("total"), "report": v.report.get("url")}]
+             "seconds": v.seconds.get("total"), "report": http_url(v.report.get("url")) or v.report.get("url")}]
 
 
 def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
     """Artifacts and the event of one verdict; failures to publish are logged, never raised."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
     from prefect.events import emit_event
 
     keys = artifact_keys(run_url)
@@ -96,6 +107,10 @@ def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
     try:
         create_table_artifact(_table(verdict), key=keys["table"], description=desc)
         create_markdown_artifact(_markdown(verdict), key=keys["markdown"], description=desc)
+        link = http_url(verdict.report.get("url"))
+        if link:  # a link artifact: the Artifacts page opens the report in one click
+            create_link_artifact(link, link_text=f"Report of step {verdict.step}: "
+                                 f"{'passed' if verdict.passed else 'FAILED'}", key=keys["link"], description=desc)
     except Exception as e:  # noqa: BLE001 - the verdict is stored; the UI view is secondary
         logger.warning("could not create the validation artifacts: %s", e)
     try:

@@ -33,7 +33,11 @@ def test_a_branch_restores_the_source_step_and_continues_on_its_own(kind, store_
         assert ck.verify() == []
         info = ck.save(3, {"x": states[2]["x"] + 0, "step": 3})  # continues with references to what it copied
         assert info.chunks["unchanged"] > 0
-    # the source's GC does not touch the branch, and branching again is a no-op
+    # branching again (a retried run that went on from its branch point) is a no-op
+    again = branch(src, 2, dst)
+    assert again.lineage == m.lineage and again.digest == m.digest
+    assert Checkpointer(dst).steps() == [2, 3]
+    # the source's GC does not touch the branch
     Checkpointer(src).gc(RetentionPolicy(keep_last=1), grace_s=0)
     assert torch.equal(Checkpointer(dst).restore(2)["x"], states[2]["x"])
     with pytest.raises(CommitConflict, match="new run"):

@@ -89,7 +89,8 @@ def ui_stack(tmp_path_factory):
         info = stack.up(api_port=free_port(), s3_port=0, filer_port=0, poll_seconds=1.0, timeout=150)
         env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CKPT_STORE", "CKPT_WORK_POOL")}
         res = subprocess.run([sys.executable, "-m", "deployments.deploy", "--stack-dir", str(stack.dir),
-                              "--schedules-inactive", "--only", "train"],
+                              "--schedules-inactive", "--only", "train,watchdog", "--watchdog-timeout", "8",
+                              "--watchdog-poll", "1"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
         yield info
@@ -108,6 +109,7 @@ def page(ui_stack, tmp_path):
             str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
             viewport={"width": 1400, "height": 1000})
         ctx.set_default_timeout(30_000)
+        sync_api.expect.set_options(timeout=30_000)  # a loaded 2-core machine renders slowly
         pg = ctx.pages[0] if ctx.pages else ctx.new_page()
         try:
             yield pg
@@ -147,6 +149,10 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         expect(store).to_have_value(ui_stack["store"])  # the stack's bucket is the default
         expect(page.get_by_text("Where runs live:").first).to_be_visible()  # field descriptions render
         expect(page.get_by_label("Rounds (Optional)", exact=True)).to_have_value("8")
+        # typed sub-forms, filled in: the validation thresholds (no free dict), start from a checkpoint
+        expect(page.get_by_label("Max Rel Change (Optional)", exact=True)).to_have_value("10")
+        expect(page.get_by_text("Start from a chosen committed checkpoint").first).to_be_visible()
+        expect(page.get_by_text("Storage Options", exact=True)).to_have_count(0)  # secrets go in a Secret block
         page.get_by_label("Run Name", exact=True).fill(run_name)
         page.get_by_label("Shards (Optional)", exact=True).fill("1")
         page.get_by_label("Steps Per Round (Optional)", exact=True).fill("2")
@@ -156,7 +162,9 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         run_id_field.get_by_role("tab", name="str", exact=True).click()  # the str | None field: choose str
         run_id_field.locator("fieldset input, fieldset textarea").first.fill(run_id)
         shot(page, "02-run-form")
-        page.get_by_role("button", name="Submit", exact=True).click()
+        page.get_by_label("Max Rel Change (Optional)", exact=True).scroll_into_view_if_needed()
+        shot(page, "02-run-form-thresholds", full_page=False)
+        _submit(page, sync_api)
 
         # 3. The toast links to the new run; its page shows the run until it is Completed.
         expect(page.get_by_text(f"{run_name} scheduled to start now")).to_be_visible()
@@ -190,6 +198,10 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
                .first).to_be_visible()
         shot(page, "04-run-artifacts")
 
+        # The report is one click away: the link artifact opens the HTML report over the stack's HTTP.
+        link = page.get_by_role("link").filter(has_text="-link").filter(has_text="LINK").first
+        expect(link).to_be_visible()
+
         # 5. The validation artifact itself: a table whose verdict is "passed".
         cards.filter(has_text="step 1").first.click()
         page.wait_for_url(re.compile(r".*/artifacts/artifact/.*"))
@@ -198,6 +210,24 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         expect(page.get_by_text(shown_name).first).to_be_visible()  # linked to our flow run
         expect(page.get_by_text("validate-step-1", exact=True).first).to_be_visible()  # ... and its task run
         shot(page, "05-validation-artifact")
+
+        # 6. Its HTML report, as a browser gets it from the stack (no network: nothing from a CDN).
+        report = f"{ui_stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/1/index.html"
+        outside: list[str] = []
+        page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
+            ("http://127.0.0.1", "data:", "about:")) else None)
+        page.goto(report)
+        expect(page.get_by_text("Checkpoint step 1: PASSED")).to_be_visible()
+        shot(page, "06-report")
+        page.get_by_role("link", name="Great Expectations Data Docs: tensors suite").click()
+        expect(page.get_by_text("Expectation Validation Result").first).to_be_visible()
+        shot(page, "07-data-docs", full_page=False)
+        page.get_by_role("link", name="Home").first.click()  # back to the step's report, not a 404
+        expect(page.get_by_text("Checkpoint step 1: PASSED")).to_be_visible()
+        page.goto(report.replace("1/index.html", "index.html"))
+        expect(page.get_by_text("Checkpoints of").first).to_be_visible()
+        shot(page, "08-report-index")
+        assert not outside, f"the reports fetched from elsewhere: {outside}"
     except BaseException:
         OUT.mkdir(parents=True, exist_ok=True)
         try:
@@ -215,3 +245,54 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         keys = {a["key"] for a in api.artifacts(flow_run_id)}
         assert any(k and k.startswith("ckpt-validation-") for k in keys), keys
     (OUT / "run.json").write_text(json.dumps({"flow_run_id": flow_run_id, "run_id": run_id}, indent=2))
+
+
+def test_a_fenced_shard_shows_on_the_training_run(ui_stack, page):
+    """A run whose shard hangs (started through the API): on its page, the hung shard's task run is
+    Fenced (not a green Completed), says by whom and which rerun took over, and its artifact links
+    the watchdog's flow run."""
+    sync_api = _need_browser()
+    expect = sync_api.expect
+    run_id = f"ui-hang-{uuid.uuid4().hex[:8]}"
+    with PrefectAPI(ui_stack["api_url"]) as api:
+        fr = api.run_deployment("train-run/train", {"params": {"shards": 1, "rounds": 1, "steps_per_round": 2,
+                                                               "run_id": run_id, "chaos": ["hang:shard=0,round=1"]}})
+        fr = api.wait(fr["id"], timeout=RUN_TIMEOUT_MS / 1000)
+        assert fr["state_type"] == "COMPLETED", fr["state"]
+    try:
+        page.goto(f"{ui_stack['ui_url']}/v2/runs/flow-run/{fr['id']}")
+        expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        shot(page, "09-fenced-run-graph")
+        page.get_by_role("tab", name="Task Runs").click()
+        expect(page.get_by_text("Fenced", exact=True).first).to_be_visible()
+        shot(page, "10-fenced-task-runs")
+        page.get_by_role("link", name="shard-0-round-1", exact=True).first.click()
+        page.wait_for_url(re.compile(r".*/runs/task-run/.*"))
+        expect(page.get_by_text(re.compile("fenced by watchdog@")).first).to_be_visible()
+        page.get_by_role("tab", name="Artifacts").click()
+        # the tab shows each artifact as a card with its description; the card opens the markdown
+        page.get_by_text(re.compile(r"round 1 fenced and rerun")).first.click()
+        expect(page.get_by_text("Fenced by the watchdog").first).to_be_visible()
+        shot(page, "11-fenced-task-run")
+    except BaseException:
+        shot(page, "failure")
+        (OUT / "failure.txt").write_text(page.url + "\n\n" + page.inner_text("body"))
+        raise
+
+
+def _submit(page, sync_api) -> None:
+    """Click the run form's Submit until the UI leaves the form. On a loaded machine the first click
+    sometimes lands while the form re-renders after the last field's blur and does nothing (the page
+    stays on the form, no toast, no error); a click that did submit navigates away, so it is never
+    repeated."""
+    form_url = page.url
+    for attempt in range(3):
+        page.wait_for_load_state("networkidle")
+        page.get_by_role("button", name="Submit", exact=True).click()
+        try:
+            sync_api.expect(page).not_to_have_url(form_url, timeout=20_000)
+            return
+        except AssertionError:
+            if attempt == 2:
+                raise

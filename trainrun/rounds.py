@@ -124,9 +124,12 @@ def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def plan_run(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "") -> dict[str, Any]:
+def plan_run(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "",
+             from_step: int | None = None) -> dict[str, Any]:
     """Where a run starts. Raises RunRefused when it must not start (see the resume rules).
 
+    ``from_step`` (with ``resume``): start from this committed step rather than the last healthy
+    one (the form's ``start_from``; it need not be validated: it is validated again as the run goes).
     Returns ``{"start_step": int | None, "committed": int, "latest": int | None, "note": str,
     "reshard": {"step", "shards": [old, new]} | None, "seconds"}``; ``start_step`` None means "from
     scratch" (write step 0 first). A resume with another ``shards`` (and every other trajectory field
@@ -135,34 +138,47 @@ def plan_run(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "")
     step back to the first healthy one (not every step's: runs may hold thousands).
     """
     t0 = time.perf_counter()
-    out = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id)
+    out = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id, from_step=from_step)
     out["seconds"] = elapsed(t0)
     return out
 
 
-def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str) -> dict[str, Any]:
+# How to resume, said to both kinds of users: the CLI's and the form's (deployments, the UI).
+HOW_TO_RESUME = "resume (`ckpt train --resume`, or resume: true in the form), with the same run id and store"
+
+
+def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_step: int | None) -> dict[str, Any]:
     steps = ck.steps()
     where = f"run '{run_id}' at {ck.url}" if run_id else ck.url
     if steps and not resume:
         raise RunRefused(
             f"{where} already has committed checkpoints (steps {steps[0]}..{steps[-1]}). Continue it with "
-            f"--resume (same --run-id and --store), or start a new run with another --run-id.")
+            f"{HOW_TO_RESUME}, or start a new run with another run id.")
+    if from_step is not None and from_step not in steps:
+        raise RunRefused(f"{where} has no committed step {from_step} to start from (committed: "
+                         f"{', '.join(map(str, steps[-8:])) or 'none'}): choose one of them")
     if not steps:
         note = "nothing to resume: starting from scratch" if resume else "new run"
         return {"start_step": None, "committed": 0, "latest": None, "note": note, "reshard": None}
-    old = stored_config(ck, steps[-1])
+    at = steps[-1] if from_step is None else from_step
+    old = stored_config(ck, at)
     if old is None:
-        raise RunRefused(f"{where}: step {steps[-1]} has no coordinator config; it was not written by a "
-                         "training run. Choose another --run-id.")
+        raise RunRefused(f"{where}: step {at} has no coordinator config; it was not written by a "
+                         "training run. Choose another run id.")
     new = spec.to_dict()
     changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k, "<absent>") != new.get(k, "<absent>")]
-    if changed and changed != ["shards"]:
+    if changed and (changed != ["shards"] or from_step is not None):
         raise RunRefused(
             f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
-            f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only --rounds, --shards, "
-            f"--checkpoint-every, --keyframe-every, --task-runner may change), or start a new --run-id.")
-    healthy = ck.latest_step(healthy=True)
+            f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only rounds, shards, "
+            f"checkpoint_every, keyframe_every, task_runner may change; shards only when resuming from the "
+            f"last healthy step, not from a chosen one), or start a new run id.")
     base = {"committed": len(steps), "latest": steps[-1], "reshard": None}
+    if from_step is not None:
+        validated = (ck.verdict(from_step) or {}).get("passed") is True
+        return {**base, "start_step": from_step, "note": f"starting from committed step {from_step}"
+                + ("" if validated else " (not validated: validated again as the run goes)")}
+    healthy = ck.latest_step(healthy=True)
     if changed:
         if healthy != steps[-1]:
             what = f"step {healthy}" if healthy is not None else "no step"

@@ -1,7 +1,8 @@
 """Validation reports people review, written through the Store (local or S3) beside the checkpoint.
 
     reports/<step>/index.html     overview: verdict, failed expectations and where, numbers, plot, links
-    reports/<step>/tensors.html   Great Expectations Data Docs page of the tensor suite
+    reports/<step>/tensors.html   Great Expectations Data Docs page of the tensor suite (made to work
+                                  offline: no CDN, its Home link is this step's index.html)
     reports/<step>/parts.html     Great Expectations Data Docs page of the parts (shards) suite
     reports/<step>/summary.json   the verdict plus the history the plot shows
     reports/<step>/tensors.csv    the per-tensor statistics GX judged
@@ -9,7 +10,14 @@
     reports/<step>/run.png        the run so far: bytes written per checkpoint against full size,
                                   loss, validation verdicts (1200 x 800 px)
     reports/index.html            every checkpoint with its verdict, linking each report
+    reports/run.png               the same plot, drawn with the index from the same rows: what the
+                                  index's table says of a step, its plot says too (a step validated
+                                  again after a later one is redrawn in both)
 
+Every page works without the network (no CDN: styles inline, no remote script) and every link
+points at an object written here (relative links: the pages work wherever the bucket is served,
+e.g. the local stack's SeaweedFS filer over HTTP). A branch's pages name its lineage (the run and
+step it started from).
 Called by ``validate_checkpoint`` (step reports and the index after each validation) and by
 ``ckpt report`` (the index). Only ``reports/`` keys are written, all through the ``Store`` (never a
 local file: the PNG is drawn into memory). matplotlib is driven through its object API (Figure +
@@ -22,6 +30,7 @@ import html
 import io
 import json
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +67,24 @@ def report_links(store: Store, step: int) -> dict[str, str]:
 
 
 # --- history of a run ------------------------------------------------------------------------------
+
+def run_lineage(store: Store) -> dict | None:
+    """``{"run", "step"}`` when the run is a branch of another (its first checkpoint's lineage)."""
+    steps = commit.committed_steps(store)
+    if not steps:
+        return None
+    try:
+        return commit.read_manifest(store, steps[0]).lineage
+    except CheckpointError:
+        return None
+
+
+def _lineage_html(lineage: dict | None) -> str:
+    if not lineage:
+        return ""
+    return (f"<p class='lineage'>Branched from step {_esc(lineage.get('step'))} of run "
+            f"<code>{_esc(lineage.get('run'))}</code>: its first checkpoint is that step's state.</p>")
+
 
 def run_history(store: Store, *, override: Verdict | None = None) -> list[dict]:
     """One row per committed step: bytes, loss and verdict. Verdicts carry the numbers; a step
@@ -153,6 +180,48 @@ def plot_run(history: list[dict], *, title: str = "", highlight: int | None = No
 
 # --- per-step report -----------------------------------------------------------------------------
 
+# --- Great Expectations' Data Docs pages, made to work offline ------------------------------------------
+
+# What GX's pages take from CDNs (Bootstrap, jQuery, Font Awesome, Vega) replaced by the little they use.
+_GX_CSS = """body{font-family:system-ui,sans-serif;margin:0;color:#222;font-size:14px}
+.container-fluid{padding:1.5em 2em}.row{display:flex;flex-wrap:wrap}.col-12{flex:0 0 100%}
+[class*=col-md-2]{flex:0 0 16%;max-width:16%}[class*=col-md-10]{flex:0 0 82%;max-width:82%;padding-left:1em}
+.sticky,.sticky-top{position:sticky;top:0}.navbar{display:flex;align-items:center;padding:.5em 2em;
+border-bottom:1px solid #ddd;background:#fafafa}.breadcrumb{display:flex;list-style:none;margin:0 0 0 1em;padding:0}
+.breadcrumb-item+.breadcrumb-item:before{content:"/";padding:0 .5em;color:#888}.d-none{display:initial}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;
+vertical-align:top}.card{border:1px solid #ddd;border-radius:4px;margin:.8em 0}.card-header{background:#f5f5f5;
+padding:.5em 1em;border-bottom:1px solid #ddd}.card-body{padding:.5em 1em}.alert{padding:.4em .8em;
+border-radius:4px;margin:.3em 0}.alert-secondary{background:#f1f1f1}.text-success{color:#2e7d32}
+.text-danger{color:#c62828}.nav{list-style:none;padding:0}.nav-link{display:block;padding:2px 0}
+.btn{display:inline-block;border:1px solid #1565c0;color:#1565c0;background:#fff;border-radius:4px;
+padding:2px 8px;margin:2px 0;cursor:pointer}.ge-logo{font-weight:bold;color:#ff6310;text-decoration:none}
+.fas:before{font-style:normal}.fa-check-circle:before{content:"\\2714"}.fa-times:before,
+.fa-times-circle:before{content:"\\2716"}.fa-exclamation-triangle:before{content:"\\26A0"}
+.fa-info-circle:before{content:"\\2139"}"""
+
+# Stand-ins for the page's own jQuery handlers (show all / hide succeeded validations).
+_GX_JS = """function _geShow(show){document.querySelectorAll('.hide-succeeded-validation-target-child,'
++'.hide-succeeded-validations-column-section-target-child').forEach(function(e){var p=e.closest('.ge-section')||
+e.parentElement;if(e.closest('.table')){p=e.closest('tr')||p}p.style.display=show?'':'none'})}
+function showAllValidations(){_geShow(true)}function hideSucceededValidations(){_geShow(false)}"""
+
+
+def offline_gx_page(page: str, table: str) -> str:
+    """GX's Data Docs page ``page`` (of ``table``) with nothing fetched from elsewhere and no dead link:
+    remote stylesheets and scripts go (a small inline stylesheet and two plain-JS handlers replace
+    them), the remote logo becomes text, Home points at this step's ``index.html``, the suite page
+    (which GX's ephemeral context never writes) at this page, and outside links lose their target."""
+    page = re.sub(r"<link\b[^>]*>", "", page)  # remote stylesheets, the favicon of a site that does not exist
+    page = re.sub(r"<script\b[^>]*>.*?</script>", "", page, flags=re.S)  # jQuery, Bootstrap, Vega, their calls
+    page = re.sub(r"<img\b[^>]*src=\"https?://[^\"]*\"[^>]*/?>", "<span class='ge-logo'>Great Expectations</span>",
+                  page, flags=re.S)
+    page = re.sub(r'href="(?:\.\./)+index\.html"', 'href="index.html"', page)
+    page = re.sub(r'href="(?:\.\./)+expectations/[^"]*"', f'href="{table}.html"', page)
+    page = re.sub(r'\shref="https?://[^"]*"', "", page)
+    return page.replace("</head>", f"<style>{_GX_CSS}</style><script>{_GX_JS}</script></head>", 1)
+
+
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1100px;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;
 font-size:14px}th{background:#f5f5f5}.pass{color:#2e7d32;font-weight:bold}.fail{color:#c62828;font-weight:bold}
@@ -166,7 +235,7 @@ _NUMBERS = ("kind", "parent", "parts", "tensors", "logical_bytes", "bytes_writte
 _NOT_SHOWN = ("single", "created", "digest", "integrity_problems")
 
 
-def _verdict_html(v: Verdict, links: Mapping[str, str]) -> str:
+def _verdict_html(v: Verdict, links: Mapping[str, str], lineage: dict | None = None) -> str:
     s = v.summary
     ok = v.passed
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoint {v.step}: "
@@ -176,7 +245,7 @@ def _verdict_html(v: Verdict, links: Mapping[str, str]) -> str:
            f"<p>Run <code>{_esc(v.run)}</code>, validated {_esc(v.validated_at)}; the checks took "
            f"{sum(x for k, x in v.seconds.items() if k not in ('report', 'total')):.2f} s. "
            f"{_esc(v.expectations.get('successful'))}/{_esc(v.expectations.get('evaluated'))} "
-           "expectations met.</p>"]
+           "expectations met.</p>", _lineage_html(lineage)]
     if v.failures:
         out.append("<h2>Failed expectations</h2><table><tr><th>expectation</th><th>what it checks</th>"
                    "<th>count</th><th>where</th></tr>")
@@ -194,7 +263,8 @@ def _verdict_html(v: Verdict, links: Mapping[str, str]) -> str:
         if k.endswith("_bytes") and val is not None:
             val = f"{val} ({_mib(val)})"
         out.append(f"<tr><th>{_esc(k)}</th><td>{_esc(val)}</td></tr>")
-    out.append("</table><h2>Run so far</h2><img src='run.png' alt='run plot'>")
+    out.append("</table><h2>Run so far, as of this validation</h2><img src='run.png' alt='run plot'>"
+               "<p>Verdicts of later validations: <a href='../index.html'>all checkpoints of the run</a>.</p>")
     out.append("<h2>Details</h2><ul>" + "".join(f"<li><a href='{_esc(href)}'>{_esc(text)}</a></li>"
                                                  for text, href in links.items()) + "</ul>")
     out.append(f"<h2>Thresholds</h2><pre>{_esc(json.dumps(v.thresholds, indent=1))}</pre>")
@@ -211,7 +281,7 @@ def write_step_report(store: Store, verdict: Verdict, tables: Mapping[str, Any],
     links: dict[str, str] = {}
     for table, res in gx_results.items():
         key = f"{pre}{table}.html"
-        store.put(key, render_gx_html(res).encode())
+        store.put(key, offline_gx_page(render_gx_html(res), table).encode())
         links[f"Great Expectations Data Docs: {table} suite"] = f"{table}.html"
     for table, df in tables.items():
         key = f"{pre}{table}.csv"
@@ -224,7 +294,7 @@ def write_step_report(store: Store, verdict: Verdict, tables: Mapping[str, Any],
     summary = verdict.to_dict()
     summary["history"] = history
     store.put(f"{pre}summary.json", json.dumps(summary, indent=1, default=str).encode())
-    store.put(f"{pre}index.html", _verdict_html(verdict, links).encode())
+    store.put(f"{pre}index.html", _verdict_html(verdict, links, run_lineage(store)).encode())
     return history
 
 
@@ -242,12 +312,14 @@ def index_rows(store: Store, history: list[dict] | None = None) -> list[dict]:
 
 
 def write_run_index(store: Store, history: list[dict] | None = None) -> str:
-    """Write (refresh) ``reports/index.html``: one row per checkpoint linking its report, and the
-    plot of the latest report. ``history``: from ``run_history`` when the caller has it. Returns the key."""
+    """Write (refresh) ``reports/index.html``: one row per checkpoint linking its report, and
+    ``reports/run.png``, the plot of the very same rows (the table and the plot always agree).
+    ``history``: from ``run_history`` when the caller has it. Returns the key."""
     rows = index_rows(store, history)
-    latest = max((r["step"] for r in rows if r.get("report")), default=None)
+    store.put("reports/run.png", plot_run(rows, title=f"{store.url}: every checkpoint"))
     out = [f"<!doctype html><html><head><meta charset='utf-8'><title>Checkpoints of {_esc(store.url)}</title>"
            f"<style>{_CSS}</style></head><body><h1>Checkpoints of <code>{_esc(store.url)}</code></h1>",
+           _lineage_html(run_lineage(store)),
            f"<p>{len(rows)} committed, {sum(1 for r in rows if r['passed'])} healthy (committed and passed), "
            f"{sum(1 for r in rows if r['passed'] is False)} failed, "
            f"{sum(1 for r in rows if r['passed'] is None)} not validated.</p>",
@@ -262,9 +334,7 @@ def write_run_index(store: Store, history: list[dict] | None = None) -> str:
                    f"<td>{_esc(_mib(r.get('bytes_written')))}</td><td>{_esc(_mib(r.get('logical_bytes')))}</td>"
                    f"<td>{_esc(r.get('ratio'))}</td><td>{'' if loss is None else f'{loss:.4f}'}</td>"
                    f"<td>{link}</td></tr>")
-    out.append("</table>")
-    if latest is not None:
-        out.append(f"<h2>Run so far (as of step {latest})</h2><img src='{latest}/run.png' alt='run plot'>")
+    out.append("</table><h2>The run</h2><img src='run.png' alt='run plot'>")
     out.append("</body></html>")
     store.put("reports/index.html", "\n".join(out).encode())
     return "reports/index.html"

@@ -117,6 +117,7 @@ class Fence(Document):
     detected: float | None = None
     detection_latency_s: float | None = None
     rerun: bool | None = None
+    by_flow_run_id: str | None = None  # the Prefect flow run of the watchdog that fenced (a link in the UI)
 
     @staticmethod
     def details(d: Decision, *, rerun: bool) -> dict[str, Any]:

@@ -68,7 +68,8 @@ class Watchdog:
     key the caller later passes to ``rerun_done``; None = fence only (an external actor reruns).
     ``resume(decision) -> Resumed | None`` restarts a dead run (None = report only).
     ``specs`` maps a run's URL to its spec as this process knows it; ``allow_workloads`` lists the
-    ``module:factory`` workloads a spec read from the store may name (``rerun.py``).
+    ``module:factory`` workloads a spec read from the store may name (``rerun.py``). ``by`` names this
+    watchdog in fences and decisions; ``by_flow_run_id`` is its Prefect flow run (fences link to it).
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -76,7 +77,8 @@ class Watchdog:
                  rerun: Callable[[RerunRequest], Any] | None = None,
                  resume: Callable[[Decision], Resumed | None] | None = None,
                  specs: Mapping[str, RunSpec] | None = None, allow_workloads: Collection[str] = (),
-                 by: str | None = None, discover_every_s: float = 15.0, clock: Callable[[], float] = time.time):
+                 by: str | None = None, by_flow_run_id: str | None = None, discover_every_s: float = 15.0,
+                 clock: Callable[[], float] = time.time):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url
@@ -88,6 +90,7 @@ class Watchdog:
         self.specs = {u.rstrip("/"): s.trajectory() for u, s in (specs or {}).items()}
         self.allow_workloads = frozenset(allow_workloads)
         self.by = by or watchdog_name()
+        self.by_flow_run_id = by_flow_run_id
         self.discover_every_s = discover_every_s
         self.clock = clock
         self.memory: dict = {}
@@ -178,7 +181,8 @@ class Watchdog:
         new_gen = pv.live + 1
         decision = self._decision("fenced", url, pv, now, generation=new_gen)
         won = commit.fence(store, pv.part, new_gen, reason=pv.reason or pv.state, by=self.by,
-                           details=Fence.details(decision, rerun=request is not None))
+                           details={**Fence.details(decision, rerun=request is not None),
+                                    "by_flow_run_id": self.by_flow_run_id})
         if not won:
             return [replace(decision, kind="lost-race", reason=f"{pv.reason}; generation {new_gen} was already "
                             "fenced by another watchdog: nothing to do")]

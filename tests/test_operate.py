@@ -1,0 +1,150 @@
+"""Operating runs, without the stack: start from a chosen checkpoint (resume from a step, branch
+another run), a flow retry that resumes, what a refusal says, and reports whose pages work offline
+and whose index plot agrees with its table. Real Prefect (the session's test server), real
+training (a tiny tinylm), a local store. About 1.5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+
+from ckptlib import Checkpointer
+from ckptlib.store import Store
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+TINY = {"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "rounds": 3, "steps_per_round": 4, "seed": 0,
+        "heartbeat_every_s": 0.2, "retry_delay_s": 0.2, "validation_runner": "threads"}
+
+
+def params(**kw):
+    from flows.params import TrainParams
+
+    return TrainParams(**{**TINY, **kw})
+
+
+def digests(url: str) -> dict[int, str]:
+    with Checkpointer(url) as ck:
+        return {s: ck.manifest(s).digest for s in ck.steps()}
+
+
+@pytest.fixture(scope="module")
+def source(prefect_harness, tmp_path_factory):
+    """A clean run of 3 rounds: the reference digests."""
+    from flows.train import train_run
+
+    store = str(tmp_path_factory.mktemp("operate"))
+    summary = train_run(params(store=store, run_id="src"))
+    return {"store": store, "url": summary["run_url"], "digests": digests(summary["run_url"])}
+
+
+def test_a_branch_starts_from_a_step_of_another_run_and_reaches_the_same_digests(source):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+    from flows.params import StartFrom
+    from flows.train import train_run
+
+    s = train_run(params(store=source["store"], run_id="br", start_from=StartFrom(run_id="src", step=1)))
+    assert s["start_step"] == 1 and s["committed"] == [2, 3] and s["validated"] == [2, 3]
+    got = digests(s["run_url"])
+    src = Store.from_url(source["url"]).url  # as the store names itself (file:///...)
+    assert sorted(got) == [1, 2, 3] and all(got[k] == source["digests"][k] for k in got)  # determinism, branched
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.manifest(1).lineage == {"run": src, "step": 1}  # the branch point
+        assert all(ck.manifest(k).meta["lineage"] == {"run": src, "step": 1} for k in (2, 3))
+        assert ck.healthy_steps() == [1, 2, 3]  # the verdict came with the state
+    # the objects are the source's, linked (content addressing): the branch point cost no bytes
+    chunk = next(k for k in Store.from_url(s["run_url"]).list("chunks"))
+    assert (Store.from_url(source["url"]).exists(chunk))
+    shown = CliRunner().invoke(app, ["show", s["run_url"], "--step", "1"])
+    assert shown.exit_code == 0 and f"branched from step 1 of {src}" in shown.output, shown.output
+    index = (Store.from_url(s["run_url"]).get("reports/index.html")).decode()
+    assert "Branched from step 1 of run" in index and src in index
+    # branching again into it (a retry of the same flow run) changes nothing; into a run with others, refused
+    again = train_run(params(store=source["store"], run_id="br", start_from=StartFrom(run_id="src", step=1)))
+    assert again["committed"] == [2, 3] and digests(s["run_url"]) == got
+
+
+def test_resume_from_a_chosen_step_of_the_same_run(source):
+    from flows.params import StartFrom
+    from flows.train import train_run
+
+    s = train_run(params(store=source["store"], run_id="src", start_from=StartFrom(run_id="src", step=1)))
+    assert s["start_step"] == 1 and s["note"] == "starting from committed step 1"
+    assert digests(source["url"]) == source["digests"]  # recomputed identically
+
+
+def test_refusals_name_the_cause_and_both_fixes(source, tmp_path):
+    from flows.params import StartFrom
+    from flows.train import train_run
+    from trainrun.rounds import RunRefused
+
+    with pytest.raises(RunRefused, match=r"Continue it with resume \(`ckpt train --resume`, or resume: true in the "
+                                         r"form\)"):
+        train_run(params(store=source["store"], run_id="src"))
+    with pytest.raises(RunRefused, match="these settings differ.*seed: 0 -> 1"):
+        train_run(params(store=source["store"], run_id="src", seed=1, resume=True))
+    with pytest.raises(RunRefused, match="no committed step 7 to start from"):
+        train_run(params(store=source["store"], run_id="src", start_from=StartFrom(run_id="src", step=7)))
+    with pytest.raises(ValueError, match="no committed step 9.*choose one of its committed steps"):
+        train_run(params(store=source["store"], run_id="b2", start_from=StartFrom(run_id="src", step=9)))
+
+
+def test_a_flow_retry_resumes_instead_of_refusing(source, tmp_path):
+    """What Retry in the UI does to a failed run: the same flow run runs again (run_count 2). Here a
+    Prefect flow retry after a shard crash with no task retries left: it resumes and completes with
+    the clean digests (the drill strikes once per run)."""
+    from flows.train import train_run
+
+    flow = train_run.with_options(retries=1, retry_delay_seconds=0)
+    s = flow(params(store=str(tmp_path), run_id="rt", shard_retries=0, chaos=["crash:shard=0,round=2"]))
+    assert s["resumed"] and s["start_step"] >= 0
+    assert digests(s["run_url"]) == source["digests"]
+
+
+def test_reports_work_offline_and_the_index_plot_agrees_with_its_table(source):
+    """Every page of the reports: no CDN, every relative link to an object that exists. After step 2
+    is validated again and fails, the index's table and its plot (drawn with it) both say so."""
+    from ckptlib.validate import validate_checkpoint
+
+    store = Store.from_url(source["url"])
+    for key in [k for k in store.list("reports") if k.endswith(".html")]:
+        page = store.get(key).decode()
+        assert not re.findall(r"""(?:src|href)=["']https?://""", page), f"{key} fetches from elsewhere"
+        base = key.rsplit("/", 1)[0]
+        for target in re.findall(r"""(?:src|href)=["']([^"'#]+)["']""", page):
+            parts = []
+            for p in f"{base}/{target}".split("/"):
+                if p == "..":
+                    parts.pop()
+                elif p and p != ".":
+                    parts.append(p)
+            assert store.exists("/".join(parts)), f"{key} links {target}, which does not exist"
+    assert _red(store.get("reports/run.png")) == 0
+    v = validate_checkpoint(source["url"], 2, thresholds={"max_norm": 1e-9})
+    assert not v.passed
+    index = store.get("reports/index.html").decode()
+    assert "<td>2</td><td class='fail'>failed</td>" in index and "<td>3</td><td class='pass'>passed</td>" in index
+    assert _red(store.get("reports/run.png")) > 0
+    validate_checkpoint(source["url"], 2)  # healthy again, for the tests after this one
+    assert _red(store.get("reports/run.png")) == 0
+
+
+def _red(png: bytes) -> int:
+    from matplotlib.image import imread
+
+    img = (imread(io.BytesIO(png), format="png")[..., :3] * 255).round().astype(int)
+    return int((np.abs(img - np.array([0xC6, 0x28, 0x28])).sum(axis=-1) < 30).sum())
+
+
+def test_the_thresholds_form_has_ckptlib_defaults():
+    from ckptlib.validate import Thresholds
+    from flows.params import ValidationThresholds
+
+    assert ValidationThresholds().to_dict() == Thresholds().to_dict()
