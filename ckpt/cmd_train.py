@@ -146,9 +146,11 @@ def _bytes(n: int | None) -> str:
 # --- the watchdog beside the run -------------------------------------------------------------------
 
 # A shard on a work pool is a flow run: a worker polls for it, then starts a fresh Python process that
-# imports Prefect and torch (40 s measured on a loaded 2-core machine). Until its first beat the
-# watchdog allows this long (the default start timeout, max(2 x timeout, timeout + 30), fits
-# threads and Dask workers, which are already running).
+# imports Prefect and torch (40 s measured on a loaded 2-core machine); a Dask worker process imports
+# them with its first task (over 34 s measured in CI with two test workers on 2 cores: both shards of
+# round 1 were fenced as never started). Until a shard's first beat the watchdog beside a run on
+# processes allows this long; threads share the flow's imports and keep the default start timeout,
+# max(2 x timeout, timeout + 30).
 POOL_START_TIMEOUT_S = 120.0
 
 
@@ -165,7 +167,7 @@ class BesideWatchdog:
         from flows.watchdog import stop_event
 
         self.params, self.timeout_s = params, timeout_s
-        if start_timeout_s is None and str(params.task_runner).startswith("pool:"):
+        if start_timeout_s is None and str(params.task_runner) != "threads":
             start_timeout_s = max(POOL_START_TIMEOUT_S, 2 * timeout_s)
         self.start_timeout_s = start_timeout_s
         self.key = f"train-{params.run_id}-{uuid.uuid4().hex[:6]}"

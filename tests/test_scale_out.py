@@ -186,4 +186,6 @@ def test_a_work_pool_run_gives_shards_a_flow_runs_start_before_calling_them_miss
     assert BesideWatchdog(params(task_runner="pool:train-shard/shard"), 4.0).start_timeout_s == POOL_START_TIMEOUT_S
     assert BesideWatchdog(params(task_runner="pool:train-shard/shard"), 90.0).start_timeout_s == 180.0
     assert BesideWatchdog(params(task_runner="threads"), 4.0).start_timeout_s is None  # the default
+    # a Dask worker process imports torch and Prefect with its first task (over 34 s seen in CI)
+    assert BesideWatchdog(params(task_runner="dask"), 4.0).start_timeout_s == POOL_START_TIMEOUT_S
     assert start_timeout_for(4.0) < 40 < POOL_START_TIMEOUT_S

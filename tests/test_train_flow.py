@@ -116,8 +116,9 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
     assert r.exit_code == 2 and "already has committed checkpoints" in r.output and "--resume" in r.output
     r = CliRunner().invoke(app, ["train", "--store", clean["store"], "--workload", "nosuchpkg.mod:build"])
     assert r.exit_code == 2 and "cannot import module 'nosuchpkg.mod'" in r.output
-    with pytest.raises(RunRefused, match="shards: 2 -> 3"):  # the flow itself refuses too (deployments)
-        train_run(params(store=clean["store"], run_id="clean", resume=True, shards=3))
+    # the flow itself refuses too (deployments); another shard count alone would reshard (test_reshard.py)
+    with pytest.raises(RunRefused, match="seed: 0 -> 1"):
+        train_run(params(store=clean["store"], run_id="clean", resume=True, shards=3, seed=1))
     assert digests(clean["summary"]["run_url"]) == clean["digests"]  # nothing was written
 
 
