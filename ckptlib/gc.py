@@ -60,6 +60,7 @@ class GcReport:
     skipped: list[str] = field(default_factory=list)  # keys that are not objects ckptlib writes
 
 
+_DELETE_THREADS = 16  # deletes in flight at once (each is one request; local unlinks release the GIL)
 _MARK_WINDOW = 256  # manifests read at once while marking (the lock is renewed between windows)
 
 
@@ -128,11 +129,12 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
             if why:
                 report.deferred = why
                 raise _Stop
-            for key, size in keys[start:start + _BATCH]:
+            batch = keys[start:start + _BATCH]
+            for key, size in batch:
                 report.deleted_objects.append(key)
                 report.freed_bytes += size
-                if not dry_run:
-                    store.delete(key)
+            if not dry_run:  # in parallel: one request each (a 10,000-step run deletes ~30,000 objects)
+                list(deleter.map(store.delete, [key for key, _ in batch]))
 
     def sweep(protect: set[str], only: set[str] | None = None) -> None:
         garbage = []
@@ -150,6 +152,7 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
                 garbage.append((info.key, info.size))
         delete(garbage)
 
+    deleter = ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="ckpt-gc-delete")
     try:
         # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
         # a write's temp file is as old as the write began, and a slow write can outlive the grace.
@@ -158,32 +161,47 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
                 report.deleted_objects.append(name)
             delete([(key, 0) for key in expired_leases(store, cutoff)])
         sweep(kept_marks | dropped_only)
-        # 3. uncommit the dropped steps: report and verdict first, the manifest last
-        for step in dropped:
-            for info in list(store.scan(f"reports/{step}")):
-                if is_clean_key(info.key):
-                    _delete_one(store, report, info.key, info.size, dry_run)
-                else:
-                    report.skipped.append(info.key)
-            if store.exists(validation_key(step)):
-                _delete_one(store, report, validation_key(step), 0, dry_run)
-            _delete_one(store, report, manifest_key(step), 0, dry_run)
+        # 3. uncommit the dropped steps: for each, report and verdict first, the manifest last (steps
+        # in parallel: no order between two dropped steps matters)
+        for start in range(0, len(dropped), _BATCH):
+            if lock is not None and not lock.renew():
+                report.deferred = "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
+                raise _Stop
+            for done, skipped, freed in deleter.map(lambda s: _uncommit(store, s, dry_run), dropped[start:start + _BATCH]):
+                report.deleted_objects.extend(done)
+                report.skipped.extend(skipped)
+                report.freed_bytes += freed
         # 4. what only the dropped steps needed
         if dropped_only:
             sweep(kept_marks, only=dropped_only)
     except _Stop:
         log.warning("garbage collection of %s stopped early: %s", store.url, report.deferred)
+    finally:
+        deleter.shutdown(wait=True)
     if report.skipped:
         log.warning("garbage collection of %s skipped %d keys that ckptlib does not write (e.g. %s)", store.url,
                     len(report.skipped), report.skipped[0])
     return report
 
 
-def _delete_one(store: Store, report: GcReport, key: str, size: int, dry_run: bool) -> None:
-    report.deleted_objects.append(key)
-    report.freed_bytes += size
+def _uncommit(store: Store, step: int, dry_run: bool) -> tuple[list[str], list[str], int]:
+    """Delete dropped ``step``'s report and verdict, then its manifest: (deleted, skipped, bytes)."""
+    done: list[str] = []
+    skipped: list[str] = []
+    freed = 0
+    for info in list(store.scan(f"reports/{step}")):
+        if is_clean_key(info.key):
+            done.append(info.key)
+            freed += info.size
+        else:
+            skipped.append(info.key)
+    if store.exists(validation_key(step)):
+        done.append(validation_key(step))
+    done.append(manifest_key(step))  # last
     if not dry_run:
-        store.delete(key)
+        for key in done:
+            store.delete(key)
+    return done, skipped, freed
 
 
 def _needed(store: Store, step: int) -> set[str]:
