@@ -353,11 +353,7 @@ class Checkpointer:
         steps = self.steps()
         if not healthy:
             return steps[-1] if steps else None
-        for step in reversed(steps):
-            v = self.verdict(step)
-            if v is not None and v["passed"] is True:
-                return step
-        return None
+        return next((step for step in reversed(steps) if self._healthy(step)), None)
 
     def manifest(self, step: int | None = None) -> Manifest:
         return self._read_manifest(self._resolve(step, healthy=False))
@@ -490,17 +486,19 @@ class Checkpointer:
 
     def healthy_steps(self) -> list[int]:
         """Committed steps whose validation passed, ascending. Failed ones are skipped (logged)."""
-        healthy = []
-        for step in self.steps():
-            v = self.verdict(step)
-            if v is not None and v["passed"] is True:
-                healthy.append(step)
-            elif v is not None:
-                failed = v.get("failed")
-                failed = failed if isinstance(failed, list) else []
-                log.warning("skipping checkpoint step %d of %s: its validation failed (%s)", step, self.url,
-                            ", ".join(map(str, failed)) or f"see validations/{step}.json")
-        return healthy
+        return [step for step in self.steps() if self._healthy(step)]
+
+    def _healthy(self, step: int) -> bool:
+        """Whether ``step``'s validation passed. A failed one is logged: it is being skipped."""
+        v = self.verdict(step)
+        if v is not None and v["passed"] is True:
+            return True
+        if v is not None:
+            failed = v.get("failed")
+            failed = failed if isinstance(failed, list) else []
+            log.warning("skipping checkpoint step %d of %s: its validation failed (%s)", step, self.url,
+                        ", ".join(map(str, failed)) or f"see validations/{step}.json")
+        return False
 
     # --- multi-writer: fragments and the coordinator's commit ------------------------------------
 
