@@ -3,8 +3,9 @@
 The watchdog found the coordinator of a run silent (a ``run-dead`` decision). Its beat names the
 Prefect flow run and deployment it came from; those names are only trusted as far as Prefect
 confirms them: the flow run must exist, belong to that deployment and have trained that run id.
-Then the old flow run is marked ``Crashed`` (when it is not final already), with every task run of it
-that was still running (their process is gone: nobody else would end them), and the deployment runs
+Then the old flow run is marked ``Crashed`` (when it is not final already: its worker may have seen the
+process exit first), with every task run of it that was still running (their process is gone: nobody
+else would end them, not even that worker), and the deployment runs
 again with ``resume: true`` and the same run id (``run_deployment(..., timeout=0)``, idempotent per
 dead flow run). A flow run that ended otherwise (cancelled, failed) is not restarted. Parameters are
 the dead run's over the deployment's, except masked storage options, which stay the deployment's.
@@ -12,6 +13,8 @@ the dead run's over the deployment's, except masked storage options, which stay 
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 from uuid import UUID
 
@@ -40,8 +43,9 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
             logger.warning("run %s: its flow run %s is %s, not crashed: not started again", d.run, old.name,
                            old.state.name)
             return None
-        if old.state is not None and not old.state.is_final():
-            end_dead_run(client, old.id, f"the watchdog found its coordinator silent: {d.reason}", logger)
+        # Crashed already when its worker saw the process exit: its task runs still need ending
+        end_dead_run(client, old.id, f"the watchdog found its coordinator silent: {d.reason}", logger,
+                     mark_flow_run=old.state is None or not old.state.is_final())
     base = dict((deployment.parameters or {}).get("params") or {})
     previous.pop("storage_options", None)  # masked in the API: keep the deployment's
     previous.pop("start_from", None)  # a branch is made once: the restart continues the run itself
@@ -52,9 +56,47 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
                    reason=f"started again from deployment {deployment.name} as flow run {new.name} (resume)")
 
 
-def end_dead_run(client: Any, flow_run_id: UUID, message: str, logger: Any) -> None:
-    """Mark a dead flow run ``Crashed`` and so every task run of it that is not final: the process that
-    would have ended them is gone, and the UI should not show them running forever."""
+# Task-run states reach Prefect's database as events, through its task-run recorder (batches,
+# flushed every 5 s by default): a state the dead process sent just before it died can be recorded
+# after the first sweep below, as a task run that is Running again or new. Later sweeps end those.
+RESWEEP_AFTER_S = (15.0, 45.0)
+
+
+def end_dead_run(client: Any, flow_run_id: UUID, message: str, logger: Any, mark_flow_run: bool = True) -> None:
+    """Mark a dead flow run ``Crashed`` (unless ``mark_flow_run`` is false: its worker did) and so every
+    task run of it that is not final: the process that would have ended them is gone, and the UI should
+    not show them running forever. The task runs are swept again later (``RESWEEP_AFTER_S``, in the
+    background), for states recorded late."""
+    try:
+        from prefect.states import Crashed
+
+        if mark_flow_run:
+            client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        _crash_live_task_runs(client, flow_run_id, message)
+    except Exception as e:  # noqa: BLE001 - the restart matters more than the UI's picture of the dead run
+        logger.warning("could not mark the dead flow run %s and its task runs crashed: %s", flow_run_id, e)
+    threading.Thread(target=_sweep_later, args=(flow_run_id, message, logger), daemon=True,
+                     name=f"ckpt-sweep-{flow_run_id}").start()
+
+
+def _sweep_later(flow_run_id: UUID, message: str, logger: Any) -> None:
+    from prefect.client.orchestration import get_client
+
+    waited = 0.0
+    for at in RESWEEP_AFTER_S:
+        time.sleep(at - waited)
+        waited = at
+        try:
+            with get_client(sync_client=True) as client:
+                n = _crash_live_task_runs(client, flow_run_id, message)
+            if n:
+                logger.info("marked %d task runs of the dead flow run %s crashed (their states arrived late)", n,
+                            flow_run_id)
+        except Exception as e:  # noqa: BLE001 - best effort, as above
+            logger.warning("could not sweep the task runs of the dead flow run %s: %s", flow_run_id, e)
+
+
+def _crash_live_task_runs(client: Any, flow_run_id: UUID, message: str) -> int:
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterId,
@@ -65,12 +107,10 @@ def end_dead_run(client: Any, flow_run_id: UUID, message: str, logger: Any) -> N
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    try:
-        client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
-        live = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.CANCELLING]
-        for tr in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                        task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                                            type=TaskRunFilterStateType(any_=live))), limit=200):
-            client.set_task_run_state(tr.id, Crashed(message=f"its flow run died: {message}"), force=True)
-    except Exception as e:  # noqa: BLE001 - the restart matters more than the UI's picture of the dead run
-        logger.warning("could not mark the dead flow run %s and its task runs crashed: %s", flow_run_id, e)
+    live = [StateType.RUNNING, StateType.PENDING, StateType.SCHEDULED, StateType.CANCELLING]
+    runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                 task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                                     type=TaskRunFilterStateType(any_=live))), limit=200)
+    for tr in runs:
+        client.set_task_run_state(tr.id, Crashed(message=f"its flow run died: {message}"), force=True)
+    return len(runs)
