@@ -66,7 +66,7 @@ class GcReport:
 
 _DELETE_THREADS = 16  # deletes in flight at once (each is one request; local unlinks release the GIL)
 _MARK_THREADS = 16  # manifests read at once (each is parsed whole: memory is this x a manifest's size)
-_MARK_WINDOW = 256  # manifests read at once while marking (the lock is renewed between windows)
+_MARK_WINDOW = 256  # manifests read while marking between two renewals of the GC lock
 
 
 def _in_order(pool: ThreadPoolExecutor, fn: Callable[[int], T], items: list[int], ahead: int) -> Iterator[tuple[int, T]]:
@@ -116,8 +116,8 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
 
     # 1. mark (reads only; any damage aborts here, before a single delete). Each step's keys are
     # folded into the kept or the dropped union as they come: memory is the run's distinct objects,
-    # not one set per step (10,000 steps sharing most of their objects), and steps are read in
-    # windows, so no more than a window of manifests is in flight.
+    # not one set per step (10,000 steps sharing most of their objects), and no more than
+    # 2 x _MARK_THREADS manifests are read ahead of the fold.
     kept_marks: set[str] = set()
     dropped_marks: set[str] = set()
     with ThreadPoolExecutor(max_workers=_MARK_THREADS, thread_name_prefix="ckpt-gc") as pool:
