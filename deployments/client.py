@@ -21,6 +21,7 @@ into the deployment's parameters first (``merge=False`` sends them as they are).
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -29,16 +30,36 @@ import httpx
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
+# Prefect's server answers 503 for errors a client may retry (a busy or briefly unreachable
+# database: the request's transaction was rolled back) and 429 when it sheds load; its own client
+# retries both with exponential backoff and jitter (PREFECT_CLIENT_MAX_RETRIES, default 5). So do we.
+RETRY_STATUS = {429, 503}
+
+
 class PrefectAPI:
-    def __init__(self, api_url: str, timeout: float = 30.0):
+    def __init__(self, api_url: str, timeout: float = 30.0, retries: int = 5, backoff_s: float = 1.0):
         self.api_url = api_url.rstrip("/")
         self._http = httpx.Client(base_url=self.api_url, timeout=timeout)
+        self.retries, self.backoff_s = retries, backoff_s
 
     def _call(self, method: str, path: str, json: Any = None) -> Any:
-        r = self._http.request(method, path, json=json)
+        for attempt in range(self.retries + 1):
+            r = self._http.request(method, path, json=json)
+            if r.status_code not in RETRY_STATUS or attempt == self.retries:
+                break
+            time.sleep(self._delay(attempt, r.headers.get("Retry-After")))
         if r.status_code >= 400:
-            raise RuntimeError(f"{method} {self.api_url}{path} -> {r.status_code}: {r.text[:500]}")
+            tried = f" (after {self.retries} retries)" if r.status_code in RETRY_STATUS and self.retries else ""
+            raise RuntimeError(f"{method} {self.api_url}{path} -> {r.status_code}{tried}: {r.text[:500]}")
         return r.json() if r.content else None
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        try:
+            if retry_after is not None:
+                return min(float(retry_after), 60.0)
+        except ValueError:
+            pass  # an HTTP date: use our own backoff
+        return self.backoff_s * 2 ** attempt * random.uniform(0.8, 1.2)
 
     def healthy(self) -> bool:
         try:

@@ -148,3 +148,80 @@ def test_the_thresholds_form_has_ckptlib_defaults():
     from flows.params import ValidationThresholds
 
     assert ValidationThresholds().to_dict() == Thresholds().to_dict()
+
+
+class _Flaky:
+    """A loopback proxy in front of the real Prefect server that answers the first ``fail`` requests
+    with what Prefect itself sends for a retryable error (a busy database: 503), or ``status``."""
+
+    def __init__(self, upstream: str, fail: int, status: int = 503, retry_after: str | None = None):
+        import threading
+        import urllib.parse
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        import httpx
+
+        origin = urllib.parse.urlsplit(upstream)
+        self.seen = 0
+        flaky = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                flaky.seen += 1
+                if flaky.seen <= fail:
+                    status_, data, headers = status, b'{"exception_message":"Service Unavailable"}', {}
+                    if retry_after is not None:
+                        headers["Retry-After"] = retry_after
+                else:
+                    r = httpx.request(self.command, f"{origin.scheme}://{origin.netloc}{self.path}", content=body,
+                                      headers={"Content-Type": "application/json"})
+                    status_, data, headers = r.status_code, r.content, {}
+                self.send_response(status_)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _any
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}{origin.path}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_api_client_retries_what_prefect_says_to_retry(prefect_harness):
+    """Prefect's server answers 503 for errors a client may retry (a busy database; in CI it failed
+    `deployments.deploy` once) and 429 when it sheds load. PrefectAPI retries both with backoff, and
+    reports a server that keeps answering so after its retries, naming the status. The real server,
+    behind a proxy that injects the first answers (fails without the retries: RuntimeError 503)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.client import PrefectAPI
+
+    upstream = PREFECT_API_URL.value()
+    with PrefectAPI(upstream) as api:
+        expected = sorted(d["id"] for d in api.deployments())
+    for status, retry_after in ((503, None), (429, "0")):
+        proxy = _Flaky(upstream, fail=2, status=status, retry_after=retry_after)
+        try:
+            with PrefectAPI(proxy.url, backoff_s=0.05) as api:
+                assert sorted(d["id"] for d in api.deployments()) == expected
+            assert proxy.seen == 3
+        finally:
+            proxy.close()
+    proxy = _Flaky(upstream, fail=100)
+    try:
+        with PrefectAPI(proxy.url, retries=2, backoff_s=0.05) as api:
+            with pytest.raises(RuntimeError, match=r"/deployments/filter -> 503 \(after 2 retries\)"):
+                api.deployments()
+        assert proxy.seen == 3
+    finally:
+        proxy.close()
