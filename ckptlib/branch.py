@@ -54,7 +54,7 @@ def branch(source: Store, step: int, target: Store, *, threads: int = 16) -> Man
         except ObjectNotFound:
             pass
         branched = Manifest(step=m.step, parent=None, created=m.created, digest=m.digest, single=m.single,
-                            parts=m.parts, meta={**m.meta, "branched_from": {"run": redact_url(source.url), "step": step}},
+                            parts=m.parts, meta={**m.meta, "branched_from": lineage},
                             lineage=lineage, stored_bytes=m.stored_bytes)
         publish(target, branched)
     return read_manifest(target, step)

@@ -27,13 +27,11 @@ import json
 import logging
 import re
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from .commit import committed_steps, is_store, load_part, manifest_key, read_manifest, validation_key
+from .concurrency import map_ahead
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
 from .manifest import loads_fragment
@@ -42,7 +40,6 @@ from .store import Store
 from .store.base import is_clean_key
 
 log = logging.getLogger("ckptlib")
-T = TypeVar("T")
 
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
 _FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
@@ -67,21 +64,6 @@ class GcReport:
 _DELETE_THREADS = 16  # deletes in flight at once (each is one request; local unlinks release the GIL)
 _MARK_THREADS = 16  # manifests read at once (each is parsed whole: memory is this x a manifest's size)
 _MARK_WINDOW = 256  # manifests read while marking between two renewals of the GC lock
-
-
-def _in_order(pool: ThreadPoolExecutor, fn: Callable[[int], T], items: list[int], ahead: int) -> Iterator[tuple[int, T]]:
-    """(item, fn(item)) in order, with at most ``ahead`` calls submitted and not yet consumed.
-    ``pool.map`` submits every item at once and keeps each result until it is consumed: when the
-    consumer lags (it competes for the GIL with the readers), that is one result per step held."""
-    pending: deque[tuple[int, Future[T]]] = deque()
-    for item in items:
-        pending.append((item, pool.submit(fn, item)))
-        if len(pending) >= ahead:
-            first, future = pending.popleft()
-            yield first, future.result()
-    while pending:
-        first, future = pending.popleft()
-        yield first, future.result()
 
 
 class _Stop(Exception):
@@ -123,7 +105,7 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
     with ThreadPoolExecutor(max_workers=_MARK_THREADS, thread_name_prefix="ckpt-gc") as pool:
         for start in range(0, len(steps), _MARK_WINDOW):
             window = steps[start:start + _MARK_WINDOW]
-            for step, keys in _in_order(pool, lambda s: _needed(store, s), window, ahead=2 * _MARK_THREADS):
+            for step, keys in zip(window, map_ahead(pool, lambda s: _needed(store, s), window, 2 * _MARK_THREADS)):
                 (kept_marks if step in kept else dropped_marks).update(keys)
             if lock is not None and start + _MARK_WINDOW < len(steps) and not lock.renew():
                 raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "

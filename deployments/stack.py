@@ -60,6 +60,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from deployments.local_services import prefect_cli
+
 DEFAULT_DIR = ".stack"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 4200
@@ -108,13 +110,6 @@ def _http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
-
-
-def _prefect_cli() -> list[str]:
-    beside = Path(sys.executable).parent / "prefect"  # a venv's bin/ (not resolved: python is a symlink)
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return [str(beside)]
-    return [sys.executable, "-m", "prefect"]
 
 
 def database_url(env: dict[str, str] | None = None, sqlite_path: Path | None = None) -> str:
@@ -437,7 +432,7 @@ class Stack:
             env = {**self._base_env(info), "PREFECT_SERVER_API_HOST": host,
                    "PREFECT_SERVER_API_PORT": str(info["api_port"]),
                    "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url, "PREFECT_UI_API_URL": info["api_url"]}
-            self._spawn("server", [*_prefect_cli(), "server", "start", "--host", host, "--port",
+            self._spawn("server", [*prefect_cli(), "server", "start", "--host", host, "--port",
                                    str(info["api_port"])], env, self.logs / "prefect-server.log")
             if wait:
                 self._wait_api(info, timeout)
@@ -461,12 +456,12 @@ class Stack:
             api_url, pool = info["api_url"], info["pool"]
             env = {**self._base_env(info), **info["env"]}
             if not _pool_exists(api_url, pool):
-                out = subprocess.run([*_prefect_cli(), "work-pool", "create", pool, "--type", "process"],
+                out = subprocess.run([*prefect_cli(), "work-pool", "create", pool, "--type", "process"],
                                      env=env, capture_output=True, text=True, timeout=120)
                 if out.returncode != 0 and not _pool_exists(api_url, pool):
                     raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
             detach_flow_runs(api_url, pool)
-            cmd = [*_prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
+            cmd = [*prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
                    "--name", info["worker_name"], "--install-policy", "never"]
             if info.get("worker_limit"):
                 cmd += ["--limit", str(info["worker_limit"])]

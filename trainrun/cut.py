@@ -16,16 +16,15 @@ generations this cut returns (``Cut(committed=False)``).
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
+from ckptlib.concurrency import map_ahead
 from ckptlib.manifest import Fragment
 
 from .layout import COORDINATOR, shard_part
@@ -112,14 +111,7 @@ def _shard_models(ck: Checkpointer, step: int, frags: list[Fragment]) -> Iterato
         return ck.read_fragment(step, f.part, generation=f.generation, fragment=f, select=["model", "loss"])
 
     with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="cut-read") as pool:
-        rest = iter(frags)
-        pending = deque(pool.submit(read, f) for f in itertools.islice(rest, READ_AHEAD))
-        while pending:
-            state = pending.popleft().result()
-            nxt = next(rest, None)
-            if nxt is not None:
-                pending.append(pool.submit(read, nxt))
-            yield state
+        yield from map_ahead(pool, read, frags, READ_AHEAD)
 
 
 def _reshards(prev: dict[str, Any], cut: Cut, spec: RunSpec) -> list[dict[str, Any]]:

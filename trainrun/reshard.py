@@ -43,9 +43,10 @@ def sources(old: int, new: int, shard: int) -> list[int]:
 
 
 def cut_shards(ck: Checkpointer, cut: Any) -> int:
-    """How many shards the cut ``cut`` (a ``rounds.Cut``) holds: its manifest's shard parts, or the
-    generations the coordinator combined (a cut between published checkpoints)."""
-    names: Iterable[str] = ck.manifest(cut.step).parts if cut.committed else cut.generations
+    """How many shards the cut ``cut`` (a ``rounds.Cut``) holds: the generations the coordinator
+    combined (every cut a round hands to the next), else its manifest's shard parts (a committed step
+    a run starts from). Every shard asks every round: the manifest is read only when needed."""
+    names: Iterable[str] = cut.generations if cut.generations or not cut.committed else ck.manifest(cut.step).parts
     return sum(1 for p in names if shard_index(p) is not None)
 
 
