@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from .cli import app
-from .cmd_store import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
+from .common import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
 
 
 class CheckpointErrorLike(ValueError):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from .cli import app
-from .cmd_store import STORAGE_OPTIONS_HELP, WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
+from .common import STORAGE_OPTIONS_HELP, WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
 
 if TYPE_CHECKING:
     from ckptlib.heartbeat import Beat

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from .cli import app
-from .cmd_store import STORAGE_OPTIONS_HELP, storage_options_or_exit, url_or_exit
+from .common import STORAGE_OPTIONS_HELP, storage_options_or_exit, url_or_exit
 
 
 @app.command("validate")
