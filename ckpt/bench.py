@@ -54,7 +54,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
-import math
 import os
 import shutil
 import statistics
@@ -67,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ckptlib.testing.compare import first_difference
 
 SYSTEMS = ("ckptlib", "torch.save", "dcp", "dcp_async", "memcpy")
 DEFAULT_WORKLOADS = ("tinylm", "recsys", "finetune", "finetune-bf16")
@@ -115,49 +116,7 @@ class BenchConfig:
             raise ValueError("--device cuda: no CUDA device is available to this torch build; use --device cpu")
 
 
-# --- comparing states ----------------------------------------------------------------------------
-
-def first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where two states differ (types, keys, dtypes, shapes, bytes), or None if bit-identical.
-    A dict and an OrderedDict with the same items are equal; a list and a tuple are not."""
-    import numpy as np
-
-    where = path or "/"
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        if a.numel() and not torch.equal(_raw_bytes(a), _raw_bytes(b)):
-            return f"{where}: tensor bytes differ"
-        return None
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        same = (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
-        return None if same else f"{where}: numpy arrays differ"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{where}: keys differ ({sorted(map(str, set(a) ^ set(b)))[:5]})"
-        for k in a:
-            d = first_difference(a[k], b[k], f"{path}/{k}")
-            if d:
-                return d
-        return None
-    if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
-                                       and type(a) is not bool and type(b) is not bool):
-        return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-    if isinstance(a, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            d = first_difference(x, y, f"{path}/{i}")
-            if d:
-                return d
-        return None
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return None
-    return None if a == b else f"{where}: {a!r} vs {b!r}"
-
+# --- states ----------------------------------------------------------------------------------
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -588,10 +547,10 @@ def measure_system(system: str, series: Series, cfg: BenchConfig) -> dict[str, A
         fresh_peak, into_peak = _restore_peaks(runner, template)
         evict_page_cache(root)
         restored, restore_cold = runner.restore(template)
-        exact = first_difference(expected, restored) is None
+        exact = first_difference(expected, restored, exact_types=False) is None
         del restored
         restored, restore_warm = runner.restore(template)
-        diff = first_difference(expected, restored)
+        diff = first_difference(expected, restored, exact_types=False)
         exact = exact and diff is None
         del restored
         extra: dict[str, Any] = {}

@@ -281,9 +281,8 @@ def demo(store: Annotated[Optional[str], typer.Option(
         import torch  # noqa: F401  (before workloads, so its import time is not counted as training)
 
         from ckptlib import Checkpointer, CheckpointError
+        from ckptlib.testing.compare import first_difference
         from workloads.base import WorkloadConfig, build_workload
-
-        from .bench import first_difference
 
         url = store or tempfile.mkdtemp(prefix="ckpt-demo-")
         out = console()

@@ -14,10 +14,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ckpt.bench import first_difference
 from ckpt.cli import app
-from ckptlib.export import to_weights_only
 from ckptlib import Checkpointer
+from ckptlib.export import to_weights_only
+from ckptlib.testing.compare import first_difference
 
 runner = CliRunner()
 
