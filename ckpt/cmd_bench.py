@@ -15,10 +15,6 @@ from .cli import app
 from .common import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
 
 
-class CheckpointErrorLike(ValueError):
-    """A benchmark result that must fail the command (exit 2)."""
-
-
 def _names(text: str, what: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
@@ -106,4 +102,6 @@ def bench(
             out.print(f"records written to {json_out}", markup=False)
         ours = [f"{r['workload']}" for r in records if r["system"] == "ckptlib" and not r["restore_exact"]]
         if ours:
-            raise CheckpointErrorLike(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")
+            from ckptlib import CheckpointError
+
+            raise CheckpointError(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")
