@@ -16,14 +16,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Command modules register themselves on ``app`` when imported (one module per area).
-from . import (  # noqa: E402 - after app exists
-    cmd_bench,  # noqa: E402,F401  bench
-    cmd_store,  # noqa: E402,F401  ls, show, verify, gc, export, demo
-    cmd_train,  # noqa: E402,F401  train
-    cmd_validate,  # noqa: E402,F401  validate, report
-    cmd_watchdog,  # noqa: E402,F401  watchdog, status
-)
+# Command modules register themselves on ``app`` when imported (one module per area), in the order
+# `ckpt --help` lists their commands.
+# isort: off
+from . import cmd_bench  # noqa: E402,F401  bench
+from . import cmd_inspect  # noqa: E402,F401  ls, show, verify
+from . import cmd_gc  # noqa: E402,F401  gc
+from . import cmd_export  # noqa: E402,F401  export
+from . import cmd_demo  # noqa: E402,F401  demo
+from . import cmd_train  # noqa: E402,F401  train
+from . import cmd_validate  # noqa: E402,F401  validate, report
+from . import cmd_watchdog  # noqa: E402,F401  watchdog, status
+# isort: on
 
 
 def main() -> None:

@@ -1,22 +1,19 @@
 """``ckpt bench``: ckptlib against torch.save, DCP (sync and async) and memcpy on real training states.
 
-The logic lives in ``ckpt/bench.py`` (importable); this module parses options, prints and writes JSON.
-What is measured and how: ``ckpt/bench.py``'s docstring and ``docs/benchmark.md``.
+A thin command over ``bench.checkpoint`` (what is measured and how: its docstrings and
+docs/benchmark.md): this module parses the options, prints the table and the targets, and writes
+the records as JSON.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from .cli import app
 from .common import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
-
-
-class CheckpointErrorLike(ValueError):
-    """A benchmark result that must fail the command (exit 2)."""
 
 
 def _names(text: str, what: str) -> tuple[str, ...]:
@@ -55,55 +52,65 @@ def bench(
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
-        import os
-
         if s3:
-            from .bench_s3 import render_s3, run_s3_benchmark
-
-            if s3_endpoint not in ("local", "env"):
-                raise ValueError(f"--s3-endpoint must be local or env, got {s3_endpoint!r}")
-            result = run_s3_benchmark(s3_endpoint, progress=lambda m: typer.echo(m, err=True))
-            if json_out:
-                with open(json_out, "w") as f:
-                    json.dump(result, f, indent=1)
-            typer.echo(render_s3(result))
+            _bench_s3(s3_endpoint, json_out)
             return
+        import os
 
         if store is not None and not os.path.isdir(store):
             raise ValueError(f"--store {store!r} is not an existing directory: create it or drop the option")
+        from bench.checkpoint.config import BenchConfig
+        from bench.checkpoint.measure import run_benchmark
+
+        extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
+        cfg = BenchConfig(workloads=_names(workloads, "workloads"), saves=saves, steps_between=steps_between,
+                          size=size, store=store, device=device, systems=_names(systems, "systems"), extra=extra)
         from rich.console import Console
 
-        from workloads.base import BUILTIN_WORKLOADS
-
-        from .bench import BenchConfig, check_targets, render_table, run_benchmark
-
-        names = _names(workloads, "workloads")
-        bad = [n for n in names if n not in BUILTIN_WORKLOADS and ":" not in n]
-        if bad:
-            raise ValueError(f"unknown workload(s) {bad}: choose from {', '.join(BUILTIN_WORKLOADS)} "
-                             "or give 'package.module:factory'")
-        extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
-        cfg = BenchConfig(workloads=names, saves=saves, steps_between=steps_between, size=size, store=store,
-                          device=device, systems=_names(systems, "systems"), extra=extra)
-        out = Console(highlight=False)
-        if not out.is_terminal:
-            out.width = max(out.width, 170)  # files and pipes get the whole table, not "…" cells
         err = Console(stderr=True, highlight=False)
         records = run_benchmark(cfg, progress=lambda msg: err.print(msg, markup=False))
-        if json_out:
-            with open(json_out, "w") as f:
-                json.dump(records, f, indent=1)
-        apart = f"{steps_between} steps apart" if steps_between else "10 steps apart (finetune-bf16: 1)"
-        out.print(render_table(records, title=f"checkpoint benchmark: size={size}, {saves} saves, {apart}, "
-                                              f"device={device}, means over saves 2..{saves}"))
-        for target in check_targets(records):
-            out.print(str(target), markup=False)
-        for r in records:
-            if not r["restore_exact"]:
-                out.print(f"note: {r['system']} did not restore {r['workload']} bit-exactly: "
-                          f"{r.get('restore_difference')}", markup=False)
-        if json_out:
-            out.print(f"records written to {json_out}", markup=False)
-        ours = [f"{r['workload']}" for r in records if r["system"] == "ckptlib" and not r["restore_exact"]]
-        if ours:
-            raise CheckpointErrorLike(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")
+        _write_json(json_out, records)
+        _print_results(cfg, records, json_out)
+
+
+def _bench_s3(endpoint: str, json_out: str | None) -> None:
+    from bench.checkpoint.s3 import render_s3, run_s3_benchmark
+
+    if endpoint not in ("local", "env"):
+        raise ValueError(f"--s3-endpoint must be local or env, got {endpoint!r}")
+    result = run_s3_benchmark(endpoint, progress=lambda m: typer.echo(m, err=True))
+    _write_json(json_out, result)
+    typer.echo(render_s3(result))
+
+
+def _write_json(path: str | None, data: Any) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def _print_results(cfg: Any, records: list[dict[str, Any]], json_out: str | None) -> None:
+    """The table, the targets, a note per system that did not restore bit-exactly; a ckptlib
+    restore that is not bit-exact is a ckptlib bug and fails the command (exit 2)."""
+    from rich.console import Console
+
+    from bench.checkpoint.report import check_targets, render_table
+    from ckptlib import CheckpointError
+
+    out = Console(highlight=False)
+    if not out.is_terminal:
+        out.width = max(out.width, 170)  # files and pipes get the whole table, not "…" cells
+    apart = f"{cfg.steps_between} steps apart" if cfg.steps_between else "10 steps apart (finetune-bf16: 1)"
+    out.print(render_table(records, title=f"checkpoint benchmark: size={cfg.size}, {cfg.saves} saves, {apart}, "
+                                          f"device={cfg.device}, means over saves 2..{cfg.saves}"))
+    for target in check_targets(records):
+        out.print(str(target), markup=False)
+    for r in records:
+        if not r["restore_exact"]:
+            out.print(f"note: {r['system']} did not restore {r['workload']} bit-exactly: "
+                      f"{r.get('restore_difference')}", markup=False)
+    if json_out:
+        out.print(f"records written to {json_out}", markup=False)
+    ours = [f"{r['workload']}" for r in records if r["system"] == "ckptlib" and not r["restore_exact"]]
+    if ours:
+        raise CheckpointError(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")

@@ -1,10 +1,16 @@
 """What every ``ckpt`` command shares: option types, the one-line error boundary, parsing of
 ``--storage-options`` and JSON options, opening a run's store, and formatting.
 
-Contract: an expected failure (a ``ckptlib.CheckpointError``, a bad option, an unwritable output
-path) prints ONE line ``error: <cause and fix>`` to stderr and exits with code 2 (``fail``,
-``command_errors``); no traceback. Heavy imports (torch via ckptlib) happen inside the functions,
-so ``ckpt --help`` stays fast.
+Contract of every command:
+
+* ``--storage-options @FILE`` (or ``JSON``) gives s3fs arguments for ``s3://`` URLs; without it,
+  ``CKPT_STORAGE_OPTIONS`` (the same two forms), then the standard AWS environment variables
+  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Inline JSON shows in ``ps``: prefer a file
+  (``trainrun.credentials``). A URL holding credentials (``s3://key:secret@...``) is refused.
+* An expected failure (a ``ckptlib.CheckpointError``, a bad option, an unwritable output path)
+  prints ONE line ``error: <cause and fix>`` to stderr and exits with code 2 (``fail``,
+  ``command_errors``); no traceback.
+* Heavy imports (torch via ckptlib) happen inside the functions, so ``ckpt --help`` stays fast.
 """
 
 from __future__ import annotations

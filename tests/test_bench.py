@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import torch
 from typer.testing import CliRunner
 
-from ckpt import bench
+from bench.checkpoint.config import BenchConfig
+from bench.checkpoint.contenders import SYSTEMS
+from bench.checkpoint.measure import RECORD_KEYS, run_benchmark
+from bench.checkpoint.probes import PeakRss
+from bench.checkpoint.report import check_targets, markdown_table
 from ckpt.cli import app
 
 runner = CliRunner()
@@ -21,9 +24,9 @@ def test_bench_cli_writes_records_for_all_five_systems(tmp_path):
                                  "--steps-between", "1", "--json", str(out), "--store", str(tmp_path)])
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())
-    assert [r["system"] for r in records] == list(bench.SYSTEMS)
+    assert [r["system"] for r in records] == list(SYSTEMS)
     for r in records:
-        for key in bench.RECORD_KEYS:
+        for key in RECORD_KEYS:
             assert key in r and r[key] is not None, (r["system"], key)
         assert r["workload"] == "tinylm" and r["device"] == "cpu"
         assert r["restore_exact"], (r["system"], r.get("restore_difference"))
@@ -42,9 +45,9 @@ def test_bench_cli_writes_records_for_all_five_systems(tmp_path):
 
 
 def test_frozen_backbone_checkpoints_are_much_smaller_than_torch_save(tmp_path):
-    cfg = bench.BenchConfig(workloads=("finetune",), saves=2, steps_between=1, size="small", store=str(tmp_path),
+    cfg = BenchConfig(workloads=("finetune",), saves=2, steps_between=1, size="small", store=str(tmp_path),
                             systems=("ckptlib", "torch.save"))
-    records = bench.run_benchmark(cfg)
+    records = run_benchmark(cfg)
     ours, theirs = records
     assert ours["system"] == "ckptlib" and ours["restore_exact"] and theirs["restore_exact"]
     assert ours["bytes_written"] * 3 < theirs["bytes_written"]  # only LoRA + head + moments change
@@ -57,20 +60,10 @@ def test_bench_rejects_unknown_workloads_and_systems():
     assert result.exit_code == 2 and "unknown system" in result.stderr
 
 
-def test_first_difference_is_bit_exact():
-    a = {"t": torch.tensor([0.0, float("nan")]), "l": [1, (2, "x")], "n": np.arange(3), "f": float("nan")}
-    b = {"t": torch.tensor([0.0, float("nan")]), "l": [1, (2, "x")], "n": np.arange(3), "f": float("nan")}
-    assert bench.first_difference(a, b) is None
-    b["t"] = torch.tensor([-0.0, float("nan")])  # equal as floats, different bits
-    assert "/t" in bench.first_difference(a, b)
-    assert "list vs tuple" in bench.first_difference({"x": [1]}, {"x": (1,)})
-    assert "keys differ" in bench.first_difference({0: 1}, {"0": 1})
-
-
 def test_peak_rss_sees_an_allocation():
-    with bench.PeakRss() as quiet:
+    with PeakRss() as quiet:
         pass
-    with bench.PeakRss() as busy:
+    with PeakRss() as busy:
         block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
         del block
     assert busy.peak - quiet.peak > 48 << 20
@@ -85,7 +78,7 @@ def test_targets_and_ratios_from_records():
     records = [rec("ckptlib", 0.4e6, 0.012, 0.2, restore_worst_s=0.4, held_bytes=110e6, restore_peak_bytes=150e6,
                    restore_into_peak_bytes=10e6),
                rec("torch.save", 30e6, 1.0, 0.1), rec("dcp", 30e6, 1.0, 0.25), rec("memcpy", 0, 0.01, 0.05)]
-    targets = {t.name.split(":")[1].strip(): t for t in bench.check_targets(records)}
+    targets = {t.name.split(":")[1].strip(): t for t in check_targets(records)}
     assert targets["ckptlib bytes x smaller than torch.save (>=)"].passed  # 75x >= 60x
     assert targets["ckptlib CPU blocked / memcpy (<=)"].passed  # 1.2x <= 1.5x
     latest = targets["ckptlib restore latest / DCP load (<=)"]
@@ -94,14 +87,14 @@ def test_targets_and_ratios_from_records():
     assert targets["ckptlib memory held after saves / state (<=)"].passed  # 1.1x
     assert not targets["ckptlib restore() peak / state (<=)"].passed  # 1.5x > 1.35x
     assert targets["ckptlib restore(into=) peak above the tensors / state (<=)"].passed  # 0.1x
-    assert "| recsys | ckptlib | 0.4 | 75.00x |" in bench.markdown_table(records)
+    assert "| recsys | ckptlib | 0.4 | 75.00x |" in markdown_table(records)
 
 
 def test_workload_extra_sizes_the_state_and_bad_json_is_refused(tmp_path):
     def state_bytes(extra):
-        cfg = bench.BenchConfig(workloads=("tinylm",), saves=2, steps_between=1, size="small", store=str(tmp_path),
+        cfg = BenchConfig(workloads=("tinylm",), saves=2, steps_between=1, size="small", store=str(tmp_path),
                                 systems=("ckptlib",), extra=extra)
-        return bench.run_benchmark(cfg)[0]["state_bytes"]
+        return run_benchmark(cfg)[0]["state_bytes"]
 
     assert state_bytes({"d_model": 64}) < state_bytes({})
     result = runner.invoke(app, ["bench", "--workload-extra", "{d_model: 64}"])

@@ -14,10 +14,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ckpt.bench import first_difference
 from ckpt.cli import app
-from ckptlib.export import to_weights_only
 from ckptlib import Checkpointer
+from ckptlib.export import to_weights_only
+from ckptlib.testing.compare import first_difference
 
 runner = CliRunner()
 
@@ -310,3 +310,28 @@ def test_every_command_refuses_the_same_bad_run_ids(tmp_path, bad):
         assert r.exit_code == 2, (args, r.output)
         outs.append(r.output.strip())
     assert outs[0] == outs[1] and f"run id {bad!r} must be" in outs[0], outs
+
+
+# --- the error tree ------------------------------------------------------------------------------
+
+def test_every_error_class_of_the_cli_and_the_benchmark_is_a_checkpoint_error():
+    """An error raised on purpose is one of ckptlib's (stdlib mixins allowed), so callers catch one tree."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import bench
+    import ckpt
+    from ckptlib import CheckpointError
+
+    outside = []
+    for package in (ckpt, bench):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.endswith(".__main__"):  # runs the command
+                continue
+            module = importlib.import_module(info.name)
+            for name, obj in vars(module).items():
+                if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__
+                        and not issubclass(obj, CheckpointError)):
+                    outside.append(f"{module.__name__}.{name}")
+    assert not outside, f"error classes outside ckptlib.errors.CheckpointError: {outside}"

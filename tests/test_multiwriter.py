@@ -1,4 +1,4 @@
-"""Fragments, fencing and the coordinator's commit (DESIGN.md section 3)."""
+"""Fragments, fencing and the coordinator's commit (docs/format.md, "Commit protocol"; fencing: docs/watchdog.md)."""
 
 import threading
 

@@ -14,7 +14,7 @@ Round-trip cases ported from public suites (what goes in, what must come out), n
 
 Mechanism: every "exact" case is saved here (its own store under one temp dir), then ONE fresh
 Python process (``python -c`` importing this file) restores every case, regenerates the expected
-value from the same deterministic factory, compares with ``strict_equal.differences`` (exact types,
+value from the same deterministic factory, compares with ``ckptlib.testing.compare.differences`` (exact types,
 bits, strides, requires_grad, Parameter-ness, attributes, key order, ties) and prints per-case results
 as JSON. Each case is then one pytest test reading its result.
 
@@ -50,10 +50,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from strict_equal import assert_same, differences, tie_pattern  # noqa: E402
-
-from ckptlib import Checkpointer, UnsupportedState  # noqa: E402
+from ckptlib import Checkpointer, UnsupportedState
+from ckptlib.testing.compare import assert_same_state, differences, tie_pattern
 
 SMALL = 4096  # chunk_bytes that forces chunking and packing
 
@@ -883,7 +881,7 @@ def test_save_async_snapshot_is_taken_at_call(tmp_path):
         d["k"] = "changed"
         fut.result()
     with Checkpointer(str(tmp_path), threads=2) as ck:
-        assert_same(expected, ck.restore())
+        assert_same_state(expected, ck.restore())
 
 
 def test_digest_tells_types_apart(tmp_path):
@@ -962,7 +960,7 @@ def test_keep_base_follower_then_delta_save(tmp_path):
             ck.restore(keep_base=True)
             ck.save(2, nxt)
         with Checkpointer(root, threads=2) as ck:
-            assert_same(documented(nxt), ck.restore(2))
+            assert_same_state(documented(nxt), ck.restore(2))
             assert ck.verify(2) == []
 
 
@@ -1015,7 +1013,7 @@ def test_restore_into_fills_in_place(tmp_path):
     assert got["np"] is dest["np"] and got["buf"] is dest["buf"]
     assert {p: v for p, v in _ptrs(got).items() if p in before} == before, "data pointers changed"
     assert got["step"] == 17 and type(got["step"]) is int
-    assert_same(expected, got)
+    assert_same_state(expected, got)
     # the parameters of the fresh model now hold the saved values (state_dict tensors alias them)
     for (k, p), (_, q) in zip(fresh["model"].named_parameters(), _into_state(0)["model"].named_parameters()):
         assert torch.equal(p, q), k
@@ -1097,7 +1095,7 @@ def test_restore_into_top_level_state_dict(tmp_path):
     with Checkpointer(str(tmp_path), threads=2) as ck:
         got = ck.restore(into=dest)
     assert all(got[k] is dest[k] for k in dest)
-    assert_same(src.state_dict(), got)
+    assert_same_state(src.state_dict(), got)
     assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values()))
 
 
@@ -1120,7 +1118,7 @@ def test_restore_into_non_str_keys(tmp_path):
     dest = state(0.0)
     with Checkpointer(str(tmp_path), threads=2) as ck:
         got = ck.restore(into=dest)
-    assert_same(state(7.0), got)
+    assert_same_state(state(7.0), got)
     assert got["by_int"][0] is dest["by_int"][0] and got["by_none"][None] is dest["by_none"][None]
 
 
@@ -1138,14 +1136,14 @@ def test_select_top_level_key_and_paths(tmp_path):
         ck.save(1, _select_state())
     full = documented(_select_state())
     with Checkpointer(str(tmp_path), threads=2) as ck:
-        assert_same({"model": full["model"]}, ck.restore(select=["model"]))
-        assert_same({"model": full["model"], "epoch": 2}, ck.restore(select=["model", "epoch"]))
-        assert_same({"optimizer": {"param_groups": full["optimizer"]["param_groups"]}},
+        assert_same_state({"model": full["model"]}, ck.restore(select=["model"]))
+        assert_same_state({"model": full["model"], "epoch": 2}, ck.restore(select=["model", "epoch"]))
+        assert_same_state({"optimizer": {"param_groups": full["optimizer"]["param_groups"]}},
                     ck.restore(select=["optimizer/param_groups"]))
         got = ck.restore(select=["model/0.weight", "rng/numpy_legacy"])
         assert list(got) == ["model", "rng"] and type(got["model"]) is collections.OrderedDict
         assert list(got["model"]) == ["0.weight"] and torch.equal(got["model"]["0.weight"], full["model"]["0.weight"])
-        assert_same(full["rng"]["numpy_legacy"], got["rng"]["numpy_legacy"])
+        assert_same_state(full["rng"]["numpy_legacy"], got["rng"]["numpy_legacy"])
         with pytest.raises(KeyError) as err:
             ck.restore(select=["nope"])
         assert "nope" in str(err.value)
@@ -1157,7 +1155,7 @@ def test_select_int_keyed_optimizer_state(tmp_path):
         ck.save(1, _select_state())
         got = ck.restore(select=["optimizer/state/0"])
     full = documented(_select_state())
-    assert_same({"optimizer": {"state": {0: full["optimizer"]["state"][0]}}}, got)
+    assert_same_state({"optimizer": {"state": {0: full["optimizer"]["state"][0]}}}, got)
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -1180,7 +1178,7 @@ def test_export_pt_loads_with_weights_only(tmp_path):
         size = ck.export(3, str(tmp_path / "x.pt"))
     assert size == os.path.getsize(tmp_path / "x.pt")
     got = torch.load(tmp_path / "x.pt", weights_only=True)
-    assert_same(st["model"], got["model"])  # OrderedDict with _metadata, exact tensors
+    assert_same_state(st["model"], got["model"])  # OrderedDict with _metadata, exact tensors
     model = _small_model(9)
     model.load_state_dict(got["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -32,10 +32,8 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as L
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from strict_equal import assert_same, differences  # noqa: E402
-
-from ckptlib import Checkpointer  # noqa: E402
+from ckptlib import Checkpointer
+from ckptlib.testing.compare import assert_same_state, differences
 
 # --- (a) every LR scheduler ----------------------------------------------------------------------
 
@@ -207,12 +205,12 @@ def test_grad_scaler_state_roundtrip_and_resume(tmp_path):
     model2, opt2, scaler2 = _scaler_setup()
     with Checkpointer(str(tmp_path), threads=2) as ck:
         got = ck.restore(into={"model": model2.state_dict(), "optimizer": opt2.state_dict(), "scaler": {}})
-    assert_same(state["scaler"], got["scaler"])
+    assert_same_state(state["scaler"], got["scaler"])
     opt2.load_state_dict(got["optimizer"])
     scaler2.load_state_dict(got["scaler"])
     rest = _scaler_run(range(6, 14), model2, opt2, scaler2)
     assert first + rest == ref_scales
-    assert_same(ref, {"model": model2.state_dict(), "optimizer": opt2.state_dict(), "scaler": scaler2.state_dict()})
+    assert_same_state(ref, {"model": model2.state_dict(), "optimizer": opt2.state_dict(), "scaler": scaler2.state_dict()})
 
 
 # --- (c) a run killed with SIGKILL, resumed in a fresh process -------------------------------------

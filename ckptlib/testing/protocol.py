@@ -1,8 +1,9 @@
 """Protocol test kits: crash an operation after every store call; run a GC between every two calls.
 
-DESIGN.md section 3 asks that a save may crash "between any two lines" and leave only garbage.
-These kits replay an operation (a save, a multi-part cut, a commit, a garbage collection) once per
-store call it makes, and check the store a restarted process would find::
+The commit protocol (docs/format.md, "Commit protocol") promises that a save may crash between any
+two store calls and leave only unreferenced objects, never a visible partial checkpoint. These kits
+replay an operation (a save, a multi-part cut, a commit, a garbage collection) once per store call
+it makes, and check the store a restarted process would find::
 
     from ckptlib.testing.protocol import crash_after_every_call, expect_states, interleave_gc
 
@@ -49,19 +50,19 @@ Keep states small (a few chunks of ``chunk_bytes=4096``): each point replays the
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptlib.store import Store, WrapperStore
+from ckptlib.testing.compare import assert_same_state
 from ckptlib.testing.faulty import Call, FaultyStore, SimulatedCrash
 
 __all__ = [
     "Point",
     "age_objects",
-    "assert_same_state",
+    "assert_same_state",  # from ckptlib.testing.compare, where it is defined
     "committed_manifests",
     "crash_after_every_call",
     "default_gc",
@@ -85,68 +86,6 @@ class Point:
     committed: tuple[int, ...]
 
 
-# --------------------------------------------------------------------------- state comparison
-
-
-def assert_same_state(expected: Any, actual: Any, path: str = "", *, loose: Callable[[Any, Any], bool] | None = None) -> None:
-    """Bit-exact equality of two states: the same types (exactly), keys in the same order, tensor and
-    array dtypes, shapes, strides-independent bytes, NaN payloads, Parameter-ness and requires_grad.
-    ``loose(expected, actual)``: return True where a type difference is allowed (e.g. what an old
-    format could not keep); values are still compared."""
-    import collections
-
-    import numpy as np
-
-    where = path or "/"
-    torch = _torch()
-    if type(expected) is not type(actual) and not (loose and loose(expected, actual)):
-        raise AssertionError(f"{where}: type {type(actual).__name__}, expected {type(expected).__name__}")
-    if torch is not None and isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert expected.dtype == actual.dtype, f"{where}: dtype {actual.dtype}, expected {expected.dtype}"
-        assert tuple(expected.shape) == tuple(actual.shape), f"{where}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-        assert expected.requires_grad == actual.requires_grad, f"{where}: requires_grad {actual.requires_grad}"
-        if expected.numel():
-            a = expected.detach().cpu().contiguous().view(-1).view(torch.uint8)
-            b = actual.detach().cpu().contiguous().view(-1).view(torch.uint8)
-            if not torch.equal(a, b):
-                raise AssertionError(f"{where}: tensor bytes differ")
-        return
-    if isinstance(expected, np.ndarray):
-        assert expected.dtype == actual.dtype, f"{where}: dtype {actual.dtype}, expected {expected.dtype}"
-        assert expected.shape == actual.shape, f"{where}: shape {actual.shape}, expected {expected.shape}"
-        assert np.ascontiguousarray(expected).tobytes() == np.ascontiguousarray(actual).tobytes(), f"{where}: array bytes differ"
-        return
-    if isinstance(expected, np.generic):
-        assert expected.dtype == actual.dtype and expected.tobytes() == actual.tobytes(), f"{where}: {actual!r} != {expected!r}"
-        return
-    if isinstance(expected, dict):
-        assert list(expected) == list(actual), f"{where}: keys {list(actual)[:20]}, expected {list(expected)[:20]}"
-        if isinstance(expected, collections.defaultdict):
-            assert expected.default_factory is actual.default_factory, f"{where}: default_factory"
-        for k in expected:
-            assert_same_state(expected[k], actual[k], f"{path}/{k}", loose=loose)
-        return
-    if isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), f"{where}: length {len(actual)}, expected {len(expected)}"
-        for i, (x, y) in enumerate(zip(expected, actual)):
-            assert_same_state(x, y, f"{path}/{i}", loose=loose)
-        return
-    if isinstance(expected, float) and math.isnan(expected):
-        assert isinstance(actual, float) and math.isnan(actual), f"{where}: {actual!r}, expected nan"
-        import struct
-
-        assert struct.pack(">d", expected) == struct.pack(">d", actual), f"{where}: NaN payload differs"
-        return
-    assert expected == actual, f"{where}: {actual!r:.200}, expected {expected!r:.200}"
-
-
-def _torch() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
-
-
 def committed_manifests(store: Store) -> dict[int, bytes]:
     """Committed step -> the bytes of its manifest."""
     from ckptlib.commit import committed_steps, manifest_key
@@ -158,7 +97,8 @@ def expect_states(expected: Mapping[int, Any], *, loose: Callable[[Any, Any], bo
                   verify: bool = True) -> Callable[[Store], None]:
     """A ``check`` for the kits: every committed step is one of ``expected`` (step -> the state
     ``restore(step)`` must return: a multi-part step's is ``{part: state}``) and restores
-    bit-exactly, read by a fresh Checkpointer; with ``verify``, ``Checkpointer.verify`` is []."""
+    bit-exactly (``assert_same_state``, exact types), read by a fresh Checkpointer; with ``verify``,
+    ``Checkpointer.verify`` is []."""
     from ckptlib import Checkpointer
 
     def check(store: Store) -> None:

@@ -1,0 +1,148 @@
+"""The S3 benchmark: ckptlib on S3 against ``torch.save`` + upload and download + ``torch.load``.
+
+``ckpt bench --s3`` calls :func:`run_s3_benchmark`. The state is a ResNet-50's and its SGD momentum
+buffers (``resnet.py``). Both systems save the same state to the same S3 server, twice (the second
+after one more training step), and restore the latest from a fresh reader:
+
+* ``ckptlib``: ``Checkpointer("s3://...").save`` (small tensors packed; the second save is a delta)
+  and ``Checkpointer(...).restore()``; objects = what landed under the run's prefix.
+* ``torch.save+upload``: ``torch.save`` to a local file, then one upload with s3fs (multipart for
+  large files); restore = download with s3fs to a local file, then ``torch.load(weights_only=True)``.
+
+The S3 server is a SeaweedFS started on loopback for the run (the same one the tests use), or the
+endpoint in ``AWS_ENDPOINT_URL`` with the environment's credentials when ``endpoint`` is "env".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .resnet import ResNetTraining
+from .trees import tensors
+
+BUCKET = "ckpt-bench"
+Progress = Callable[[str], None]
+
+
+def run_s3_benchmark(endpoint: str = "local", repeats: int = 3, progress: Progress = lambda _m: None) -> dict[str, Any]:
+    """Both systems on one S3 server; returns {"state": ..., "systems": {name: figures}}."""
+    work = tempfile.mkdtemp(prefix="ckpt-bench-s3-")
+    server = None
+    try:
+        if endpoint == "local":
+            from deployments.local_services import SeaweedFS
+
+            progress("starting SeaweedFS on loopback")
+            server = SeaweedFS.start(os.path.join(work, "seaweedfs"))
+            server.create_bucket(BUCKET)
+            options = dict(server.storage_options)
+        else:
+            options = {}  # the environment's AWS_ENDPOINT_URL and credentials
+        return _measure(options, work, repeats, progress)
+    finally:
+        if server is not None:
+            server.stop(grace=1.0)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _measure(options: dict, work: str, repeats: int, progress: Progress) -> dict[str, Any]:
+    training = ResNetTraining()
+    training.step()
+    states = [training.state()]
+    training.step()
+    states.append(training.state())
+    count = len(tensors(states[-1]))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors(states[-1]))
+    progress(f"state: {count} tensors, {nbytes / 2**20:.1f} MiB")
+    return {"state": {"tensors": count, "bytes": nbytes},
+            "systems": {"ckptlib": _measure_ckptlib(states, options, repeats, progress),
+                        "torch.save+upload": _measure_torch_save(states, options, work, repeats, progress)}}
+
+
+def _measure_ckptlib(states: list[Any], options: dict, repeats: int, progress: Progress) -> dict[str, float]:
+    from ckptlib import Checkpointer
+    from ckptlib.store import Store
+
+    saves, restores, objects = [], [], []
+    for r in range(repeats):
+        url = f"s3://{BUCKET}/ckptlib-{uuid.uuid4().hex[:8]}"
+        with Checkpointer(url, options) as ck:
+            for step, state in enumerate(states):
+                _, dt = _timed(lambda ck=ck, step=step, state=state: ck.save(step, state))
+                saves.append((step, dt))
+        objects.append(sum(1 for _ in Store.from_url(url, options).scan()))  # chunks, manifests, marker
+        with Checkpointer(url, options) as reader:
+            restored, dt = _timed(reader.restore)
+        restores.append(dt)
+        del restored
+        progress(f"ckptlib run {r + 1}/{repeats}: save {saves[-2][1]:.2f}/{saves[-1][1]:.2f} s, restore {dt:.2f} s")
+    return _figures(saves, restores, statistics.median(objects))
+
+
+def _measure_torch_save(states: list[Any], options: dict, work: str, repeats: int,
+                        progress: Progress) -> dict[str, float]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options, use_listings_cache=False)
+    saves, restores = [], []
+    for r in range(repeats):
+        key = f"{BUCKET}/torch-save-{uuid.uuid4().hex[:8]}"
+        for step, state in enumerate(states):
+            path = os.path.join(work, f"{step}.pt")
+
+            def save_and_upload(state: Any = state, path: str = path, step: int = step, key: str = key) -> None:
+                with open(path, "wb") as f:
+                    torch.save(state, f)
+                fs.put_file(path, f"{key}/{step}.pt")
+
+            _, dt = _timed(save_and_upload)
+            saves.append((step, dt))
+        local = os.path.join(work, "download.pt")
+
+        def download_and_load(key: str = key, local: str = local) -> Any:
+            fs.get_file(f"{key}/{len(states) - 1}.pt", local)
+            return torch.load(local, weights_only=True)
+
+        restored, dt = _timed(download_and_load)
+        restores.append(dt)
+        del restored
+        progress(f"torch.save+upload run {r + 1}/{repeats}: save {saves[-1][1]:.2f} s, restore {dt:.2f} s")
+    return _figures(saves, restores, 1)
+
+
+def _figures(saves: list[tuple[int, float]], restores: list[float], objects: float) -> dict[str, float]:
+    """Medians over the repeats: the first save (everything new), the second (after one more
+    training step), the restore of the latest."""
+    return {"save_first_s": statistics.median(dt for step, dt in saves if step == 0),
+            "save_second_s": statistics.median(dt for step, dt in saves if step == 1),
+            "restore_s": statistics.median(restores), "objects": objects}
+
+
+def render_s3(result: dict[str, Any]) -> str:
+    st = result["state"]
+    ours, base = result["systems"]["ckptlib"], result["systems"]["torch.save+upload"]
+    lines = [f"S3 benchmark: {st['tensors']} tensors, {st['bytes'] / 2**20:.1f} MiB (ResNet-50 + SGD momentum)",
+             "| system | first save s | second save s | restore s | objects per run |",
+             "|---|---|---|---|---|"]
+    for name, r in result["systems"].items():
+        lines.append(f"| {name} | {r['save_first_s']:.2f} | {r['save_second_s']:.2f} | {r['restore_s']:.2f} | "
+                     f"{r['objects']:g} |")
+    lines.append(f"ckptlib / torch.save+upload: first save {ours['save_first_s'] / base['save_first_s']:.2f}x, "
+                 f"second save {ours['save_second_s'] / base['save_second_s']:.2f}x, restore "
+                 f"{ours['restore_s'] / base['restore_s']:.2f}x (target: <= 1x)")
+    return "\n".join(lines)

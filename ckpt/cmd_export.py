@@ -1,0 +1,31 @@
+"""``ckpt export``: one checkpoint as a ``.pt`` (``torch.load(weights_only=True)``) or
+``.safetensors`` file (``ckptlib.export``), written atomically; nothing is written to the store.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .cli import app
+from .common import StepOpt, StorageOptionsOpt, UrlArg, command_errors, fmt_bytes, open_checkpointer
+
+
+@app.command("export")
+def export(url: UrlArg,
+           out: Annotated[str, typer.Option("--out", metavar="FILE", help="Output file: *.pt or *.safetensors.")],
+           step: StepOpt = None, storage_options: StorageOptionsOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists.")] = False) -> None:
+    """Write one checkpoint (default: the latest) as a .pt (torch.load(weights_only=True)) or .safetensors file.
+
+    The file is written atomically (a temp file beside it, renamed); an existing FILE is replaced
+    only with --force. A state the format cannot hold is refused with the value that does not fit."""
+    with command_errors():
+        from ckptlib.export import format_of
+
+        format_of(out)
+        with open_checkpointer(url, storage_options) as ck:
+            m = ck.manifest(step)
+            size = ck.export(m.step, out, force=force)
+        typer.echo(f"exported step {m.step} (digest {m.digest}) of {ck.url} to {out} ({fmt_bytes(size)})")
