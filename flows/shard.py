@@ -22,8 +22,8 @@ from prefect import flow
 
 from tasks.shard import train_shard
 from trainrun.credentials import StoreAccess
+from trainrun.documents import Cut
 from trainrun.layout import run_name
-from trainrun.rounds import Cut
 from trainrun.spec import RunSettings, RunSpec
 
 _DEFAULTS = RunSettings()
@@ -43,7 +43,7 @@ def train_shard_flow(run_url: str, spec: RunSpec, shard: int, round: int, cut: d
                      chaos: list[str] | None = None, heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s,
                      heartbeat_events: bool = False, attempt_offset: int = 0,
                      retries: int = _DEFAULTS.shard_retries, retry_delay_s: float = _DEFAULTS.retry_delay_s) -> dict:
-    """Train shard ``shard`` for round ``round`` from ``cut`` (``trainrun.rounds.Cut`` as JSON) and
+    """Train shard ``shard`` for round ``round`` from ``cut`` (``trainrun.documents.Cut`` as JSON) and
     write its fragment; the task's own retries (``retries``) handle loud failures."""
     task = train_shard.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
     return task(run_url=run_url, spec=spec, shard=shard, round=round, cut=Cut.from_dict(cut),

@@ -40,11 +40,11 @@ from tasks.access import storage_options
 from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
 from tasks.validate import validate_step
-from trainrun.beats import CoordinatorBeat, CoordinatorInfo
+from trainrun.beats import CoordinatorBeat
 from trainrun.credentials import StoreAccess
 from trainrun.cut import next_cut
+from trainrun.documents import CoordinatorInfo, Cut
 from trainrun.layout import new_run_id, run_url, shard_part
-from trainrun.rounds import Cut
 from trainrun.watchdog.judge import superseded
 
 from .params import TrainParams

@@ -15,7 +15,7 @@ from ckptlib.store import Store
 from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
-from trainrun.rounds import Cut
+from trainrun.documents import Cut
 from trainrun.rounds import initial_cut as write_initial_cut
 from trainrun.rounds import plan_run as plan
 from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec

@@ -23,8 +23,9 @@ from ckptlib.heartbeat import Beat
 from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
+from trainrun.documents import Cut
 from trainrun.layout import run_name, shard_part
-from trainrun.rounds import Cut, train_shard_round
+from trainrun.rounds import train_shard_round
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
 

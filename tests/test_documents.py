@@ -18,9 +18,8 @@ from ckptlib.documents import DocumentError
 from ckptlib.heartbeat import Beat, read_heartbeat, read_heartbeats
 from ckptlib.store import Store
 from ckptlib.validate import Failure, Verdict, error_verdict, read_verdict
-from trainrun.beats import CoordinatorInfo
 from trainrun.chaos import Strike
-from trainrun.rounds import Cut, ShardInfo
+from trainrun.documents import CoordinatorInfo, Cut, ShardInfo
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog import Decision, Fence, RerunRequest, assess_run
 from trainrun.watchdog.decisions import RerunInfo, Resumed

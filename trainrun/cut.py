@@ -27,9 +27,10 @@ from ckptlib import commit as ckcommit
 from ckptlib.concurrency import map_ahead
 from ckptlib.manifest import Fragment
 
+from .documents import Cut
 from .layout import COORDINATOR, shard_part
 from .outer import ShardMean, outer_step
-from .rounds import Cut, apply_threads, elapsed, load_part, round_s
+from .rounds import apply_threads, elapsed, load_part, round_s
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 
 READ_AHEAD = 8  # shards' models read at once: store latency overlaps; memory holds this many models

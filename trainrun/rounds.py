@@ -36,61 +36,23 @@ import random
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckptlib import Checkpointer, FencedError
-from ckptlib.documents import Document, DocumentError
 from ckptlib.heartbeat import Beat, Heartbeat
 from ckptlib.tree import unflatten
 
 from .chaos import Chaos, strike
+from .documents import Cut, ShardInfo
 from .layout import COORDINATOR, shard_part
 from .outer import outer_optimizer
 from .reshard import cut_shards, reshard_state
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec, describe_changes
 
 log = logging.getLogger("trainrun.rounds")
-
-
-@dataclass(frozen=True)
-class Cut(Document):
-    """The cut a round starts from: committed step ``step``, or (between published checkpoints,
-    ``committed`` false) the fragments of round ``step`` the coordinator combined, by generation."""
-
-    KIND = "cut"
-
-    step: int
-    committed: bool = True
-    generations: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def of_step(cls, step: int) -> Cut:
-        """The committed checkpoint ``step``."""
-        return cls(step, True, {})
-
-
-@dataclass(frozen=True)
-class ShardInfo(Document):
-    """The ``meta`` of a shard attempt's beat: the cut its round starts from, its spec's hash, so a
-    watchdog can rerun the round even when no coordinator beats."""
-
-    KIND = "shard heartbeat meta"
-
-    cut: Cut
-    config_hash: str
-
-
-def shard_info(beat: Beat) -> ShardInfo | None:
-    """The shard beat's meta, or None when it has none that parses (then nobody reruns from it)."""
-    try:
-        return ShardInfo.from_dict(beat.meta, f"heartbeats/{beat.part}.json meta")
-    except DocumentError as e:
-        log.debug("%s", e)
-        return None
 
 
 class RunRefused(ValueError):

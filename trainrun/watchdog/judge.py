@@ -33,7 +33,7 @@ from ckptlib.errors import StoreError
 from ckptlib.heartbeat import Beat, read_heartbeats
 from ckptlib.store import Store
 
-from ..beats import CoordinatorInfo, coordinator_info
+from ..documents import CoordinatorInfo
 from ..layout import COORDINATOR, run_name, shard_part
 from .decisions import read_fence
 
@@ -133,7 +133,7 @@ def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: flo
     coordinator, info, session_start = None, None, None
     if cbeat is not None:
         session_start = cbeat.started or None
-        info = coordinator_info(cbeat)
+        info = CoordinatorInfo.of_beat(cbeat)
         state = cbeat.status if cbeat.status in ("finished", "failed") else "running"
         coordinator = PartView.of(COORDINATOR, state, cbeat.generation, cbeat, now)
         age = cbeat.age(now)

@@ -21,8 +21,8 @@ from typing import Any
 
 from ckptlib.documents import Document
 
+from ..documents import Cut, ShardInfo
 from ..layout import shard_index
-from ..rounds import Cut, shard_info
 from ..spec import RunSettings, RunSpec
 from .judge import PartView, RunView
 
@@ -78,7 +78,7 @@ def plan_rerun(view: RunView, pv: PartView, *, known: RunSpec | None, allowed: C
     round_ = pv.round if pv.round is not None else (coord.round if coord is not None else None)
     if round_ is None:
         raise RerunRefused(f"{pv.part}: no round known")
-    mine = shard_info(pv.beat) if pv.beat is not None else None
+    mine = ShardInfo.of_beat(pv.beat) if pv.beat is not None else None
     cut = None
     if info is not None and coord is not None and coord.round == round_ and info.cut is not None:
         cut = info.cut
