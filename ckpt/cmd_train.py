@@ -319,7 +319,8 @@ def train(
 
     api = PrefectAPI()
     from ckptlib import Checkpointer, CheckpointError
-    from trainrun.rounds import RunRefused, plan_run
+    from trainrun.errors import RunRefused
+    from trainrun.resume import where_to_start
 
     try:
         from workloads import resolve_factory
@@ -327,7 +328,7 @@ def train(
         resolve_factory(params.workload)
         if credentials_block is None:  # a Secret block needs the Prefect API: the flow's plan-run checks then
             with Checkpointer(url, so) as ck:
-                plan = plan_run(ck, params.spec(), resume=params.resume, run_id=params.run_id)
+                plan = where_to_start(ck, params.spec(), resume=params.resume, run_id=params.run_id)
             if params.resume:
                 typer.echo(f"{params.run_id}: {plan['note']}")
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:

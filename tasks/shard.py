@@ -1,4 +1,4 @@
-"""Prefect task ``train-shard``: one shard's round (``trainrun.rounds.train_shard_round``).
+"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``).
 
 Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried from the same cut and,
 training being deterministic, writes the same fragment), the attempt number (``run_count``), a
@@ -25,7 +25,7 @@ from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
 from trainrun.layout import run_name, shard_part
-from trainrun.rounds import train_shard_round
+from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
 

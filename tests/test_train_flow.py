@@ -105,7 +105,7 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
 
     from ckpt.cli import app
     from flows.train import train_run
-    from trainrun.rounds import RunRefused
+    from trainrun.errors import RunRefused
 
     base = ["train", "--store", clean["store"], "--run-id", "clean", "--rounds", "3",
             "--workload-extra", json.dumps(EXTRA)]

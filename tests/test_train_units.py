@@ -14,7 +14,11 @@ from trainrun.chaos import ChaosCrash, for_attempt, parse_chaos
 from trainrun.cut import cut_round, next_cut
 from trainrun.layout import COORDINATOR
 from trainrun.outer import outer_optimizer, outer_step
-from trainrun.rounds import Cut, RunRefused, initial_cut, plan_run, train_shard_round
+from trainrun.documents import Cut
+from trainrun.errors import RunRefused
+from trainrun.resume import where_to_start
+from trainrun.shard_round import train_shard_round
+from trainrun.step_zero import write_step_zero
 from trainrun.spec import RunSpec, describe_changes
 
 TINY = dict(workload="tinylm", workload_extra={"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536},
@@ -26,7 +30,7 @@ def run_rounds(url: str, spec: RunSpec, rounds: int, every: int = 1, start: int 
     digests = {}
     if start is None:
         with Checkpointer(url) as ck:
-            digests[0] = initial_cut(ck, spec)["digest"]
+            digests[0] = write_step_zero(ck, spec)["digest"]
         start = 0
     cut = Cut.of_step(start)
     for r in range(start + 1, rounds + 1):
@@ -84,7 +88,7 @@ def test_a_fenced_shard_attempt_stops_and_its_fragment_is_never_written(tmp_path
     url = str(tmp_path)
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        initial_cut(ck, spec)
+        write_step_zero(ck, spec)
         ck.fence("shard-0", 1, reason="declared dead", by="test")
         # this attempt believes it is generation 0: its first beat finds generation 1 live
         with pytest.raises(FencedError):
@@ -123,15 +127,15 @@ def test_plan_refuses_an_existing_run_without_resume_and_names_changed_fields(tm
     url = str(tmp_path / "run")
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        assert plan_run(ck, spec, resume=False)["start_step"] is None
-        initial_cut(ck, spec)
+        assert where_to_start(ck, spec, resume=False)["start_step"] is None
+        write_step_zero(ck, spec)
         with pytest.raises(RunRefused, match="already has committed checkpoints.*--resume"):
-            plan_run(ck, spec, resume=False, run_id="r1")
+            where_to_start(ck, spec, resume=False, run_id="r1")
         changed = RunSpec(**{**TINY, "seed": 1, "steps_per_round": 5})
         with pytest.raises(RunRefused, match=r"seed: 0 -> 1; steps_per_round: 3 -> 5"):
-            plan_run(ck, changed, resume=True)
+            where_to_start(ck, changed, resume=True)
         # no validated checkpoint yet: resume recomputes from scratch (identically)
-        assert plan_run(ck, spec, resume=True)["start_step"] is None
+        assert where_to_start(ck, spec, resume=True)["start_step"] is None
     assert describe_changes({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b: 2 -> 3", "c: '<absent>' -> 4"]
 
 
@@ -177,7 +181,7 @@ def test_a_retried_shard_round_writes_the_same_fragment(tmp_path):
     url = str(tmp_path)
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        initial_cut(ck, spec)
+        write_step_zero(ck, spec)
     chaos = for_attempt(["crash:shard=1,round=1"], 1, 1, 1)
     with Checkpointer(url) as ck, pytest.raises(ChaosCrash, match="on purpose"):
         train_shard_round(ck, spec, 1, 1, Cut.of_step(0), chaos=chaos)

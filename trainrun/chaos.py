@@ -63,6 +63,7 @@ from ckptlib.documents import Document, DocumentError
 from ckptlib.errors import FencedError, ObjectNotFound, StoreError
 from ckptlib.store import Store, WrapperStore
 
+from .errors import ChaosCrash
 from .layout import strike_key
 
 if TYPE_CHECKING:
@@ -88,10 +89,6 @@ PROCESS_KINDS = ("kill", "stop")
 _INT_KEYS = ("shard", "round", "attempt", "step")
 # how long a hung or partitioned attempt waits for its fence before it gives up (a drill without a watchdog)
 MAX_WAIT_S = 900.0
-
-
-class ChaosCrash(RuntimeError):
-    """Raised on purpose by a ``crash`` chaos spec (and by a hang/zombie nobody fenced)."""
 
 
 @dataclass(frozen=True)

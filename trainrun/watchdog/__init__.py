@@ -6,9 +6,10 @@
     watchdog   the state machine: find runs, judge, fence, rerun, report dead runs
 """
 
+from ..errors import RerunRefused
 from .decisions import Decision, Fence, describe, read_fences
 from .judge import DEFAULT_POLL_S, DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, superseded
-from .rerun import RerunRefused, RerunRequest
+from .rerun import RerunRequest
 from .watchdog import Watchdog, watchdog_name
 
 __all__ = [

@@ -22,13 +22,10 @@ from typing import Any
 from ckptlib.documents import Document
 
 from ..documents import Cut, ShardInfo
+from ..errors import RerunRefused
 from ..layout import shard_index
 from ..spec import RunSettings, RunSpec
 from .judge import PartView, RunView
-
-
-class RerunRefused(ValueError):
-    """A dead shard cannot (or must not) be rerun here; the message says why and what would allow it."""
 
 
 @dataclass(frozen=True)

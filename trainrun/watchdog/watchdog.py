@@ -46,7 +46,7 @@ from ckptlib.store import Store
 
 from ..chaos import read_strike
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
-from ..rounds import stored_config
+from ..resume import stored_config
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
 from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, latest_committed, start_timeout_for
