@@ -97,17 +97,17 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
             ledger.start_rounds(plan, start)
             for r in range(start + 1, settings.rounds + 1):
                 t0 = time.perf_counter()
-                beat.update(round=r, phase="shards", cut=cut)
+                beat.update(round_no=r, phase="shards", cut=cut)
                 live = live_generations(store)  # one listing for every shard
                 generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
-                futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round=r, cut=cut,
+                futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
                                   chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
                                   heartbeat_events=settings.heartbeat_events)
                            for i in range(spec.shards)]
                 shards = _wait_for_shards(futures, store, r, generations)
                 t1 = time.perf_counter()
                 beat.update(phase="cut")
-                result = checkpoint_cut(url, round=r, cut=cut, run_meta=ledger.run_meta,
+                result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
                                         publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
                                         commit_timeout_s=settings.commit_timeout_s, **common)
                 ledger.add_round(r, shards, result, t0, t1, time.perf_counter())
@@ -171,7 +171,7 @@ class Validations:
         return verdicts
 
 
-def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: list[int], *,
+def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generations: list[int], *,
                      poll_s: float = 0.25) -> list[dict[str, Any]]:
     """The shard tasks' results, in order. A task whose attempt was fenced is not waited for once
     the live generation has written its fragment (a hung thread or a stopped process may never
@@ -193,9 +193,9 @@ def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: 
         for i in sorted(pending):
             part = shard_part(i)
             if i in done:
-                results[i] = _settle(futures[i], store, round, part, generations[i], i)
-            elif (live := superseded(store, part, round, generations[i], fences.get(part, 0))) is not None:
-                results[i] = {"shard": i, "round": round, "part": part, "status": "replaced",
+                results[i] = _settle(futures[i], store, round_no, part, generations[i], i)
+            elif (live := superseded(store, part, round_no, generations[i], fences.get(part, 0))) is not None:
+                results[i] = {"shard": i, "round": round_no, "part": part, "status": "replaced",
                               "generation": generations[i], "live_generation": live}
             else:
                 continue
@@ -203,12 +203,12 @@ def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: 
     return [r for r in results if r is not None]
 
 
-def _settle(future: Any, store: Store, round: int, part: str, generation: int, shard: int) -> dict[str, Any]:
+def _settle(future: Any, store: Store, round_no: int, part: str, generation: int, shard: int) -> dict[str, Any]:
     try:
         res = future.result()
     except Exception as e:  # noqa: BLE001
         if live_generation(store, part) > generation:  # fenced meanwhile: the live generation owns the shard
-            return {"shard": shard, "round": round, "part": part, "status": "replaced", "generation": generation,
+            return {"shard": shard, "round": round_no, "part": part, "status": "replaced", "generation": generation,
                     "error": f"{type(e).__name__}: {e}"}
         raise
     if res.get("status") == "finished" and int(res.get("generation") or 0) < live_generation(store, part):

@@ -127,7 +127,7 @@ def watchdog(
         task = train_shard.with_options(task_run_name=f"rerun-shard-{req.shard}-round-{req.round}-g{req.generation}",
                                         retries=s.shard_retries, retry_delay_seconds=s.retry_delay_s)
         futures[req.key] = task.submit(
-            run_url=req.run_url, spec=req.spec, shard=req.shard, round=req.round, cut=req.cut, access=access,
+            run_url=req.run_url, spec=req.spec, shard=req.shard, round_no=req.round, cut=req.cut, access=access,
             keyframe_every=s.keyframe_every, chaos=s.chaos, heartbeat_every_s=s.heartbeat_every_s,
             heartbeat_events=s.heartbeat_events, attempt_offset=req.attempt_offset)
         futures[req.key].add_done_callback(lambda _f, k=req.key: ended.put(k))

@@ -68,15 +68,15 @@ def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
         return write_step_zero(ck, spec, run_meta=run_meta, commit_timeout_s=commit_timeout_s)
 
 
-@task(name="checkpoint-cut", task_run_name="cut-round-{round}", retries=2, retry_delay_seconds=1,
+@task(name="checkpoint-cut", task_run_name="cut-round-{round_no}", retries=2, retry_delay_seconds=1,
       retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
-def checkpoint_cut(run_url: str, spec: RunSpec, round: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
+def checkpoint_cut(run_url: str, spec: RunSpec, round_no: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
                    keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
                    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
-    """The cut after round ``round`` (``trainrun.cut.cut_round``); commits step ``round`` when ``publish``."""
+    """The cut after round ``round_no`` (``trainrun.cut.cut_round``); commits step ``round_no`` when ``publish``."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
-        out = cut_round(ck, spec, round, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
+        out = cut_round(ck, spec, round_no, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
     if out["committed"]:
-        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round, out["loss"],
+        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round_no, out["loss"],
                               out["eval_loss"], out["digest"])
     return out

@@ -34,15 +34,15 @@ log = logging.getLogger("trainrun.beats")
 class CoordinatorBeat:
     """``heartbeats/coordinator.json`` of a training run, every ``every_s`` from a daemon thread.
 
-    The flow calls ``update(round=..., phase=..., cut=...)`` as it goes (written at once) and
+    The flow calls ``update(round_no=..., phase=..., cut=...)`` as it goes (written at once) and
     ``finish("finished" | "failed")`` at the end. A thread, unlike the shards' in-loop beats: the
     coordinator mostly waits (for shard tasks, for fragments), and what matters is that its process
     and flow run are alive."""
 
-    def __init__(self, store: Store, info: CoordinatorInfo, *, every_s: float, round: int = 0):
+    def __init__(self, store: Store, info: CoordinatorInfo, *, every_s: float, round_no: int = 0):
         self.info = replace(info, phase="setup", phase_time=time.time())
         generation = commit.live_generation(store, COORDINATOR)
-        self.hb = Heartbeat(store, COORDINATOR, generation=generation, round=round, every_s=every_s,
+        self.hb = Heartbeat(store, COORDINATOR, generation=generation, round=round_no, every_s=every_s,
                             meta=self.info.to_dict())
         self.every_s = every_s
         self._lock = threading.Lock()
@@ -54,10 +54,10 @@ class CoordinatorBeat:
         self._thread.start()
         return self
 
-    def update(self, *, round: int | None = None, phase: Phase | None = None, cut: Cut | None = None) -> None:
+    def update(self, *, round_no: int | None = None, phase: Phase | None = None, cut: Cut | None = None) -> None:
         with self._lock:
-            if round is not None:
-                self.hb.round = int(round)
+            if round_no is not None:
+                self.hb.round = int(round_no)
             changes: dict[str, Any] = {} if cut is None else {"cut": cut}
             if phase is not None:
                 changes.update(phase=phase, phase_time=time.time())

@@ -47,8 +47,8 @@ def run_parts(shards: int) -> list[str]:
     return [COORDINATOR] + [shard_part(i) for i in range(shards)]
 
 
-def strike_key(part: str, round: int, attempt: int) -> str:
-    return f"chaos/{part}.r{round}.a{attempt}.json"
+def strike_key(part: str, round_no: int, attempt: int) -> str:
+    return f"chaos/{part}.r{round_no}.a{attempt}.json"
 
 
 def run_dead_key(ident: str) -> str:

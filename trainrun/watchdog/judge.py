@@ -292,12 +292,12 @@ def _where(beat: Beat) -> str:
     return f"at step {beat.round_step}/{beat.steps_per_round} of round {beat.round}"
 
 
-def superseded(store: Store, part: str, round: int, generation: int, live: int | None = None) -> int | None:
-    """The live generation if it is newer than ``generation`` and has written its fragment of ``round``:
+def superseded(store: Store, part: str, round_no: int, generation: int, live: int | None = None) -> int | None:
+    """The live generation if it is newer than ``generation`` and has written its fragment of ``round_no``:
     the training flow then stops waiting for the attempt of ``generation`` (it may never return).
     ``live``: the part's live generation when the caller has just read it (``commit.live_generations``:
     one listing for all shards), else it is read here."""
     live = commit.live_generation(store, part) if live is None else live
-    if live > generation and store.exists(commit.fragment_key(round, part, live)):
+    if live > generation and store.exists(commit.fragment_key(round_no, part, live)):
         return live
     return None
