@@ -330,7 +330,7 @@ def train(
             with Checkpointer(url, so) as ck:
                 plan = where_to_start(ck, params.spec(), resume=params.resume, run_id=params.run_id)
             if params.resume:
-                typer.echo(f"{params.run_id}: {plan['note']}")
+                typer.echo(f"{params.run_id}: {plan.note}")
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:
         api.stop()
         fail(str(e))

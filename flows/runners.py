@@ -27,7 +27,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainrun.results import ShardResult
 
 log = logging.getLogger("flows.runners")
 
@@ -197,7 +200,7 @@ class DeploymentFuture:
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
+    def result(self, timeout: float | None = None) -> ShardResult:
         """The shard's result, read from its fragment of the round (its live generation's); raises
         RuntimeError when the flow run did not complete."""
         if not self._done.wait(timeout):
@@ -209,7 +212,7 @@ class DeploymentFuture:
         return shard_result(self.parameters)
 
 
-def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
+def shard_result(parameters: dict[str, Any]) -> ShardResult:
     """What ``train_shard`` returned, rebuilt from the store: the live generation's fragment of the
     round (``status: fenced`` when there is none: the attempt was fenced before it wrote)."""
     from ckptlib import commit
@@ -218,6 +221,7 @@ def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
     from ckptlib.store import Store
     from tasks.access import storage_options
     from trainrun.layout import shard_part
+    from trainrun.results import ShardResult
 
     shard, round_no = int(parameters["shard"]), int(parameters["round_no"])
     part = shard_part(shard)
@@ -227,13 +231,13 @@ def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
     try:
         frag = loads_fragment(store.get(key), f"{store.url}/{key}")
     except ObjectNotFound:
-        return {"shard": shard, "round": round_no, "part": part, "status": "fenced", "generation": gen}
+        return ShardResult(shard=shard, round=round_no, part=part, status="fenced", generation=gen)
     m = frag.meta
     seconds = {k: float(m.get(f"{k}_s") or 0.0) for k in ("load", "build", "train")}
-    return {"shard": shard, "round": round_no, "part": part, "generation": gen, "attempt": m.get("attempt"),
-            "status": "finished", "loss": m.get("loss"), "bytes_written": frag.bytes_written,
-            "logical_bytes": frag.logical_bytes, "chunks": dict(frag.stats), "digest": frag.digest,
-            "seconds": {**seconds, "write": 0.0, "total": sum(seconds.values())}}
+    return ShardResult(shard=shard, round=round_no, part=part, status="finished", generation=gen,
+                       attempt=m.get("attempt"), loss=m.get("loss"), bytes_written=frag.bytes_written,
+                       logical_bytes=frag.logical_bytes, chunks=dict(frag.stats), digest=frag.digest,
+                       seconds={**seconds, "write": 0.0, "total": sum(seconds.values())})
 
 
 @contextmanager

@@ -170,7 +170,7 @@ def _watch(wd: Watchdog, logger: Any, poll_s: float, duration_s: float, until_do
             f = futures.pop(key)
             try:
                 res = f.result()
-                logger.info("rerun %s ended: %s", key, res.get("status"))
+                logger.info("rerun %s ended: %s", key, res.status)
                 done = wd.rerun_done(key, True, result=res)
             except Exception as e:  # noqa: BLE001 - the rerun failed after its retries, or was fenced itself
                 if getattr(f.state, "name", None) == "Fenced":  # another generation owns the shard: not a failure

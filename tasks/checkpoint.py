@@ -17,6 +17,7 @@ from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.documents import Cut
+from trainrun.results import CutResult, RunPlan
 from trainrun.resume import where_to_start
 from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from trainrun.step_zero import write_step_zero
@@ -27,12 +28,12 @@ from .retry import transient_store_error
 
 @task(name="plan-run", retries=0, cache_policy=NO_CACHE)
 def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None,
-             from_step: int | None = None) -> dict:
+             from_step: int | None = None) -> RunPlan:
     """Where the run starts (``trainrun.resume.where_to_start``); RunRefused when it must not start."""
     with Checkpointer(run_url, storage_options(access)) as ck:
-        out = where_to_start(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
-    get_run_logger().info("%s: %s", run_url, out["note"])
-    return out
+        plan = where_to_start(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
+    get_run_logger().info("%s: %s", run_url, plan.note)
+    return plan
 
 
 @task(name="branch-run", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_store_error,
@@ -62,7 +63,7 @@ def branch_run(source_url: str, step: int, target_url: str, access: StoreAccess 
       cache_policy=NO_CACHE)
 def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
-                commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
+                commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
     """Write and commit step 0 (every shard's fresh state + the coordinator's); idempotent."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
         return write_step_zero(ck, spec, run_meta=run_meta, commit_timeout_s=commit_timeout_s)
@@ -72,11 +73,11 @@ def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
       retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
 def checkpoint_cut(run_url: str, spec: RunSpec, round_no: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
                    keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
-                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
+                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
     """The cut after round ``round_no`` (``trainrun.cut.cut_round``); commits step ``round_no`` when ``publish``."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
         out = cut_round(ck, spec, round_no, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
-    if out["committed"]:
-        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round_no, out["loss"],
-                              out["eval_loss"], out["digest"])
+    if out.committed:
+        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round_no, out.loss,
+                              out.eval_loss, out.digest)
     return out

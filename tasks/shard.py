@@ -25,6 +25,7 @@ from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
 from trainrun.layout import run_name, shard_part
+from trainrun.results import ShardResult
 from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
@@ -127,7 +128,7 @@ def event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S) -> 
 def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut, access: StoreAccess | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, chaos: list[str] | None = None,
                 heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s, heartbeat_events: bool = False,
-                attempt_offset: int = 0) -> dict:
+                attempt_offset: int = 0) -> ShardResult:
     """Train shard ``shard`` for round ``round_no`` from ``cut``; write its fragment of step ``round_no``.
 
     ``attempt_offset``: attempts made before this task run (the watchdog's rerun of a dead attempt
@@ -151,7 +152,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
         return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
         ck.close()
-    logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round_no, result["loss"],
-                result["bytes_written"], result["logical_bytes"],
-                result["logical_bytes"] / max(result["bytes_written"], 1), result["seconds"]["total"])
+    written, full = result.bytes_written or 0, result.logical_bytes or 0
+    logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round_no, result.loss,
+                written, full, full / max(written, 1), result.seconds["total"])
     return result

@@ -11,7 +11,7 @@
 The manifest names exactly the fragments that were combined: a shard fenced between the gather and
 the publish cannot slip another generation into the cut (its new fragment is the next round's
 business). Between published checkpoints nothing is committed; the next round starts from the
-generations this cut returns (``Cut(committed=False)``).
+generations this cut returns (``CutResult.next_cut()``: a ``Cut(committed=False)``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from ckptlib import Checkpointer
@@ -29,6 +30,7 @@ from ckptlib.manifest import Fragment, Manifest
 from .documents import Cut
 from .layout import COORDINATOR, shard_part
 from .outer import ShardMean, outer_step
+from .results import CutResult
 from .shard_round import apply_threads, read_cut_part
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from .timing import Stopwatch
@@ -37,10 +39,10 @@ READ_AHEAD = 8  # shards' models read at once: store latency overlaps; memory ho
 
 
 def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publish: bool,
-              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> dict[str, Any]:
+              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> CutResult:
     """The cut after round ``round_no`` from the shards of the live generation; commits step
-    ``round_no`` when ``publish``. Returns small JSON: loss, sizes, the digest, the generations
-    combined, timings.
+    ``round_no`` when ``publish``. Returns the loss, sizes, the digest (when committed), the
+    generations combined and timings.
 
     Cost in the shard count N: one fence listing per look of the gather, N fragment reads, and of
     each shard only its model (not its optimizer state) read, ``READ_AHEAD`` at a time and added to
@@ -82,21 +84,19 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
                               meta={"round": round_no, "loss": loss, "eval_loss": eval_loss, "generations": generations})
     generations[COORDINATOR] = cfrag.generation
     clock.lap("write")
-    out: dict[str, Any] = {
-        "step": round_no, "round": round_no, "committed": False, "created": False, "loss": loss,
-        "eval_loss": eval_loss, "generations": generations, "coordinator_bytes_written": cfrag.bytes_written,
-        "logical_bytes": cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()), "digest": None,
-    }
+    result = CutResult(step=round_no, committed=False, created=False, loss=loss, eval_loss=eval_loss,
+                       generations=generations, bytes_written=cfrag.bytes_written,
+                       logical_bytes=cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()))
     if publish:
         meta = {**(run_meta or {}), "round": round_no, "loss": loss, "eval_loss": eval_loss,
                 **({"reshards": reshards} if reshards else {})}
         manifest, created = _publish(ck, round_no, _parent(ck, cut, round_no), gathered, meta,
                                      timeout_s=commit_timeout_s)
-        out.update(committed=True, created=created, digest=manifest.digest, stored_bytes=manifest.stored_bytes,
-                   kind=manifest.kind, chunks=manifest.stats, logical_bytes=manifest.logical_bytes)
+        result = replace(result, committed=True, created=created, digest=manifest.digest,
+                         stored_bytes=manifest.stored_bytes, kind=manifest.kind, chunks=manifest.stats,
+                         logical_bytes=manifest.logical_bytes)
     clock.lap("commit")
-    out["seconds"] = clock.seconds()
-    return out
+    return replace(result, seconds=clock.seconds())
 
 
 def _publish(ck: Checkpointer, step: int, parent: int | None, gathered: dict[str, Any], meta: dict[str, Any], *,
@@ -137,7 +137,3 @@ def _parent(ck: Checkpointer, cut: Cut, round_no: int) -> int | None:
     prior = [s for s in ck.steps() if s < round_no]
     return prior[-1] if prior else None
 
-
-def next_cut(result: dict[str, Any]) -> Cut:
-    """The cut the next round starts from, given this cut's result."""
-    return Cut(int(result["step"]), bool(result["committed"]), dict(result.get("generations", {})))

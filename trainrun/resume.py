@@ -8,6 +8,7 @@ asks before Prefect starts (fast refusals); the flow's ``plan-run`` task asks ag
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from ckptlib import Checkpointer
@@ -15,6 +16,7 @@ from ckptlib.tree import unflatten
 
 from .errors import RunRefused
 from .layout import COORDINATOR
+from .results import Reshard, RunPlan
 from .spec import RunSpec, describe_changes
 
 # How to resume, said to both kinds of users: the CLI's and the form's (deployments, the UI).
@@ -33,25 +35,22 @@ def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
 
 
 def where_to_start(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "",
-                   from_step: int | None = None) -> dict[str, Any]:
+                   from_step: int | None = None) -> RunPlan:
     """Where a run starts. Raises RunRefused when it must not start (see the resume rules).
 
     ``from_step`` (with ``resume``): start from this committed step rather than the last healthy
     one (the form's ``start_from``; it need not be validated: it is validated again as the run goes).
-    Returns ``{"start_step": int | None, "committed": int, "latest": int | None, "note": str,
-    "reshard": {"step", "shards": [old, new]} | None, "seconds"}``; ``start_step`` None means "from
-    scratch" (write step 0 first). A resume with another ``shards`` (and every other trajectory field
+    ``RunPlan.start_step`` None means "from scratch" (write step 0 first). A resume with another ``shards`` (and every other trajectory field
     the same) reshards from the last healthy step (``trainrun.reshard``) when that step is the
     latest committed one. Cost: one listing of the manifests, and verdicts read from the newest
     step back to the first healthy one (not every step's: runs may hold thousands).
     """
     t0 = time.perf_counter()
-    out = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id, from_step=from_step)
-    out["seconds"] = round(time.perf_counter() - t0, 4)
-    return out
+    plan = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id, from_step=from_step)
+    return replace(plan, seconds=round(time.perf_counter() - t0, 4))
 
 
-def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_step: int | None) -> dict[str, Any]:
+def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_step: int | None) -> RunPlan:
     steps = ck.steps()
     where = f"run '{run_id}' at {ck.url}" if run_id else ck.url
     if steps and not resume:
@@ -63,7 +62,7 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
                          f"{', '.join(map(str, steps[-8:])) or 'none'}): choose one of them")
     if not steps:
         note = "nothing to resume: starting from scratch" if resume else "new run"
-        return {"start_step": None, "committed": 0, "latest": None, "note": note, "reshard": None}
+        return RunPlan(start_step=None, committed=0, latest=None, note=note)
     at = steps[-1] if from_step is None else from_step
     old = stored_config(ck, at)
     if old is None:
@@ -77,11 +76,11 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
             f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only rounds, shards, "
             f"checkpoint_every, keyframe_every, task_runner may change; shards only when resuming from the "
             f"last healthy step, not from a chosen one), or start a new run id.")
-    base = {"committed": len(steps), "latest": steps[-1], "reshard": None}
+    committed, latest = len(steps), steps[-1]
     if from_step is not None:
         validated = (ck.verdict(from_step) or {}).get("passed") is True
-        return {**base, "start_step": from_step, "note": f"starting from committed step {from_step}"
-                + ("" if validated else " (not validated: validated again as the run goes)")}
+        return RunPlan(from_step, committed, latest, f"starting from committed step {from_step}"
+                       + ("" if validated else " (not validated: validated again as the run goes)"))
     healthy = ck.latest_step(healthy=True)
     if changed:
         if healthy != steps[-1]:
@@ -92,11 +91,10 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
                 f"the latest committed step, which later steps of the old trajectory would contradict. Validate "
                 f"step {steps[-1]} (`ckpt validate {ck.url} --step {steps[-1]}`), or resume once with "
                 f"--shards {old['shards']}, then resume with --shards {spec.shards}.")
-        return {**base, "start_step": healthy, "reshard": {"step": healthy, "shards": [old["shards"], spec.shards]},
-                "note": f"resuming from healthy step {healthy} with {spec.shards} shards instead of {old['shards']} "
-                        f"(resharded: a new trajectory from step {healthy})"}
+        return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with {spec.shards} shards "
+                       f"instead of {old['shards']} (resharded: a new trajectory from step {healthy})",
+                       reshard=Reshard(healthy, (old["shards"], spec.shards)))
     if healthy is None:
-        return {**base, "start_step": None,
-                "note": "no validated checkpoint yet: starting from scratch (committed steps are recomputed "
-                        "identically)"}
-    return {**base, "start_step": healthy, "note": f"resuming from healthy step {healthy}"}
+        return RunPlan(None, committed, latest, "no validated checkpoint yet: starting from scratch (committed "
+                       "steps are recomputed identically)")
+    return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy}")

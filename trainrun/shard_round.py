@@ -48,6 +48,7 @@ from .chaos import Chaos, strike
 from .documents import Cut, ShardInfo
 from .layout import COORDINATOR, shard_part
 from .reshard import cut_shards, reshard_state
+from .results import ShardResult
 from .spec import RunSpec
 from .timing import Stopwatch
 
@@ -111,9 +112,9 @@ class ShardAttempt:
 
 def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, *,
                       attempt: int = 1, chaos: Sequence[Chaos] = (), heartbeat_every_s: float = 2.0,
-                      on_beat: Callable[[Beat], None] | None = None) -> dict[str, Any]:
+                      on_beat: Callable[[Beat], None] | None = None) -> ShardResult:
     """Load ``cut``, train ``steps_per_round`` steps of shard ``shard``, write its fragment of step
-    ``round_no`` with its live generation. Returns small JSON (loss, sizes, timings).
+    ``round_no`` with its live generation. Returns the loss, sizes and timings (``finished``).
 
     Raises FencedError (from a heartbeat or the fragment write) when a newer attempt owns the shard.
     """
@@ -140,12 +141,10 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
         hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
         raise
     hb.finish("finished", loss=loss)
-    return {
-        "shard": shard, "round": round_no, "part": a.part, "generation": a.generation, "attempt": attempt,
-        "status": "finished", "loss": loss, "data_position": int(wl.data_position),
-        "bytes_written": frag.bytes_written, "logical_bytes": frag.logical_bytes, "chunks": dict(frag.stats),
-        "digest": frag.digest, "seconds": clock.seconds(),
-    }
+    return ShardResult(shard=shard, round=round_no, part=a.part, status="finished", generation=a.generation,
+                       attempt=attempt, loss=loss, data_position=int(wl.data_position),
+                       bytes_written=frag.bytes_written, logical_bytes=frag.logical_bytes, chunks=dict(frag.stats),
+                       digest=frag.digest, seconds=clock.seconds())
 
 
 def start_heartbeat(a: ShardAttempt, *, every_s: float, on_beat: Callable[[Beat], None] | None) -> Heartbeat:

@@ -8,7 +8,6 @@ writes the same fragments and finds the same manifest already published.
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 import torch
 
@@ -16,13 +15,14 @@ from ckptlib import Checkpointer
 
 from .layout import COORDINATOR, shard_part
 from .outer import outer_optimizer
+from .results import CutResult
 from .shard_round import ShardRNG, apply_threads
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from .timing import Stopwatch
 
 
 def write_step_zero(ck: Checkpointer, spec: RunSpec, *, run_meta: dict | None = None,
-                    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict[str, Any]:
+                    commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
     """Write and commit step 0: every shard's fresh state and the coordinator's (idempotent)."""
     from workloads import build_workload
 
@@ -56,7 +56,6 @@ def write_step_zero(ck: Checkpointer, spec: RunSpec, *, run_meta: dict | None = 
                          meta={**(run_meta or {}), "round": 0, "loss": None, "eval_loss": eval_loss})
     seconds = {"save": round(clock.spent("save") + clock.spent("commit"), 4), "commit": clock.spent("commit"),
                "total": clock.total()}
-    return {"step": 0, "round": 0, "committed": True, "created": info.committed, "digest": info.digest,
-            "bytes_written": bytes_written, "logical_bytes": info.logical_bytes, "stored_bytes": info.stored_bytes,
-            "kind": info.kind, "chunks": info.chunks, "loss": None, "eval_loss": eval_loss, "generations": {},
-            "seconds": seconds}
+    return CutResult(step=0, committed=True, created=info.committed, loss=None, eval_loss=eval_loss, generations={},
+                     bytes_written=bytes_written, logical_bytes=info.logical_bytes, digest=info.digest,
+                     stored_bytes=info.stored_bytes, kind=info.kind, chunks=info.chunks, seconds=seconds)

@@ -46,6 +46,7 @@ from ckptlib.store import Store
 
 from ..chaos import read_strike
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
+from ..results import ShardResult
 from ..resume import stored_config
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
@@ -204,19 +205,19 @@ class Watchdog:
         return [decision]
 
     def rerun_done(self, key: Any, ok: bool, error: str | None = None,
-                   result: dict | None = None) -> list[Decision]:
+                   result: ShardResult | None = None) -> list[Decision]:
         """The rerun started for ``key`` has ended (``ok``: its fragment is written, or it was fenced);
-        ``result`` is the shard task's (its ``seconds.total`` dates the start when no look saw it run)."""
+        ``result`` is the shard task's (its ``seconds["total"]`` dates the start when no look saw it run)."""
         fence = self._reruns.pop(key, None)
         if fence is None:
             return []
         out: list[Decision] = []
         recovering = (fence.run_url, fence.part)
         if self._recovering.get(recovering) is fence:
-            total = ((result or {}).get("seconds") or {}).get("total")
-            if ok and total is not None:
+            total = result.seconds.get("total") if result is not None else None
+            if ok and result is not None and total is not None:
                 del self._recovering[recovering]
-                out.append(self._again(fence, self.clock() - float(total), (result or {}).get("attempt"),
+                out.append(self._again(fence, self.clock() - float(total), result.attempt,
                                        "dated from the rerun's own duration"))
         if not ok:
             out.append(replace(fence, kind="rerun-failed", detected=self.clock(),
