@@ -51,6 +51,7 @@ from ..resume import stored_config
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
 from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, latest_committed, start_timeout_for
+from .memory import Memory
 from .rerun import RerunRefused, RerunRequest, plan_rerun
 
 log = logging.getLogger("trainrun.watchdog")
@@ -94,7 +95,7 @@ class Watchdog:
         self.by_flow_run_id = by_flow_run_id
         self.discover_every_s = discover_every_s
         self.clock = clock
-        self.memory: dict = {}
+        self.memory = Memory()
         self.runs: dict[str, Store] = {}
         self.views: dict[str, RunView] = {}
         self.decisions: list[Decision] = []
@@ -166,17 +167,13 @@ class Watchdog:
                 request = plan_rerun(view, pv, known=self.specs.get(url.rstrip("/")), allowed=self.allow_workloads,
                                      committed_config=lambda: _committed_config(store))
             except RerunRefused as e:  # reported once, and the shard is left as it is
-                key = ("no-recipe", url, pv.part, pv.round)
-                if key in self.memory:
+                if not self.memory.first_time("cannot-rerun", url, pv.part, pv.round):
                     return []
-                self.memory[key] = True
                 return [self._decision("cannot-rerun", url, pv, now, reason=f"{pv.reason}; cannot rerun it: {e}")]
             rkey = (url, pv.part, request.round)
             if self._reran.get(rkey, 0) >= MAX_RERUNS:
-                mkey = ("gave-up",) + rkey
-                if mkey in self.memory:
+                if not self.memory.first_time("gave-up", *rkey):
                     return []
-                self.memory[mkey] = True
                 return [self._decision("gave-up", url, pv, now, reason=f"{pv.reason}; {MAX_RERUNS} reruns of "
                                        f"round {request.round} already died: giving up on {pv.part}")]
         new_gen = pv.live + 1
@@ -253,10 +250,8 @@ class Watchdog:
         assert c is not None
         info = view.info
         ident = (info.flow_run_id if info else None) or str(int(c.beat.started if c.beat else 0))
-        mkey = ("run-dead", url, ident)
-        if mkey in self.memory:
+        if not self.memory.first_time("run-dead", url, ident):
             return []
-        self.memory[mkey] = True
         d = replace(self._decision("run-dead", url, c, self.clock()),
                     flow_run_id=info.flow_run_id if info else None, deployment_id=info.deployment_id if info else None,
                     committed=latest_committed(store), run_id=(info.run_id if info else "") or view.run)
