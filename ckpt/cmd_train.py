@@ -273,7 +273,7 @@ def train(
     from pydantic import ValidationError
 
     from flows.params import TrainParams
-    from trainrun.credentials import STORAGE_OPTIONS_ENV, StorageOptions, check_url
+    from trainrun.credentials import StorageOptions, check_url, export_storage_options
     from trainrun.layout import check_run_id, new_run_id, run_url
 
     try:
@@ -284,11 +284,7 @@ def train(
     except ValueError as e:
         fail(str(e))
     so = storage_options_or_exit(storage_options)
-    if storage_options and storage_options.strip():
-        # the watchdog beside the run (a flow: no parameter may hold a secret) reads the same options
-        # from this process's environment; a file is passed on by name only
-        text = storage_options.strip()
-        os.environ[STORAGE_OPTIONS_ENV] = f"@{os.path.abspath(text[1:])}" if text.startswith("@") else text
+    export_storage_options(storage_options)  # for the watchdog beside the run (a flow: no secret in its parameters)
     if resume and not run_id:
         fail("--resume needs --run-id ID (and the same --store) of the run to continue")
     try:
@@ -422,9 +418,10 @@ def _print_summary(console, s: dict, params) -> None:
         f"  reports         {s['run_url']}/reports/<step>/  (final: {s['run_url']}/reports/{s['final_step']}/)",
     ]
     from trainrun.watchdog import Decision, describe
+    from trainrun.watchdog.decisions import SUMMARY
 
     for d in s.get("watchdog") or []:
-        if d["kind"] in ("fenced", "running-again", "run-dead", "gave-up", "cannot-rerun", "rerun-failed"):
+        if d["kind"] in SUMMARY:
             lines.append(f"  watchdog        {describe(Decision.from_dict(d))}")
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)

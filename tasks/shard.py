@@ -71,16 +71,22 @@ def _both(*callbacks: Callable[[Beat], None] | None) -> Callable[[Beat], None]:
     return call
 
 
-def fenced_state(ck: Checkpointer, part: str, round_no: int, attempt: int, error: FencedError) -> State:
+def rerun_name(shard: int, round_no: int, generation: int) -> str:
+    """The task run name of the watchdog's rerun of ``shard``'s round as ``generation``."""
+    return f"rerun-shard-{shard}-round-{round_no}-g{generation}"
+
+
+def fenced_state(ck: Checkpointer, shard: int, round_no: int, attempt: int, error: FencedError) -> State:
     """``Cancelled(name="Fenced")``: this attempt was fenced; the message says by whom and why, and a
     markdown artifact links the watchdog's flow run and names the rerun that took over."""
     from prefect.artifacts import create_markdown_artifact
 
     from ckptlib.commit import live_generation
 
+    part = shard_part(shard)
     live = live_generation(ck.store, part)
     fence = read_fence(ck.store, part, live)
-    rerun = f"rerun-shard-{part.rsplit('-', 1)[-1]}-round-{round_no}-g{live}"
+    rerun = rerun_name(shard, round_no, live)
     why = fence.reason if fence is not None and fence.reason else str(error)
     by = fence.by if fence is not None and fence.by else "a watchdog"
     link = flow_run_url(fence.by_flow_run_id) if fence is not None else None
@@ -96,7 +102,7 @@ def fenced_state(ck: Checkpointer, part: str, round_no: int, attempt: int, error
     except Exception as e:  # noqa: BLE001 - the state says it anyway
         get_run_logger().debug("fence artifact not created: %s", e)
     return Cancelled(name="Fenced", message=message,
-                     data={"shard": int(part.rsplit("-", 1)[-1]), "round": round_no, "part": part, "status": "fenced",
+                     data={"shard": shard, "round": round_no, "part": part, "status": "fenced",
                            "attempt": attempt, "live_generation": live, "error": str(error)})
 
 
@@ -147,7 +153,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                                    heartbeat_every_s=heartbeat_every_s,
                                    on_beat=_both(forward, progress_reporter(part, round_no)))
     except FencedError as e:
-        state = fenced_state(ck, part, round_no, attempt, e)
+        state = fenced_state(ck, shard, round_no, attempt, e)
         logger.warning("%s round %d: %s", part, round_no, state.message)
         return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
