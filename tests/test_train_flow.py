@@ -171,7 +171,7 @@ def test_dask_runner_with_two_processes_reaches_the_clean_digest(clean, tmp_path
 def test_progress_display_reads_the_run_from_the_store(clean):
     from rich.console import Console
 
-    from ckpt.cmd_train import Progress
+    from ckpt.progress import Progress
 
     p = Progress(clean["summary"]["run_url"], None, params(), every_s=0.05)
     p.started = 0  # show the finished run's heartbeats too

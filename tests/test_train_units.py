@@ -216,7 +216,8 @@ def test_cli_options_are_the_schema_and_bad_options_are_one_line_errors(tmp_path
     from typer.testing import CliRunner
 
     from ckpt.cli import app
-    from ckpt.cmd_train import CLI_FIELDS, train
+    from ckpt.cmd_train import train
+    from ckpt.train_options import CLI_FIELDS
     from flows.params import TrainParams
 
     fields = TrainParams.model_fields
