@@ -94,10 +94,6 @@ def child_url(root_url: str, prefix: str) -> str:
 
 # --- finding runs ---------------------------------------------------------------------------------
 
-def is_run(store: Store) -> bool:
-    return any(name in RUN_MARKERS for name in store.list_dirs(""))
-
-
 def find_runs(store: Store, *, max_depth: int = MAX_RUN_DEPTH) -> list[str]:
     """The prefixes of the runs at or under ``store``'s root, sorted ('' = the root is a run).
 
