@@ -26,7 +26,6 @@ from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
 from trainrun.layout import run_name, shard_part
 from trainrun.results import ShardResult
-from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
 
@@ -141,6 +140,10 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     passes that attempt's number, so the rerun is attempt n+1 and chaos aimed at attempt n does
     not strike again)."""
     from prefect.runtime import task_run
+
+    # torch is imported where a shard trains, not with this module: the watchdog flow imports it to
+    # rerun shards and most of its looks rerun nothing (flows.watchdog then loads no torch)
+    from trainrun.shard_round import train_shard_round
 
     logger = get_run_logger()
     attempt = int(attempt_offset) + max(1, int(task_run.run_count or 1))
