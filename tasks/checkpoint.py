@@ -1,8 +1,7 @@
 """Prefect tasks of the coordinator: plan a run, write step 0, perform each round's cut.
 
 Each is one call into ``trainrun`` (``resume.where_to_start``, ``step_zero.write_step_zero``,
-``cut.cut_round``)
-with a Checkpointer of its own; small values in and out. Planning is never retried (a refusal is
+``cut.cut_round``) with a Checkpointer of its own; small values in and out (``trainrun.results``). Planning is never retried (a refusal is
 final); writing retries only a store that could not be reached, never a conflicting commit.
 """
 
