@@ -60,7 +60,7 @@ def watchdog(
     os.environ.setdefault("DO_NOT_TRACK", "1")
     from ckptlib.errors import StoreError
     from ckptlib.store import Store
-    from trainrun.credentials import STORAGE_OPTIONS_ENV
+    from trainrun.credentials import export_storage_options
     from trainrun.layout import check_run_id, child_url, find_runs, run_url, store_url
 
     url = url_or_exit(url)
@@ -69,10 +69,7 @@ def watchdog(
     except ValueError as e:
         fail(str(e))
     so = storage_options_or_exit(storage_options)
-    if storage_options and storage_options.strip():
-        # the flow (whose parameters may hold no secret) reads them from this process's environment
-        text = storage_options.strip()
-        os.environ[STORAGE_OPTIONS_ENV] = f"@{os.path.abspath(text[1:])}" if text.startswith("@") else text
+    export_storage_options(storage_options)  # the flow (no secret in its parameters) reads them from the environment
     try:
         runs = [child_url(target, p) for p in find_runs(Store.from_url(target, so))]
     except StoreError as e:

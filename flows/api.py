@@ -42,10 +42,6 @@ class PrefectAPI:
         except BaseException as e:  # noqa: BLE001 - re-raised by use()
             self._error = e
 
-    @property
-    def temporary(self) -> bool:
-        return self.server is not None
-
     @contextmanager
     def use(self) -> Iterator[str]:
         """Wait for the API and make it this process's (and its children's) Prefect API."""

@@ -27,7 +27,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainrun.results import ShardResult
 
 log = logging.getLogger("flows.runners")
 
@@ -137,7 +140,7 @@ class DeploymentRunner:
                 if state.is_crashed() and fut.crashes < fut.retries:
                     fut.crashes += 1
                     log.warning("shard %s round %s: flow run %s crashed (%s); starting it again (%d/%d)",
-                                fut.parameters.get("shard"), fut.parameters.get("round"), run.name,
+                                fut.parameters.get("shard"), fut.parameters.get("round_no"), run.name,
                                 state.message, fut.crashes, fut.retries)
                     try:
                         self._start(fut)
@@ -172,7 +175,7 @@ class DeploymentFuture:
         attempt numbering carried on past crashed runs."""
         p = self.parameters
         access = p.get("access")
-        return {"run_url": p["run_url"], "spec": p["spec"].to_dict(), "shard": p["shard"], "round": p["round"],
+        return {"run_url": p["run_url"], "spec": p["spec"].to_dict(), "shard": p["shard"], "round_no": p["round_no"],
                 "cut": p["cut"].to_dict(), "credentials_block": getattr(access, "block", None),
                 "keyframe_every": p["keyframe_every"], "chaos": list(p.get("chaos") or []),
                 "heartbeat_every_s": p["heartbeat_every_s"], "heartbeat_events": p["heartbeat_events"],
@@ -197,19 +200,19 @@ class DeploymentFuture:
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
+    def result(self, timeout: float | None = None) -> ShardResult:
         """The shard's result, read from its fragment of the round (its live generation's); raises
         RuntimeError when the flow run did not complete."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"shard {self.parameters['shard']} round {self.parameters['round']}: its flow run "
+            raise TimeoutError(f"shard {self.parameters['shard']} round {self.parameters['round_no']}: its flow run "
                                f"{self.flow_run_id} has not ended after {timeout} s")
         if self._state != "COMPLETED":
-            raise RuntimeError(f"shard {self.parameters['shard']} round {self.parameters['round']}: flow run "
+            raise RuntimeError(f"shard {self.parameters['shard']} round {self.parameters['round_no']}: flow run "
                                f"{self.flow_run_id} of {self.runner.deployment} ended {self._state}: {self._message}")
         return shard_result(self.parameters)
 
 
-def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
+def shard_result(parameters: dict[str, Any]) -> ShardResult:
     """What ``train_shard`` returned, rebuilt from the store: the live generation's fragment of the
     round (``status: fenced`` when there is none: the attempt was fenced before it wrote)."""
     from ckptlib import commit
@@ -218,22 +221,23 @@ def shard_result(parameters: dict[str, Any]) -> dict[str, Any]:
     from ckptlib.store import Store
     from tasks.access import storage_options
     from trainrun.layout import shard_part
+    from trainrun.results import ShardResult
 
-    shard, round_ = int(parameters["shard"]), int(parameters["round"])
+    shard, round_no = int(parameters["shard"]), int(parameters["round_no"])
     part = shard_part(shard)
     store = Store.from_url(parameters["run_url"], storage_options(parameters.get("access")))
     gen = commit.live_generation(store, part)
-    key = commit.fragment_key(round_, part, gen)
+    key = commit.fragment_key(round_no, part, gen)
     try:
         frag = loads_fragment(store.get(key), f"{store.url}/{key}")
     except ObjectNotFound:
-        return {"shard": shard, "round": round_, "part": part, "status": "fenced", "generation": gen}
+        return ShardResult(shard=shard, round=round_no, part=part, status="fenced", generation=gen)
     m = frag.meta
     seconds = {k: float(m.get(f"{k}_s") or 0.0) for k in ("load", "build", "train")}
-    return {"shard": shard, "round": round_, "part": part, "generation": gen, "attempt": m.get("attempt"),
-            "status": "finished", "loss": m.get("loss"), "bytes_written": frag.bytes_written,
-            "logical_bytes": frag.logical_bytes, "chunks": dict(frag.stats), "digest": frag.digest,
-            "seconds": {**seconds, "write": 0.0, "total": sum(seconds.values())}}
+    return ShardResult(shard=shard, round=round_no, part=part, status="finished", generation=gen,
+                       attempt=m.get("attempt"), loss=m.get("loss"), bytes_written=frag.bytes_written,
+                       logical_bytes=frag.logical_bytes, chunks=dict(frag.stats), digest=frag.digest,
+                       seconds={**seconds, "write": 0.0, "total": sum(seconds.values())})
 
 
 @contextmanager

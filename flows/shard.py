@@ -22,8 +22,8 @@ from prefect import flow
 
 from tasks.shard import train_shard
 from trainrun.credentials import StoreAccess
+from trainrun.documents import Cut
 from trainrun.layout import run_name
-from trainrun.rounds import Cut
 from trainrun.spec import RunSettings, RunSpec
 
 _DEFAULTS = RunSettings()
@@ -33,19 +33,19 @@ def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    return f"{run_name(str(p.get('run_url', '')))}-shard-{p.get('shard')}-round-{p.get('round')}"
+    return f"{run_name(str(p.get('run_url', '')))}-shard-{p.get('shard')}-round-{p.get('round_no')}"
 
 
 @flow(name="train-shard", flow_run_name=_flow_run_name, persist_result=False, validate_parameters=True,
       description="One shard's round of a training run (started by train-run with --task-runner pool:...).")
-def train_shard_flow(run_url: str, spec: RunSpec, shard: int, round: int, cut: dict[str, Any],
+def train_shard_flow(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: dict[str, Any],
                      credentials_block: str | None = None, keyframe_every: int = _DEFAULTS.keyframe_every,
                      chaos: list[str] | None = None, heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s,
                      heartbeat_events: bool = False, attempt_offset: int = 0,
                      retries: int = _DEFAULTS.shard_retries, retry_delay_s: float = _DEFAULTS.retry_delay_s) -> dict:
-    """Train shard ``shard`` for round ``round`` from ``cut`` (``trainrun.rounds.Cut`` as JSON) and
+    """Train shard ``shard`` for round ``round_no`` from ``cut`` (``trainrun.documents.Cut`` as JSON) and
     write its fragment; the task's own retries (``retries``) handle loud failures."""
     task = train_shard.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
-    return task(run_url=run_url, spec=spec, shard=shard, round=round, cut=Cut.from_dict(cut),
+    return task(run_url=run_url, spec=spec, shard=shard, round_no=round_no, cut=Cut.from_dict(cut),
                 access=StoreAccess(block=credentials_block), keyframe_every=keyframe_every, chaos=chaos,
                 heartbeat_every_s=heartbeat_every_s, heartbeat_events=heartbeat_events, attempt_offset=attempt_offset)

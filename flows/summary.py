@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckptlib.validate import Verdict
+    from trainrun.results import CutResult, RunPlan, ShardResult
 
 
 class Ledger:
@@ -23,9 +24,9 @@ class Ledger:
         self.t0 = time.perf_counter()
         self.params, self.run_id, self.url = params, run_id, url
         self.marks: dict[str, float] = {}
-        self.plan: dict[str, Any] = {}
+        self.plan: RunPlan | None = None
         self.start = 0
-        self.cuts: list[dict[str, Any]] = []  # committed ones, step 0 included
+        self.cuts: list[CutResult] = []  # committed ones, step 0 included
         self.rounds: list[dict[str, Any]] = []
         self.run_meta = {"run_id": run_id, "params": {**params.public_dict(), "run_id": run_id},
                          "torch": torch.__version__}
@@ -33,29 +34,29 @@ class Ledger:
     def mark(self, name: str) -> None:
         self.marks[name] = time.perf_counter()
 
-    def add_cut(self, cut: dict[str, Any]) -> None:
+    def add_cut(self, cut: CutResult) -> None:
         self.cuts.append(cut)
 
-    def start_rounds(self, plan: dict[str, Any], start: int) -> None:
+    def start_rounds(self, plan: RunPlan, start: int) -> None:
         self.plan, self.start = plan, start
         self.mark("rounds")
 
     def rounds_done(self) -> None:
         self.mark("rounds_done")
 
-    def add_round(self, r: int, shards: list[dict], cut: dict, t0: float, t1: float, t2: float) -> None:
+    def add_round(self, r: int, shards: list[ShardResult], cut: CutResult, t0: float, t1: float, t2: float) -> None:
         """Record round ``r``: shards submitted at t0, all returned at t1, the cut returned at t2."""
-        finished = [s for s in shards if s.get("status") == "finished"]
-        slowest = max(finished, key=lambda s: s["seconds"]["total"])["seconds"] if finished else {}
-        cs = cut["seconds"]
+        finished = [s for s in shards if s.finished]
+        slowest = max(finished, key=lambda s: s.seconds["total"]).seconds if finished else {}
+        cs = cut.seconds
         wall = t2 - t0
         self.rounds.append({
-            "round": r, "committed": cut["committed"], "loss": cut["loss"], "eval_loss": cut["eval_loss"],
-            "digest": cut.get("digest"),
-            "shards": [{k: s.get(k) for k in ("shard", "status", "loss", "attempt", "generation", "bytes_written",
-                                              "logical_bytes")} for s in shards],
-            "bytes_written": sum(s.get("bytes_written", 0) for s in finished) + cut["coordinator_bytes_written"],
-            "logical_bytes": cut["logical_bytes"],
+            "round": r, "committed": cut.committed, "loss": cut.loss, "eval_loss": cut.eval_loss,
+            "digest": cut.digest,
+            "shards": [{k: getattr(s, k) for k in ("shard", "status", "loss", "attempt", "generation",
+                                                   "bytes_written", "logical_bytes")} for s in shards],
+            "bytes_written": sum(s.bytes_written or 0 for s in finished) + cut.bytes_written,
+            "logical_bytes": cut.logical_bytes,
             "seconds": {
                 "wall": wall, "shards_wall": t1 - t0, "cut_wall": t2 - t1,
                 "train": slowest.get("train", 0.0), "build": slowest.get("build", 0.0),
@@ -66,7 +67,7 @@ class Ledger:
                 "prefect": max(0.0, wall - slowest.get("total", 0.0) - cs["total"]),
             },
         })
-        if cut["committed"]:
+        if cut.committed:
             self.cuts.append(cut)
 
     # --- the summary -----------------------------------------------------------------------------
@@ -77,34 +78,34 @@ class Ledger:
         by_round = {x["round"]: x for x in self.rounds}
         checkpoints = []
         for c in self.cuts:
-            step = c["step"]
-            v = verdicts.get(step)
+            v = verdicts.get(c.step)
             checkpoints.append({
-                "step": step, "digest": c["digest"], "created": c["created"], "kind": c.get("kind"),
-                "bytes_written": by_round[step]["bytes_written"] if step in by_round else c["bytes_written"],
-                "logical_bytes": c["logical_bytes"], "stored_bytes": c.get("stored_bytes"),
-                "loss": c["loss"], "eval_loss": c["eval_loss"],
+                "step": c.step, "digest": c.digest, "created": c.created, "kind": c.kind,
+                "bytes_written": by_round[c.step]["bytes_written"] if c.step in by_round else c.bytes_written,
+                "logical_bytes": c.logical_bytes, "stored_bytes": c.stored_bytes,
+                "loss": c.loss, "eval_loss": c.eval_loss,
                 "validation": None if v is None else {"passed": v.passed, "failed": list(v.failed)},
             })
         final = checkpoints[-1] if checkpoints else self._existing_final()
-        step0 = next((c for c in self.cuts if c["step"] == 0), None)
+        step0 = next((c for c in self.cuts if c.step == 0), None)
         sec = {k: sum(x["seconds"][k] for x in self.rounds)
                for k in ("wall", "train", "build", "restore", "save", "combine_eval", "cut_wait", "prefect")}
         rounds_at = self.marks.get("rounds", t_end)
         setup = rounds_at - self.t0
-        setup_work = self.plan.get("seconds", 0.0) + (step0["seconds"]["total"] if step0 else 0.0)
+        setup_work = (self.plan.seconds if self.plan else 0.0) + (step0.seconds["total"] if step0 else 0.0)
         sec["setup"] = setup
-        sec["save"] += step0["seconds"]["save"] if step0 else 0.0
+        sec["save"] += step0.seconds["save"] if step0 else 0.0
         sec["prefect"] += max(0.0, setup - setup_work)
         sec["validation_wait"] = t_end - self.marks.get("rounds_done", t_end)
         sec["flow"] = t_end - self.t0
         flow_s = sec["flow"] or 1.0
-        bytes_written = sum(x["bytes_written"] for x in self.rounds) + (step0["bytes_written"] if step0 else 0)
+        bytes_written = sum(x["bytes_written"] for x in self.rounds) + (step0.bytes_written if step0 else 0)
         return {
             "run_id": self.run_id, "run_url": self.url, "store": p.store, "workload": p.workload,
             "shards": p.shards, "rounds": p.rounds, "steps_per_round": p.steps_per_round,
             "task_runner": p.task_runner, "start_step": self.start, "rounds_done": len(self.rounds),
-            "resumed": self.plan.get("start_step") is not None, "note": self.plan.get("note", ""),
+            "resumed": self.plan is not None and self.plan.start_step is not None,
+            "note": self.plan.note if self.plan else "",
             "final_step": final["step"] if final else None, "final_digest": final["digest"] if final else None,
             "final_loss": final["loss"] if final else None, "final_eval_loss": final["eval_loss"] if final else None,
             "checkpoints": checkpoints, "rounds_log": self.rounds, "committed": [c["step"] for c in checkpoints],

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import replace
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -40,11 +41,11 @@ from tasks.access import storage_options
 from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
 from tasks.validate import validate_step
-from trainrun.beats import CoordinatorBeat, CoordinatorInfo
+from trainrun.beats import CoordinatorBeat
 from trainrun.credentials import StoreAccess
-from trainrun.cut import next_cut
+from trainrun.documents import CoordinatorInfo, Cut
 from trainrun.layout import new_run_id, run_url, shard_part
-from trainrun.rounds import Cut
+from trainrun.results import ShardResult
 from trainrun.watchdog.judge import superseded
 
 from .params import TrainParams
@@ -75,7 +76,7 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
     ledger = Ledger(params, run_id, url)
     resume, from_step = _start_point(params, run_id, url, access, ledger)
     plan = plan_run(url, spec, resume, run_id, access, from_step=from_step)
-    logger.info("run %s at %s: %s", run_id, url, plan["note"])
+    logger.info("run %s at %s: %s", run_id, url, plan.note)
     store = Store.from_url(url, storage_options(access))
     info = CoordinatorInfo(run_id=run_id, spec=spec, settings=settings,
                            flow_run_id=str(flow_run.id) if flow_run.id else None,
@@ -87,7 +88,7 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
         with validation_runner(params.validation_runner) as vrunner, \
                 shard_runner(settings.task_runner, spec.shards) as srunner:
             validations = Validations(vrunner, url, access, params)
-            start = plan["start_step"]
+            start = plan.start_step
             if start is None:
                 start = 0
                 ledger.add_cut(initial_cut(url, **common, run_meta=ledger.run_meta,
@@ -97,23 +98,23 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
             ledger.start_rounds(plan, start)
             for r in range(start + 1, settings.rounds + 1):
                 t0 = time.perf_counter()
-                beat.update(round=r, phase="shards", cut=cut)
+                beat.update(round_no=r, phase="shards", cut=cut)
                 live = live_generations(store)  # one listing for every shard
                 generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
-                futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round=r, cut=cut,
+                futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
                                   chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
                                   heartbeat_events=settings.heartbeat_events)
                            for i in range(spec.shards)]
                 shards = _wait_for_shards(futures, store, r, generations)
                 t1 = time.perf_counter()
                 beat.update(phase="cut")
-                result = checkpoint_cut(url, round=r, cut=cut, run_meta=ledger.run_meta,
+                result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
                                         publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
                                         commit_timeout_s=settings.commit_timeout_s, **common)
                 ledger.add_round(r, shards, result, t0, t1, time.perf_counter())
-                if result["committed"]:
+                if result.committed:
                     validations.submit(r)
-                cut = next_cut(result)
+                cut = result.next_cut()
             ledger.rounds_done()
             beat.update(phase="validations")
             verdicts = validations.wait_all()
@@ -171,8 +172,8 @@ class Validations:
         return verdicts
 
 
-def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: list[int], *,
-                     poll_s: float = 0.25) -> list[dict[str, Any]]:
+def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generations: list[int], *,
+                     poll_s: float = 0.25) -> list[ShardResult]:
     """The shard tasks' results, in order. A task whose attempt was fenced is not waited for once
     the live generation has written its fragment (a hung thread or a stopped process may never
     return); a task that failed after being fenced is not an error (the live generation owns the
@@ -180,7 +181,7 @@ def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: 
     finished: queue.Queue[int] = queue.Queue()
     for i, f in enumerate(futures):
         f.add_done_callback(lambda _f, i=i: finished.put(i))
-    results: list[dict[str, Any] | None] = [None] * len(futures)
+    results: list[ShardResult | None] = [None] * len(futures)
     pending = set(range(len(futures)))
     while pending:
         try:
@@ -193,26 +194,26 @@ def _wait_for_shards(futures: list[Any], store: Store, round: int, generations: 
         for i in sorted(pending):
             part = shard_part(i)
             if i in done:
-                results[i] = _settle(futures[i], store, round, part, generations[i], i)
-            elif (live := superseded(store, part, round, generations[i], fences.get(part, 0))) is not None:
-                results[i] = {"shard": i, "round": round, "part": part, "status": "replaced",
-                              "generation": generations[i], "live_generation": live}
+                results[i] = _settle(futures[i], store, round_no, part, generations[i], i)
+            elif (live := superseded(store, part, round_no, generations[i], fences.get(part, 0))) is not None:
+                results[i] = ShardResult(shard=i, round=round_no, part=part, status="replaced",
+                                         generation=generations[i], live_generation=live)
             else:
                 continue
             pending.discard(i)
     return [r for r in results if r is not None]
 
 
-def _settle(future: Any, store: Store, round: int, part: str, generation: int, shard: int) -> dict[str, Any]:
+def _settle(future: Any, store: Store, round_no: int, part: str, generation: int, shard: int) -> ShardResult:
     try:
-        res = future.result()
+        res: ShardResult = future.result()
     except Exception as e:  # noqa: BLE001
         if live_generation(store, part) > generation:  # fenced meanwhile: the live generation owns the shard
-            return {"shard": shard, "round": round, "part": part, "status": "replaced", "generation": generation,
-                    "error": f"{type(e).__name__}: {e}"}
+            return ShardResult(shard=shard, round=round_no, part=part, status="replaced", generation=generation,
+                               error=f"{type(e).__name__}: {e}")
         raise
-    if res.get("status") == "finished" and int(res.get("generation") or 0) < live_generation(store, part):
-        res = {**res, "status": "superseded"}  # a zombie that believed it was live
+    if res.finished and res.generation < live_generation(store, part):
+        res = replace(res, status="superseded")  # a zombie that believed it was live
     return res
 
 

@@ -39,7 +39,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.access import storage_options
 from tasks.links import flow_run_url, md_link
-from tasks.shard import train_shard
+from tasks.shard import rerun_name, train_shard
 from trainrun.credentials import StoreAccess, check_url
 from trainrun.layout import check_run_id, run_name, run_url, store_url
 from trainrun.spec import RunSpec
@@ -124,10 +124,10 @@ def watchdog(
 
     def submit_rerun(req: RerunRequest) -> str:
         s = req.settings
-        task = train_shard.with_options(task_run_name=f"rerun-shard-{req.shard}-round-{req.round}-g{req.generation}",
+        task = train_shard.with_options(task_run_name=rerun_name(req.shard, req.round, req.generation),
                                         retries=s.shard_retries, retry_delay_seconds=s.retry_delay_s)
         futures[req.key] = task.submit(
-            run_url=req.run_url, spec=req.spec, shard=req.shard, round=req.round, cut=req.cut, access=access,
+            run_url=req.run_url, spec=req.spec, shard=req.shard, round_no=req.round, cut=req.cut, access=access,
             keyframe_every=s.keyframe_every, chaos=s.chaos, heartbeat_every_s=s.heartbeat_every_s,
             heartbeat_events=s.heartbeat_events, attempt_offset=req.attempt_offset)
         futures[req.key].add_done_callback(lambda _f, k=req.key: ended.put(k))
@@ -170,7 +170,7 @@ def _watch(wd: Watchdog, logger: Any, poll_s: float, duration_s: float, until_do
             f = futures.pop(key)
             try:
                 res = f.result()
-                logger.info("rerun %s ended: %s", key, res.get("status"))
+                logger.info("rerun %s ended: %s", key, res.status)
                 done = wd.rerun_done(key, True, result=res)
             except Exception as e:  # noqa: BLE001 - the rerun failed after its retries, or was fenced itself
                 if getattr(f.state, "name", None) == "Fenced":  # another generation owns the shard: not a failure

@@ -1,7 +1,7 @@
 """Prefect tasks of the coordinator: plan a run, write step 0, perform each round's cut.
 
-Each is one call into ``trainrun`` (``rounds.plan_run``, ``rounds.initial_cut``, ``cut.cut_round``)
-with a Checkpointer of its own; small values in and out. Planning is never retried (a refusal is
+Each is one call into ``trainrun`` (``resume.where_to_start``, ``step_zero.write_step_zero``,
+``cut.cut_round``) with a Checkpointer of its own; small values in and out (``trainrun.results``). Planning is never retried (a refusal is
 final); writing retries only a store that could not be reached, never a conflicting commit.
 """
 
@@ -15,10 +15,11 @@ from ckptlib.store import Store
 from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
-from trainrun.rounds import Cut
-from trainrun.rounds import initial_cut as write_initial_cut
-from trainrun.rounds import plan_run as plan
+from trainrun.documents import Cut
+from trainrun.results import CutResult, RunPlan
+from trainrun.resume import where_to_start
 from trainrun.spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
+from trainrun.step_zero import write_step_zero
 
 from .access import storage_options
 from .retry import transient_store_error
@@ -26,12 +27,12 @@ from .retry import transient_store_error
 
 @task(name="plan-run", retries=0, cache_policy=NO_CACHE)
 def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None,
-             from_step: int | None = None) -> dict:
-    """Where the run starts (``trainrun.rounds.plan_run``); RunRefused when it must not start."""
+             from_step: int | None = None) -> RunPlan:
+    """Where the run starts (``trainrun.resume.where_to_start``); RunRefused when it must not start."""
     with Checkpointer(run_url, storage_options(access)) as ck:
-        out = plan(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
-    get_run_logger().info("%s: %s", run_url, out["note"])
-    return out
+        plan = where_to_start(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
+    get_run_logger().info("%s: %s", run_url, plan.note)
+    return plan
 
 
 @task(name="branch-run", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_store_error,
@@ -61,21 +62,21 @@ def branch_run(source_url: str, step: int, target_url: str, access: StoreAccess 
       cache_policy=NO_CACHE)
 def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
-                commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
+                commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
     """Write and commit step 0 (every shard's fresh state + the coordinator's); idempotent."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
-        return write_initial_cut(ck, spec, run_meta=run_meta, commit_timeout_s=commit_timeout_s)
+        return write_step_zero(ck, spec, run_meta=run_meta, commit_timeout_s=commit_timeout_s)
 
 
-@task(name="checkpoint-cut", task_run_name="cut-round-{round}", retries=2, retry_delay_seconds=1,
+@task(name="checkpoint-cut", task_run_name="cut-round-{round_no}", retries=2, retry_delay_seconds=1,
       retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
-def checkpoint_cut(run_url: str, spec: RunSpec, round: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
+def checkpoint_cut(run_url: str, spec: RunSpec, round_no: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
                    keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
-                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> dict:
-    """The cut after round ``round`` (``trainrun.cut.cut_round``); commits step ``round`` when ``publish``."""
+                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
+    """The cut after round ``round_no`` (``trainrun.cut.cut_round``); commits step ``round_no`` when ``publish``."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
-        out = cut_round(ck, spec, round, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
-    if out["committed"]:
-        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round, out["loss"],
-                              out["eval_loss"], out["digest"])
+        out = cut_round(ck, spec, round_no, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
+    if out.committed:
+        get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round_no, out.loss,
+                              out.eval_loss, out.digest)
     return out

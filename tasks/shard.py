@@ -1,4 +1,4 @@
-"""Prefect task ``train-shard``: one shard's round (``trainrun.rounds.train_shard_round``).
+"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``).
 
 Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried from the same cut and,
 training being deterministic, writes the same fragment), the attempt number (``run_count``), a
@@ -23,8 +23,9 @@ from ckptlib.heartbeat import Beat
 from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
+from trainrun.documents import Cut
 from trainrun.layout import run_name, shard_part
-from trainrun.rounds import Cut, train_shard_round
+from trainrun.results import ShardResult
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
 
@@ -37,12 +38,12 @@ PROGRESS_EVERY_S = 2.0  # at most one progress artifact update per shard attempt
 _DEFAULTS = RunSettings()
 
 
-def progress_reporter(part: str, round: int) -> Callable[[Beat], None]:
+def progress_reporter(part: str, round_no: int) -> Callable[[Beat], None]:
     """A Prefect progress artifact of this task run: the percentage of the round's steps done, updated
     from the heartbeats (at most every ``PROGRESS_EVERY_S``; the UI's Artifacts tab shows it live)."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    artifact_id = create_progress_artifact(0.0, description=f"{part}: steps of round {round} done")
+    artifact_id = create_progress_artifact(0.0, description=f"{part}: steps of round {round_no} done")
     last = [float("-inf")]
 
     def report(beat: Beat) -> None:
@@ -69,32 +70,38 @@ def _both(*callbacks: Callable[[Beat], None] | None) -> Callable[[Beat], None]:
     return call
 
 
-def fenced_state(ck: Checkpointer, part: str, round: int, attempt: int, error: FencedError) -> State:
+def rerun_name(shard: int, round_no: int, generation: int) -> str:
+    """The task run name of the watchdog's rerun of ``shard``'s round as ``generation``."""
+    return f"rerun-shard-{shard}-round-{round_no}-g{generation}"
+
+
+def fenced_state(ck: Checkpointer, shard: int, round_no: int, attempt: int, error: FencedError) -> State:
     """``Cancelled(name="Fenced")``: this attempt was fenced; the message says by whom and why, and a
     markdown artifact links the watchdog's flow run and names the rerun that took over."""
     from prefect.artifacts import create_markdown_artifact
 
     from ckptlib.commit import live_generation
 
+    part = shard_part(shard)
     live = live_generation(ck.store, part)
     fence = read_fence(ck.store, part, live)
-    rerun = f"rerun-shard-{part.rsplit('-', 1)[-1]}-round-{round}-g{live}"
+    rerun = rerun_name(shard, round_no, live)
     why = fence.reason if fence is not None and fence.reason else str(error)
     by = fence.by if fence is not None and fence.by else "a watchdog"
     link = flow_run_url(fence.by_flow_run_id) if fence is not None else None
     message = f"fenced by {by}: {why}; generation {live} reruns the round ({rerun})"
-    rows = [("what", f"{part} round {round}, attempt {attempt}: **fenced**, stopped"), ("why", why),
+    rows = [("what", f"{part} round {round_no}, attempt {attempt}: **fenced**, stopped"), ("why", why),
             ("by", f"[{by}]({link})" if link else by), ("rerun", f"`{rerun}` (generation {live}), a task run "
                                                                "of the watchdog's flow run"),
             ("fence", f"`{ck.url}/fences/{part}/{live}`")]
     try:
         create_markdown_artifact("## Fenced by the watchdog\n\n| | |\n|---|---|\n" +
                                  "\n".join(f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows) + "\n",
-                                 description=f"{part} round {round} fenced and rerun")
+                                 description=f"{part} round {round_no} fenced and rerun")
     except Exception as e:  # noqa: BLE001 - the state says it anyway
         get_run_logger().debug("fence artifact not created: %s", e)
     return Cancelled(name="Fenced", message=message,
-                     data={"shard": int(part.rsplit("-", 1)[-1]), "round": round, "part": part, "status": "fenced",
+                     data={"shard": shard, "round": round_no, "part": part, "status": "fenced",
                            "attempt": attempt, "live_generation": live, "error": str(error)})
 
 
@@ -121,18 +128,22 @@ def event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S) -> 
     return forward
 
 
-@task(name="train-shard", task_run_name="shard-{shard}-round-{round}", retries=_DEFAULTS.shard_retries,
+@task(name="train-shard", task_run_name="shard-{shard}-round-{round_no}", retries=_DEFAULTS.shard_retries,
       retry_delay_seconds=_DEFAULTS.retry_delay_s, retry_condition_fn=loud_failure, cache_policy=NO_CACHE)
-def train_shard(run_url: str, spec: RunSpec, shard: int, round: int, cut: Cut, access: StoreAccess | None = None,
+def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut, access: StoreAccess | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, chaos: list[str] | None = None,
                 heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s, heartbeat_events: bool = False,
-                attempt_offset: int = 0) -> dict:
-    """Train shard ``shard`` for round ``round`` from ``cut``; write fragment ``round``.
+                attempt_offset: int = 0) -> ShardResult:
+    """Train shard ``shard`` for round ``round_no`` from ``cut``; write its fragment of step ``round_no``.
 
     ``attempt_offset``: attempts made before this task run (the watchdog's rerun of a dead attempt
     passes that attempt's number, so the rerun is attempt n+1 and chaos aimed at attempt n does
     not strike again)."""
     from prefect.runtime import task_run
+
+    # torch is imported where a shard trains, not with this module: the watchdog flow imports it to
+    # rerun shards and most of its looks rerun nothing (flows.watchdog then loads no torch)
+    from trainrun.shard_round import train_shard_round
 
     logger = get_run_logger()
     attempt = int(attempt_offset) + max(1, int(task_run.run_count or 1))
@@ -140,17 +151,17 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round: int, cut: Cut, a
     forward = event_forwarder(run_url, part, max(EVENT_EVERY_S, heartbeat_every_s)) if heartbeat_events else None
     ck = Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every)
     try:
-        result = train_shard_round(ck, spec, shard, round, cut, attempt=attempt,
-                                   chaos=for_attempt(chaos, shard, round, attempt),
+        result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
+                                   chaos=for_attempt(chaos, shard, round_no, attempt),
                                    heartbeat_every_s=heartbeat_every_s,
-                                   on_beat=_both(forward, progress_reporter(part, round)))
+                                   on_beat=_both(forward, progress_reporter(part, round_no)))
     except FencedError as e:
-        state = fenced_state(ck, part, round, attempt, e)
-        logger.warning("%s round %d: %s", part, round, state.message)
+        state = fenced_state(ck, shard, round_no, attempt, e)
+        logger.warning("%s round %d: %s", part, round_no, state.message)
         return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
         ck.close()
-    logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round, result["loss"],
-                result["bytes_written"], result["logical_bytes"],
-                result["logical_bytes"] / max(result["bytes_written"], 1), result["seconds"]["total"])
+    written, full = result.bytes_written or 0, result.logical_bytes or 0
+    logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round_no, result.loss,
+                written, full, full / max(written, 1), result.seconds["total"])
     return result

@@ -4,6 +4,7 @@ what importing the runtime actually loads."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,94 @@ def test_the_runtime_loads_no_prefect_and_the_form_no_torch():
     code = ("import sys; import flows.params; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'prefect')], sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# --- reading a run loads no torch --------------------------------------------------------------------
+
+def _fresh_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter of this project; its stdout (it fails the test if it fails)."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_the_watchdog_and_its_flow_load_no_torch():
+    """Watching runs reads JSON (beats, fences, documents): no torch until a shard is rerun."""
+    code = ("import sys; import trainrun.watchdog, trainrun.documents, trainrun.resume, trainrun.results; "
+            "assert 'torch' not in sys.modules, 'trainrun.watchdog'; "
+            "import flows.watchdog; assert 'torch' not in sys.modules, 'flows.watchdog'")
+    _fresh_python(code)
+
+
+def test_ckpt_status_of_a_running_run_loads_no_torch(tmp_path):
+    """``ckpt status`` on a real run (step 0 committed, a shard's round beaten, the coordinator beating
+    in round 1, a fence): the same view as ever, and no torch, no Prefect in its process."""
+    from ckptlib import Checkpointer
+    from trainrun.beats import CoordinatorBeat
+    from trainrun.documents import CoordinatorInfo, Cut
+    from trainrun.shard_round import train_shard_round
+    from trainrun.spec import RunSpec
+    from trainrun.step_zero import write_step_zero
+
+    url = str(tmp_path / "runs" / "r1")
+    spec = RunSpec(workload="tinylm", workload_extra={"d_model": 16, "n_layers": 1, "ctx": 8, "corpus_bytes": 32768},
+                   shards=2, steps_per_round=3)
+    with Checkpointer(url) as ck:
+        write_step_zero(ck, spec)
+        train_shard_round(ck, spec, 0, 1, Cut.of_step(0), heartbeat_every_s=0.05)
+        assert ck.fence("shard-1", 1, reason="silent for the test", by="test")
+        beat = CoordinatorBeat(ck.store, CoordinatorInfo(run_id="r1", spec=spec), every_s=60.0).start()
+        beat.update(round_no=1, phase="shards", cut=Cut.of_step(0))
+    code = (f"import json, sys; from ckpt.cli import app; app(['status', {str(tmp_path / 'runs')!r}, '--json'], "
+            "standalone_mode=False); "
+            "print(json.dumps(sorted(m for m in ('torch', 'prefect') if m in sys.modules)))")
+    out = _fresh_python(code)
+    beat.finish()
+    runs, loaded = out.strip().rsplit("\n", 1)
+    assert loaded == "[]", loaded
+    [run] = json.loads(runs)
+    assert (run["run"], run["state"], run["committed"]) == ("r1", "running", 0)
+    assert (run["coordinator"]["round"], run["coordinator"]["phase"]) == (1, "shards")
+    assert [(p["part"], p["state"], p["live"]) for p in run["parts"]] == [("shard-0", "finished", 0),
+                                                                           ("shard-1", "waiting", 1)]
+    assert [(f["part"], f["generation"], f["reason"]) for f in run["fences"]] == [("shard-1", 1, "silent for the test")]
+
+
+def test_ckpt_help_loads_no_schema_torch_or_prefect():
+    """``ckpt --help`` loads no pydantic; ``ckpt train --help`` shows the options' defaults without the
+    schema they come from (flows.params, trainrun.spec: a test in test_train_units.py checks them
+    against it). Typer itself imports pydantic to parse a command's options."""
+    heavy = "('torch', 'prefect', 'flows.params', 'trainrun.spec')"
+    code = ("import sys; from ckpt.cli import app\n"
+            "try:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'pydantic' not in sys.modules, 'ckpt --help'\n"
+            "try:\n    app(['train', '--help'])\nexcept SystemExit:\n    pass\n"
+            f"loaded = [m for m in {heavy} if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    assert "--steps-per-round" in _fresh_python(code)
+
+
+# --- no function longer than a page -------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 100
+# Functions still longer than that, each being split on another branch (the lead removes them at merge).
+LONG_FUNCTIONS = {
+    ("ckptlib/tree.py", "flatten"): "being split on another branch",
+    ("ckptlib/tree.py", "unflatten"): "being split on another branch",
+    ("ckptlib/writer.py", "encode_part"): "being split on another branch",
+}
+
+
+def test_no_function_is_longer_than_a_page():
+    """Every function (methods and nested ones included) of the project's packages fits in
+    ``MAX_FUNCTION_LINES`` lines, from its ``def`` to its last line: a longer one does several jobs."""
+    long = {}
+    for package in ("ckptlib", "trainrun", "tasks", "flows", "ckpt"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long[(str(path.relative_to(ROOT)), node.name)] = lines
+    assert not {k: v for k, v in long.items() if k not in LONG_FUNCTIONS}, long
+    assert not [k for k in LONG_FUNCTIONS if k not in long], "split already: remove it from LONG_FUNCTIONS"

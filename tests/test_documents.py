@@ -18,13 +18,13 @@ from ckptlib.documents import DocumentError
 from ckptlib.heartbeat import Beat, read_heartbeat, read_heartbeats
 from ckptlib.store import Store
 from ckptlib.validate import Failure, Verdict, error_verdict, read_verdict
-from trainrun.beats import CoordinatorInfo
 from trainrun.chaos import Strike
-from trainrun.rounds import Cut, ShardInfo
+from trainrun.documents import CoordinatorInfo, Cut, ShardInfo
+from trainrun.errors import RerunRefused
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog import Decision, Fence, RerunRequest, assess_run
 from trainrun.watchdog.decisions import RerunInfo, Resumed
-from trainrun.watchdog.rerun import RerunRefused, plan_rerun
+from trainrun.watchdog.rerun import plan_rerun
 
 BEAT = Beat(part="shard-0", generation=1, round=3, status="running", time=100.5, started=90.0, step=17, round_step=2,
             steps_per_round=40, beats=4, host="h", pid=7, attempt=2, loss=1.25, meta={"cut": {"step": 2}})

@@ -83,7 +83,7 @@ def test_resume_from_a_chosen_step_of_the_same_run(source):
 def test_refusals_name_the_cause_and_both_fixes(source, tmp_path):
     from flows.params import StartFrom
     from flows.train import train_run
-    from trainrun.rounds import RunRefused
+    from trainrun.errors import RunRefused
 
     with pytest.raises(RunRefused, match=r"Continue it with resume \(`ckpt train --resume`, or resume: true in the "
                                          r"form\)"):

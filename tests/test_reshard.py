@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from ckptlib import Checkpointer
-from trainrun.cut import cut_round, next_cut
+from trainrun.cut import cut_round
+from trainrun.documents import Cut
+from trainrun.errors import RunRefused
 from trainrun.layout import COORDINATOR, shard_part
 from trainrun.reshard import TreeMean, sources
-from trainrun.rounds import Cut, RunRefused, initial_cut, plan_run, train_shard_round
+from trainrun.resume import where_to_start
+from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec
+from trainrun.step_zero import write_step_zero
 
 EXTRA = {"d_model": 16, "n_layers": 1, "ctx": 8, "corpus_bytes": 32768}
 
@@ -30,7 +34,7 @@ def train(url: str, s: RunSpec, start: int | None, rounds: int) -> dict[int, str
 
     with Checkpointer(url) as ck:
         if start is None:
-            initial_cut(ck, s)
+            write_step_zero(ck, s)
             validate_run_checkpoint(url, 0, report=False)
             start = 0
     cut = Cut.of_step(start)
@@ -39,7 +43,7 @@ def train(url: str, s: RunSpec, start: int | None, rounds: int) -> dict[int, str
             with Checkpointer(url) as ck:
                 train_shard_round(ck, s, i, r, cut)
         with Checkpointer(url) as ck:
-            cut = next_cut(cut_round(ck, s, r, cut, publish=True))
+            cut = cut_round(ck, s, r, cut, publish=True).next_cut()
         assert validate_run_checkpoint(url, r, report=False).passed
     with Checkpointer(url) as ck:
         return {step: ck.manifest(step).digest for step in ck.steps()}
@@ -81,10 +85,10 @@ def test_resume_with_another_shard_count_reshards_deterministically_and_records_
     shutil.copytree(url, copy)
 
     with Checkpointer(url) as ck:
-        plan = plan_run(ck, spec(new), resume=True, run_id="r")
+        plan = where_to_start(ck, spec(new), resume=True, run_id="r")
         parts_2 = sorted(ck.manifest(2).parts)
-    assert plan["start_step"] == 2 and plan["reshard"] == {"step": 2, "shards": [old, new]}
-    assert f"with {new} shards instead of {old}" in plan["note"]
+    assert plan.start_step == 2 and plan.reshard is not None and plan.reshard.to_dict() == {"step": 2, "shards": [old, new]}
+    assert f"with {new} shards instead of {old}" in plan.note
     after = train(url, spec(new), 2, 4)
     assert {s: after[s] for s in before} == before  # the old trajectory is untouched
     with Checkpointer(url) as ck:
@@ -100,7 +104,7 @@ def test_resume_with_another_shard_count_reshards_deterministically_and_records_
         assert first["data_position"] == ck.restore(2, part=shard_part(sources(old, new, 1)[0]))["data_position"] + 3
         assert ck.restore(3, part=COORDINATOR)["config"]["shards"] == new
         # a resume with the new count goes on as usual (no second reshard)
-        assert plan_run(ck, spec(new), resume=True)["reshard"] is None
+        assert where_to_start(ck, spec(new), resume=True).reshard is None
     again = train(copy, spec(new), 2, 4)
     assert again == after  # the same resume reproduces the new trajectory exactly
 
@@ -116,7 +120,7 @@ def test_resharding_waits_for_the_latest_committed_step_to_be_healthy(tmp_path):
         cut_round(ck, s, 2, Cut.of_step(1), publish=True)
         with pytest.raises(RunRefused, match=r"cannot reshard .* from 2 to 3 shards yet: its latest committed step 2 "
                                              r"is not validated \(step 1 is healthy\).*ckpt validate"):
-            plan_run(ck, spec(3), resume=True, run_id="r")
+            where_to_start(ck, spec(3), resume=True, run_id="r")
         with pytest.raises(RunRefused, match="seed: 0 -> 1"):  # any other trajectory change is still refused
-            plan_run(ck, spec(3).model_copy(update={"seed": 1}), resume=True)
-        assert plan_run(ck, spec(2), resume=True)["start_step"] == 1  # the old count resumes as before
+            where_to_start(ck, spec(3).model_copy(update={"seed": 1}), resume=True)
+        assert where_to_start(ck, spec(2), resume=True).start_step == 1  # the old count resumes as before

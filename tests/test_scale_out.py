@@ -122,7 +122,7 @@ def test_dask_cli_workers_on_s3_survive_a_killed_worker_and_reshard(clean, s3_ur
 @pytest.mark.slow
 @pytest.mark.prefect
 def test_work_pool_shards_survive_a_killed_prefect_worker(clean, s3_url, tmp_path, monkeypatch):
-    from ckpt.cmd_train import BesideWatchdog
+    from ckpt.beside import BesideWatchdog
     from deployments.shard_pool import PrefectWorkers, deploy_shard_flow
     from flows.train import train_run
 
@@ -180,7 +180,7 @@ def test_watchdog_simulator_look_cost_memory_and_detection(tmp_path):
 def test_a_work_pool_run_gives_shards_a_flow_runs_start_before_calling_them_missing():
     """A shard flow run on a work pool starts a fresh process (40 s on a loaded machine): the
     watchdog beside the run must not fence every shard of every round as never started."""
-    from ckpt.cmd_train import POOL_START_TIMEOUT_S, BesideWatchdog
+    from ckpt.beside import POOL_START_TIMEOUT_S, BesideWatchdog
     from trainrun.watchdog.judge import start_timeout_for
 
     assert BesideWatchdog(params(task_runner="pool:train-shard/shard"), 4.0).start_timeout_s == POOL_START_TIMEOUT_S

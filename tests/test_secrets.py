@@ -182,3 +182,28 @@ def test_credentials_in_a_store_url_are_refused_and_never_echoed(tmp_path):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2, (args, r.output)
         assert "holds credentials" in r.output and secret not in r.output, (args, r.output)
+
+
+def test_storage_options_reach_this_process_flows_as_a_file_path_not_its_content(tmp_path, monkeypatch):
+    """``--storage-options @FILE`` reaches the flows ``ckpt train`` and ``ckpt watchdog`` run here (the
+    watchdog's: no secret in its parameters) as the file's absolute path in CKPT_STORAGE_OPTIONS, with
+    ``~`` expanded as the command itself reads it (a path made absolute as given, ``<cwd>/~/opts.json``,
+    named a file that does not exist: the watchdog beside the run could not reach the store)."""
+    from trainrun.credentials import STORAGE_OPTIONS_ENV, export_storage_options, storage_options_from_env
+
+    secret = f"sEcReT{uuid.uuid4().hex}"
+    (tmp_path / "opts.json").write_text(json.dumps({"key": "k", "secret": secret}))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.delenv(STORAGE_OPTIONS_ENV, raising=False)
+    export_storage_options(None)
+    export_storage_options("  ")
+    assert STORAGE_OPTIONS_ENV not in os.environ  # nothing given: the environment as it was
+    export_storage_options("@~/opts.json")
+    assert os.environ[STORAGE_OPTIONS_ENV] == f"@{tmp_path / 'opts.json'}"
+    assert storage_options_from_env() == {"key": "k", "secret": secret}
+    export_storage_options("@../opts.json")  # relative to this process's directory, not the flow's
+    assert os.environ[STORAGE_OPTIONS_ENV] == f"@{tmp_path / 'opts.json'}"
+    export_storage_options(' {"endpoint_url": "http://127.0.0.1:8333"} ')  # inline JSON: as given
+    assert storage_options_from_env() == {"endpoint_url": "http://127.0.0.1:8333"}

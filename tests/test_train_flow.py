@@ -105,7 +105,7 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
 
     from ckpt.cli import app
     from flows.train import train_run
-    from trainrun.rounds import RunRefused
+    from trainrun.errors import RunRefused
 
     base = ["train", "--store", clean["store"], "--run-id", "clean", "--rounds", "3",
             "--workload-extra", json.dumps(EXTRA)]
@@ -171,7 +171,7 @@ def test_dask_runner_with_two_processes_reaches_the_clean_digest(clean, tmp_path
 def test_progress_display_reads_the_run_from_the_store(clean):
     from rich.console import Console
 
-    from ckpt.cmd_train import Progress
+    from ckpt.progress import Progress
 
     p = Progress(clean["summary"]["run_url"], None, params(), every_s=0.05)
     p.started = 0  # show the finished run's heartbeats too

@@ -11,11 +11,15 @@ import torch
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat, read_heartbeats
 from trainrun.chaos import ChaosCrash, for_attempt, parse_chaos
-from trainrun.cut import cut_round, next_cut
+from trainrun.cut import cut_round
+from trainrun.documents import Cut
+from trainrun.errors import RunRefused
 from trainrun.layout import COORDINATOR
 from trainrun.outer import outer_optimizer, outer_step
-from trainrun.rounds import Cut, RunRefused, initial_cut, plan_run, train_shard_round
+from trainrun.resume import where_to_start
+from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec, describe_changes
+from trainrun.step_zero import write_step_zero
 
 TINY = dict(workload="tinylm", workload_extra={"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536},
             shards=2, steps_per_round=3)
@@ -26,18 +30,18 @@ def run_rounds(url: str, spec: RunSpec, rounds: int, every: int = 1, start: int 
     digests = {}
     if start is None:
         with Checkpointer(url) as ck:
-            digests[0] = initial_cut(ck, spec)["digest"]
+            digests[0] = write_step_zero(ck, spec).digest
         start = 0
     cut = Cut.of_step(start)
     for r in range(start + 1, rounds + 1):
         for i in range(spec.shards):
             with Checkpointer(url) as ck:
-                assert train_shard_round(ck, spec, i, r, cut, heartbeat_every_s=0.05)["status"] == "finished"
+                assert train_shard_round(ck, spec, i, r, cut, heartbeat_every_s=0.05).status == "finished"
         with Checkpointer(url) as ck:
             result = cut_round(ck, spec, r, cut, publish=r % every == 0 or r == rounds, commit_timeout_s=30)
-        if result["committed"]:
-            digests[r] = result["digest"]
-        cut = next_cut(result)
+        if result.committed:
+            digests[r] = result.digest
+        cut = result.next_cut()
     return digests
 
 
@@ -84,7 +88,7 @@ def test_a_fenced_shard_attempt_stops_and_its_fragment_is_never_written(tmp_path
     url = str(tmp_path)
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        initial_cut(ck, spec)
+        write_step_zero(ck, spec)
         ck.fence("shard-0", 1, reason="declared dead", by="test")
         # this attempt believes it is generation 0: its first beat finds generation 1 live
         with pytest.raises(FencedError):
@@ -93,7 +97,7 @@ def test_a_fenced_shard_attempt_stops_and_its_fragment_is_never_written(tmp_path
             H(ck.store, "shard-0", generation=0, round=1).start()
         # a new attempt takes the live generation and writes fragments/1/shard-0.g1.json
         out = train_shard_round(ck, spec, 0, 1, Cut.of_step(0))
-    assert out["generation"] == 1
+    assert out.generation == 1
     assert ck.store.exists("fragments/1/shard-0.g1.json") and not ck.store.exists("fragments/1/shard-0.g0.json")
 
 
@@ -123,15 +127,15 @@ def test_plan_refuses_an_existing_run_without_resume_and_names_changed_fields(tm
     url = str(tmp_path / "run")
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        assert plan_run(ck, spec, resume=False)["start_step"] is None
-        initial_cut(ck, spec)
+        assert where_to_start(ck, spec, resume=False).start_step is None
+        write_step_zero(ck, spec)
         with pytest.raises(RunRefused, match="already has committed checkpoints.*--resume"):
-            plan_run(ck, spec, resume=False, run_id="r1")
+            where_to_start(ck, spec, resume=False, run_id="r1")
         changed = RunSpec(**{**TINY, "seed": 1, "steps_per_round": 5})
         with pytest.raises(RunRefused, match=r"seed: 0 -> 1; steps_per_round: 3 -> 5"):
-            plan_run(ck, changed, resume=True)
+            where_to_start(ck, changed, resume=True)
         # no validated checkpoint yet: resume recomputes from scratch (identically)
-        assert plan_run(ck, spec, resume=True)["start_step"] is None
+        assert where_to_start(ck, spec, resume=True).start_step is None
     assert describe_changes({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b: 2 -> 3", "c: '<absent>' -> 4"]
 
 
@@ -177,7 +181,7 @@ def test_a_retried_shard_round_writes_the_same_fragment(tmp_path):
     url = str(tmp_path)
     spec = RunSpec(**TINY)
     with Checkpointer(url) as ck:
-        initial_cut(ck, spec)
+        write_step_zero(ck, spec)
     chaos = for_attempt(["crash:shard=1,round=1"], 1, 1, 1)
     with Checkpointer(url) as ck, pytest.raises(ChaosCrash, match="on purpose"):
         train_shard_round(ck, spec, 1, 1, Cut.of_step(0), chaos=chaos)
@@ -186,7 +190,7 @@ def test_a_retried_shard_round_writes_the_same_fragment(tmp_path):
         a = train_shard_round(ck, spec, 1, 1, Cut.of_step(0), attempt=2)
     with Checkpointer(url) as ck:  # a third run of the same round: identical, accepted as is
         b = train_shard_round(ck, spec, 1, 1, Cut.of_step(0), attempt=3)
-    assert a["digest"] == b["digest"] and b["bytes_written"] == 0
+    assert a.digest == b.digest and b.bytes_written == 0
 
 
 def test_read_fragment_adopt_makes_the_fragment_the_delta_base(tmp_path):
@@ -212,7 +216,8 @@ def test_cli_options_are_the_schema_and_bad_options_are_one_line_errors(tmp_path
     from typer.testing import CliRunner
 
     from ckpt.cli import app
-    from ckpt.cmd_train import CLI_FIELDS, train
+    from ckpt.cmd_train import train
+    from ckpt.train_options import CLI_FIELDS
     from flows.params import TrainParams
 
     fields = TrainParams.model_fields

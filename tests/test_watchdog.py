@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from ckptlib import Checkpointer, commit
-from ckptlib.heartbeat import Heartbeat, read_heartbeat
+from ckptlib.heartbeat import Beat, Heartbeat, read_heartbeat
 from ckptlib.store import Store
-from trainrun.watchdog import Watchdog, assess_run
+from trainrun.watchdog import Memory, Watchdog, assess_run
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
 TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40, seed=0,
@@ -74,6 +74,30 @@ def _beat(store, part, *, t, gen=0, status="running", round=1, step=5, attempt=1
     store.put(f"heartbeats/{part}.json", json.dumps(doc).encode())
 
 
+def test_the_watchdogs_memory_keeps_per_part_progress_and_reports_a_decision_once():
+    """What a watchdog remembers between looks: since when a part is at its step (per part, not per
+    round), the last beat of each generation, and which decisions it has made already."""
+    memory = Memory()
+
+    def beat(t: float, step: int, generation: int = 0, round_no: int = 2) -> Beat:
+        return Beat(part="shard-0", generation=generation, round=round_no, status="running", time=t, started=0.0,
+                    step=step, attempt=1)
+
+    assert memory.progress_since("u", "shard-0", beat(10.0, 5)) == 10.0
+    assert memory.progress_since("u", "shard-0", beat(15.0, 5)) == 10.0  # same step: since the first look
+    assert memory.progress_since("u", "shard-0", beat(16.0, 6)) == 16.0  # it moved
+    assert memory.progress_since("u", "shard-0", beat(17.0, 6, generation=1)) == 17.0  # another attempt
+    for r in range(3, 50):  # later rounds replace the part's entry: the memory does not grow with them
+        memory.progress_since("u", "shard-0", beat(float(r), r, round_no=r))
+    assert memory.last_seen("u", "shard-0", 1) is None
+    memory.saw("u", "shard-0", beat(20.0, 7, generation=1))
+    memory.saw("u", "shard-0", beat(21.0, 8, generation=1))
+    assert memory.last_seen("u", "shard-0", 1) == 21.0 and memory.last_seen("v", "shard-0", 1) is None
+    assert memory.first_time("gave-up", "u", "shard-0", 2) and not memory.first_time("gave-up", "u", "shard-0", 2)
+    assert memory.first_time("gave-up", "u", "shard-0", 3) and memory.first_time("cannot-rerun", "u", "shard-0", 2)
+    assert len(memory) == 5 == len(list(memory))  # progress of one part, one generation seen, three decisions
+
+
 def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path):
     store = Store.from_url(str(tmp_path))
     now = 1_000_000.0
@@ -82,7 +106,7 @@ def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path
     _beat(store, "shard-0", t=now - 5, round=2)  # silent
     _beat(store, "shard-1", t=now - 0.2, round=2)  # fresh
     _beat(store, "shard-2", t=now - 30, round=1, status="finished")  # has not started round 2 for 50 s
-    memory: dict = {}
+    memory = Memory()
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now, memory=memory)
     assert v.state == "running" and [p.state for p in v.shards] == ["silent", "running", "missing"]
     assert v.shards[0].failure_time == now - 5 and "no heartbeat for 5.0 s" in v.shards[0].reason

@@ -6,15 +6,24 @@ This package is all of that as plain Python: ``tasks/`` wraps its functions as P
 ``flows/`` composes them, ``ckpt`` calls it. It imports ckptlib and workloads, never Prefect.
 
     layout       names and keys of a run in its store, run ids, finding runs
-    spec         RunSpec (the trajectory) and RunSettings (everything else a run is told), Cut
+    spec         RunSpec (the trajectory) and RunSettings (everything else a run is told)
+    documents    what the run's processes exchange: Cut, ShardInfo, CoordinatorInfo (a beat's meta)
+    errors       RunRefused, RerunRefused, ChaosCrash (ckptlib's CheckpointError tree)
     credentials  how a process reaches the store without a secret in any record
-    beats        the run's heartbeats: the coordinator's beat and what each beat carries
-    rounds       where a run starts, step 0, one shard's round
+    resume       where a run starts: the resume rules (RunRefused)
+    step_zero    the first checkpoint: every shard's fresh state and the coordinator's
+    shard_round  one shard's round: load the cut, build the workload, train with beats, write
     outer        the outer step that combines the shards
+    reshard      a cut of another shard count: which old shards a new one starts from
     cut          the coordinator's cut of one round (gather, combine, commit)
+    beats        the coordinator's heartbeat thread
+    timing       where a task's time went (the results' seconds)
     checks       the run's validation checks, plugged into ckptlib.validate
     chaos        fault injection for drills
     watchdog/    judge (the rules), decisions, reruns, the watchdog's state machine
+
+Reading a run (the watchdog, ``ckpt status``) loads no torch: ``documents``, ``resume`` and
+``watchdog/`` import none; the modules that train (``shard_round``, ``step_zero``, ``cut``) do.
 
 docs/architecture.md shows how the packages depend on each other.
 """

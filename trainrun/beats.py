@@ -2,9 +2,9 @@
 
 ckptlib's ``Heartbeat`` writes ``heartbeats/<part>.json`` (a ``Beat``); its ``meta`` is ours:
 
-* ``shard-<i>``: a ``rounds.ShardInfo``, the cut the attempt started from and its spec's hash, so
+* ``shard-<i>``: a ``documents.ShardInfo``, the cut the attempt started from and its spec's hash, so
   a watchdog can rerun the round even when no coordinator beats (ckptlib used without the flow);
-* ``coordinator``: a ``CoordinatorInfo``, beaten by the training flow from a thread
+* ``coordinator``: a ``documents.CoordinatorInfo``, beaten by the training flow from a thread
   (``CoordinatorBeat``): the round, its phase and the cut it starts from, the spec and settings,
   the Prefect flow run and deployment. What a watchdog needs to rerun a shard or restart the run.
 
@@ -17,61 +17,32 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from ckptlib import commit
-from ckptlib.documents import Document, DocumentError
 from ckptlib.errors import FencedError
-from ckptlib.heartbeat import Beat, Heartbeat
+from ckptlib.heartbeat import Heartbeat
 from ckptlib.store import Store
 
+from .documents import CoordinatorInfo, Cut, Phase
 from .layout import COORDINATOR
-from .rounds import Cut
-from .spec import RunSettings, RunSpec
 
 log = logging.getLogger("trainrun.beats")
-
-Phase = Literal["setup", "shards", "cut", "validations", "done"]
-
-
-@dataclass(frozen=True)
-class CoordinatorInfo(Document):
-    """The ``meta`` of the coordinator's beat (see the module docstring)."""
-
-    KIND = "coordinator heartbeat meta"
-
-    run_id: str = ""
-    spec: RunSpec | None = None
-    settings: RunSettings = field(default_factory=RunSettings)
-    phase: Phase = "setup"
-    phase_time: float = 0.0
-    cut: Cut | None = None
-    flow_run_id: str | None = None
-    deployment_id: str | None = None
-
-
-def coordinator_info(beat: Beat) -> CoordinatorInfo | None:
-    """The coordinator beat's meta, or None (logged) when it does not parse."""
-    try:
-        return CoordinatorInfo.from_dict(beat.meta, f"heartbeats/{COORDINATOR}.json meta")
-    except DocumentError as e:
-        log.warning("%s", e)
-        return None
 
 
 class CoordinatorBeat:
     """``heartbeats/coordinator.json`` of a training run, every ``every_s`` from a daemon thread.
 
-    The flow calls ``update(round=..., phase=..., cut=...)`` as it goes (written at once) and
+    The flow calls ``update(round_no=..., phase=..., cut=...)`` as it goes (written at once) and
     ``finish("finished" | "failed")`` at the end. A thread, unlike the shards' in-loop beats: the
     coordinator mostly waits (for shard tasks, for fragments), and what matters is that its process
     and flow run are alive."""
 
-    def __init__(self, store: Store, info: CoordinatorInfo, *, every_s: float, round: int = 0):
+    def __init__(self, store: Store, info: CoordinatorInfo, *, every_s: float, round_no: int = 0):
         self.info = replace(info, phase="setup", phase_time=time.time())
         generation = commit.live_generation(store, COORDINATOR)
-        self.hb = Heartbeat(store, COORDINATOR, generation=generation, round=round, every_s=every_s,
+        self.hb = Heartbeat(store, COORDINATOR, generation=generation, round=round_no, every_s=every_s,
                             meta=self.info.to_dict())
         self.every_s = every_s
         self._lock = threading.Lock()
@@ -83,10 +54,10 @@ class CoordinatorBeat:
         self._thread.start()
         return self
 
-    def update(self, *, round: int | None = None, phase: Phase | None = None, cut: Cut | None = None) -> None:
+    def update(self, *, round_no: int | None = None, phase: Phase | None = None, cut: Cut | None = None) -> None:
         with self._lock:
-            if round is not None:
-                self.hb.round = int(round)
+            if round_no is not None:
+                self.hb.round = int(round_no)
             changes: dict[str, Any] = {} if cut is None else {"cut": cut}
             if phase is not None:
                 changes.update(phase=phase, phase_time=time.time())

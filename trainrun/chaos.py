@@ -63,6 +63,7 @@ from ckptlib.documents import Document, DocumentError
 from ckptlib.errors import FencedError, ObjectNotFound, StoreError
 from ckptlib.store import Store, WrapperStore
 
+from .errors import ChaosCrash
 from .layout import strike_key
 
 if TYPE_CHECKING:
@@ -90,10 +91,6 @@ _INT_KEYS = ("shard", "round", "attempt", "step")
 MAX_WAIT_S = 900.0
 
 
-class ChaosCrash(RuntimeError):
-    """Raised on purpose by a ``crash`` chaos spec (and by a hang/zombie nobody fenced)."""
-
-
 @dataclass(frozen=True)
 class Chaos:
     kind: str
@@ -110,8 +107,8 @@ class Chaos:
             text += f",step={self.step}"
         return text
 
-    def strikes(self, shard: int, round: int, attempt: int) -> bool:
-        return (self.shard, self.round, self.attempt) == (shard, round, attempt)
+    def strikes(self, shard: int, round_no: int, attempt: int) -> bool:
+        return (self.shard, self.round, self.attempt) == (shard, round_no, attempt)
 
     def strike_step(self, steps_per_round: int) -> int:
         """The round-local step count after which this strikes (at least 1, at most the round)."""
@@ -151,9 +148,9 @@ def parse_all(specs: list[str] | None) -> list[Chaos]:
     return [parse_chaos(s) for s in specs or []]
 
 
-def for_attempt(specs: list[str] | None, shard: int, round: int, attempt: int) -> list[Chaos]:
-    """The specs that strike this shard's attempt in this round."""
-    return [c for c in parse_all(specs) if c.strikes(shard, round, attempt)]
+def for_attempt(specs: list[str] | None, shard: int, round_no: int, attempt: int) -> list[Chaos]:
+    """The specs that strike this shard's attempt in round ``round_no``."""
+    return [c for c in parse_all(specs) if c.strikes(shard, round_no, attempt)]
 
 
 def check_runner(specs: list[str] | None, task_runner: str) -> None:
@@ -181,9 +178,9 @@ class Strike(Document):
     pid: int
 
 
-def read_strike(store: Store, part: str, round: int, attempt: int) -> Strike | None:
+def read_strike(store: Store, part: str, round_no: int, attempt: int) -> Strike | None:
     """The strike of this attempt, if a chaos spec struck it (None too when unreadable: it is for measures)."""
-    key = strike_key(part, round, attempt)
+    key = strike_key(part, round_no, attempt)
     try:
         return Strike.from_json(store.get(key), f"{store.url}/{key}")
     except (ObjectNotFound, StoreError, DocumentError):

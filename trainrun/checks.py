@@ -89,13 +89,13 @@ class RunChecks:
             rows[part]["expected"] = i < n
         coord = rows.get(COORDINATOR)
         rounds = [r["round"] for r in rows.values() if r.get("round") is not None]
-        round_ = coord["round"] if coord and coord.get("round") is not None else mode(rounds)
+        round_no = coord["round"] if coord and coord.get("round") is not None else mode(rounds)
         shards = {p: r for p, r in rows.items() if r["role"] == "shard"}
         summary = {"shards_present": sum(1 for r in shards.values() if r.get("present", True)),
-                   "shards_expected": n, "round": round_,
+                   "shards_expected": n, "round": round_no,
                    "data_positions": {p: r.get("data_position") for p, r in sorted(shards.items())
                                       if r.get("present", True)}}
-        return Findings(rows=rows, reference={"round": round_}, leader=COORDINATOR if coord else None,
+        return Findings(rows=rows, reference={"round": round_no}, leader=COORDINATOR if coord else None,
                         summary=summary)
 
 

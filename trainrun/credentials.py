@@ -70,6 +70,16 @@ def storage_options_from_env() -> dict[str, Any] | None:
     return parse_storage_options(os.environ.get(STORAGE_OPTIONS_ENV), STORAGE_OPTIONS_ENV)
 
 
+def export_storage_options(text: str | None) -> None:
+    """Hand ``--storage-options`` to the flows this process runs (the watchdog's, whose parameters may
+    hold no secret) through ``CKPT_STORAGE_OPTIONS``: a file by its absolute path, never its content;
+    JSON as given. Nothing to hand (``text`` empty): the environment stays as it is."""
+    if text is None or not text.strip():
+        return
+    text = text.strip()
+    os.environ[STORAGE_OPTIONS_ENV] = f"@{os.path.abspath(os.path.expanduser(text[1:]))}" if text.startswith("@") else text
+
+
 def check_url(url: str) -> str:
     """``url`` unless it holds credentials (``scheme://user:password@...``): ValueError, which shows
     the URL with them removed."""

@@ -11,34 +11,38 @@
 The manifest names exactly the fragments that were combined: a shard fenced between the gather and
 the publish cannot slip another generation into the cut (its new fragment is the next round's
 business). Between published checkpoints nothing is committed; the next round starts from the
-generations this cut returns (``Cut(committed=False)``).
+generations this cut returns (``CutResult.next_cut()``: a ``Cut(committed=False)``).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
 from ckptlib.concurrency import map_ahead
-from ckptlib.manifest import Fragment
+from ckptlib.manifest import Fragment, Manifest
 
+from .documents import Cut
 from .layout import COORDINATOR, shard_part
 from .outer import ShardMean, outer_step
-from .rounds import Cut, apply_threads, elapsed, load_part, round_s
+from .results import CutResult
+from .shard_round import apply_threads, read_cut_part
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
+from .timing import Stopwatch
 
 READ_AHEAD = 8  # shards' models read at once: store latency overlaps; memory holds this many models
 
 
-def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish: bool,
-              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> dict[str, Any]:
-    """The cut after round ``round`` from the shards of the live generation; commits step ``round``
-    when ``publish``. Returns small JSON: loss, sizes, the digest, the generations combined, timings.
+def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publish: bool,
+              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> CutResult:
+    """The cut after round ``round_no`` from the shards of the live generation; commits step
+    ``round_no`` when ``publish``. Returns the loss, sizes, the digest (when committed), the
+    generations combined and timings.
 
     Cost in the shard count N: one fence listing per look of the gather, N fragment reads, and of
     each shard only its model (not its optimizer state) read, ``READ_AHEAD`` at a time and added to
@@ -46,62 +50,63 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round: int, cut: Cut, *, publish:
     manifest names each part's fragment: O(N) small entries, never the shards' tensors."""
     from workloads import build_workload
 
-    t0 = time.perf_counter()
+    clock = Stopwatch()
     spec = spec.trajectory()
     apply_threads(spec)
-    prev = load_part(ck, cut, COORDINATOR)
+    prev = read_cut_part(ck, cut, COORDINATOR)
     shard_parts = [shard_part(i) for i in range(spec.shards)]
-    t_wait = time.perf_counter()
-    gathered = ckcommit.gather(ck.store, round, shard_parts, timeout=commit_timeout_s)
+    clock.lap("load")
+    gathered = ckcommit.gather(ck.store, round_no, shard_parts, timeout=commit_timeout_s)
     frags = {p: frag for p, (frag, _) in gathered.items()}
-    t_gathered = time.perf_counter()
+    clock.lap("wait")
     mean = ShardMean(prev["model"])
     losses = []
-    for state in _shard_models(ck, round, [frags[p] for p in shard_parts]):
+    for state in _shard_models(ck, round_no, [frags[p] for p in shard_parts]):
         mean.add(state["model"])
         losses.append(float(state["loss"]))
-    t_read = time.perf_counter()
+    clock.lap("read")
     model, outer_state = outer_step(spec, prev["model"], prev["outer_optimizer"], mean)
     loss = math.fsum(losses) / len(losses)
     wl = build_workload(spec.workload_config(), 0, spec.shards)
     wl.model.load_state_dict(model)
     eval_loss = float(wl.evaluate())
-    t_combined = time.perf_counter()
+    clock.lap("combine")
     del mean, wl
-    coord = {"model": model, "outer_optimizer": outer_state, "round": round,
-             "global_step": round * spec.steps_per_round, "config": spec.to_dict(),
+    coord = {"model": model, "outer_optimizer": outer_state, "round": round_no,
+             "global_step": round_no * spec.steps_per_round, "config": spec.to_dict(),
              "metrics": {"loss": loss, "eval_loss": eval_loss}}
     reshards = _reshards(prev, cut, spec)
     if reshards:  # only a resharded run has the key: every other run's digests stay as they were
         coord["reshards"] = reshards
     generations = {p: f.generation for p, f in frags.items()}
-    cfrag = ck.write_fragment(round, COORDINATOR, coord, generation=ck.live_generation(COORDINATOR),
+    cfrag = ck.write_fragment(round_no, COORDINATOR, coord, generation=ck.live_generation(COORDINATOR),
                               config_hash=spec.config_hash(),
-                              meta={"round": round, "loss": loss, "eval_loss": eval_loss, "generations": generations})
+                              meta={"round": round_no, "loss": loss, "eval_loss": eval_loss, "generations": generations})
     generations[COORDINATOR] = cfrag.generation
-    t_written = time.perf_counter()
-    out: dict[str, Any] = {
-        "step": round, "round": round, "committed": False, "created": False, "loss": loss, "eval_loss": eval_loss,
-        "generations": generations, "coordinator_bytes_written": cfrag.bytes_written,
-        "logical_bytes": cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()),
-        "shard_bytes_written": sum(f.bytes_written for f in frags.values()), "digest": None,
-    }
+    clock.lap("write")
+    result = CutResult(step=round_no, committed=False, created=False, loss=loss, eval_loss=eval_loss,
+                       generations=generations, bytes_written=cfrag.bytes_written,
+                       logical_bytes=cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()))
     if publish:
-        # the coordinator's fragment as stored (the manifest records its bytes' checksum), and the
-        # shards' exactly as combined
-        coordinator = ckcommit.gather(ck.store, round, [COORDINATOR], timeout=commit_timeout_s)
-        manifest = ckcommit.build_manifest(round, _parent(ck, cut, round), {**coordinator, **gathered}, single=False,
-                                           meta={**(run_meta or {}), "round": round, "loss": loss, "eval_loss": eval_loss,
-                                                 **({"reshards": reshards} if reshards else {})})
-        created = ckcommit.publish(ck.store, manifest)
-        out.update(committed=True, created=created, digest=manifest.digest, stored_bytes=manifest.stored_bytes,
-                   kind=manifest.kind, chunks=manifest.stats, logical_bytes=manifest.logical_bytes)
-    t_done = time.perf_counter()
-    out["seconds"] = {"load": round_s(t_wait - t0), "wait": round_s(t_gathered - t_wait),
-                      "read": round_s(t_read - t_gathered), "combine": round_s(t_combined - t_read),
-                      "write": round_s(t_written - t_combined), "commit": round_s(t_done - t_written),
-                      "total": elapsed(t0)}
-    return out
+        meta = {**(run_meta or {}), "round": round_no, "loss": loss, "eval_loss": eval_loss,
+                **({"reshards": reshards} if reshards else {})}
+        manifest, created = _publish(ck, round_no, _parent(ck, cut, round_no), gathered, meta,
+                                     timeout_s=commit_timeout_s)
+        result = replace(result, committed=True, created=created, digest=manifest.digest,
+                         stored_bytes=manifest.stored_bytes, kind=manifest.kind, chunks=manifest.stats,
+                         logical_bytes=manifest.logical_bytes)
+    clock.lap("commit")
+    return replace(result, seconds=clock.seconds())
+
+
+def _publish(ck: Checkpointer, step: int, parent: int | None, gathered: dict[str, Any], meta: dict[str, Any], *,
+             timeout_s: float) -> tuple[Manifest, bool]:
+    """Commit step ``step``: the coordinator's fragment as stored (the manifest records its bytes'
+    checksum) and the shards' exactly as combined (``gathered``). Returns the manifest and whether
+    this call published it (False: an identical one was there already)."""
+    coordinator = ckcommit.gather(ck.store, step, [COORDINATOR], timeout=timeout_s)
+    manifest = ckcommit.build_manifest(step, parent, {**coordinator, **gathered}, single=False, meta=meta)
+    return manifest, ckcommit.publish(ck.store, manifest)
 
 
 def _shard_models(ck: Checkpointer, step: int, frags: list[Fragment]) -> Iterator[dict[str, Any]]:
@@ -124,15 +129,11 @@ def _reshards(prev: dict[str, Any], cut: Cut, spec: RunSpec) -> list[dict[str, A
     return done
 
 
-def _parent(ck: Checkpointer, cut: Cut, round: int) -> int | None:
-    """The committed step before ``round``: the cut's when it is committed (no listing: a run with
+def _parent(ck: Checkpointer, cut: Cut, round_no: int) -> int | None:
+    """The committed step before ``round_no``: the cut's when it is committed (no listing: a run with
     thousands of checkpoints lists them only when it publishes every C-th round)."""
     if cut.committed:
         return cut.step
-    prior = [s for s in ck.steps() if s < round]
+    prior = [s for s in ck.steps() if s < round_no]
     return prior[-1] if prior else None
 
-
-def next_cut(result: dict[str, Any]) -> Cut:
-    """The cut the next round starts from, given this cut's result."""
-    return Cut(int(result["step"]), bool(result["committed"]), dict(result.get("generations", {})))

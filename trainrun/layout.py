@@ -47,8 +47,8 @@ def run_parts(shards: int) -> list[str]:
     return [COORDINATOR] + [shard_part(i) for i in range(shards)]
 
 
-def strike_key(part: str, round: int, attempt: int) -> str:
-    return f"chaos/{part}.r{round}.a{attempt}.json"
+def strike_key(part: str, round_no: int, attempt: int) -> str:
+    return f"chaos/{part}.r{round_no}.a{attempt}.json"
 
 
 def run_dead_key(ident: str) -> str:
@@ -93,10 +93,6 @@ def child_url(root_url: str, prefix: str) -> str:
 
 
 # --- finding runs ---------------------------------------------------------------------------------
-
-def is_run(store: Store) -> bool:
-    return any(name in RUN_MARKERS for name in store.list_dirs(""))
-
 
 def find_runs(store: Store, *, max_depth: int = MAX_RUN_DEPTH) -> list[str]:
     """The prefixes of the runs at or under ``store``'s root, sorted ('' = the root is a run).

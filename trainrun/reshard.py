@@ -43,7 +43,7 @@ def sources(old: int, new: int, shard: int) -> list[int]:
 
 
 def cut_shards(ck: Checkpointer, cut: Any) -> int:
-    """How many shards the cut ``cut`` (a ``rounds.Cut``) holds: the generations the coordinator
+    """How many shards the cut ``cut`` (a ``documents.Cut``) holds: the generations the coordinator
     combined (every cut a round hands to the next), else its manifest's shard parts (a committed step
     a run starts from). Every shard asks every round: the manifest is read only when needed."""
     names: Iterable[str] = cut.generations if cut.generations or not cut.committed else ck.manifest(cut.step).parts

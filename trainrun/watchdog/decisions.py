@@ -24,6 +24,9 @@ Kind = Literal["fenced", "lost-race", "running-again", "rerun-failed", "gave-up"
 # Decisions worth a markdown artifact and a warning (the others are logged as info).
 NOTABLE: tuple[Kind, ...] = ("fenced", "run-dead", "resumed", "resume-failed", "gave-up", "cannot-rerun",
                              "rerun-failed")
+# What a run's own summary lists (``ckpt train``): what the watchdog did to it, and when each fenced
+# shard ran again. Left out: ``lost-race`` (another watchdog acted; this one did nothing).
+SUMMARY: tuple[Kind, ...] = (*NOTABLE, "running-again")
 
 
 @dataclass(frozen=True)

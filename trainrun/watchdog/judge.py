@@ -6,7 +6,7 @@ What counts as dead (one shard attempt)
              is still loading: its beat has no ``round_step`` until the attempt has loaded the cut
              and built its workload, which take seconds in a fresh process on a busy machine);
 ``stalled``  it beats, but its step has not changed for ``timeout_s`` (needs a watchdog that has
-             looked at it before: ``memory`` keeps the first beat with that step);
+             looked at it before: its ``Memory`` keeps the first beat with that step);
 ``lost``     it was fenced and rerun, and the new generation has not beaten for ``start_timeout_s``
              after the fence (the rerun never started: e.g. the watchdog that fenced died);
 ``missing``  the coordinator has been waiting for this round's shards for ``start_timeout_s`` and this
@@ -33,9 +33,10 @@ from ckptlib.errors import StoreError
 from ckptlib.heartbeat import Beat, read_heartbeats
 from ckptlib.store import Store
 
-from ..beats import CoordinatorInfo, coordinator_info
+from ..documents import CoordinatorInfo
 from ..layout import COORDINATOR, run_name, shard_part
 from .decisions import read_fence
+from .memory import Memory
 
 DEFAULT_TIMEOUT_S = 30.0  # the default workload beats every 2 s and steps every few ms: 15 beats missed
 DEFAULT_POLL_S = 2.0
@@ -115,9 +116,9 @@ class RunView:
 
 def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: float | None = None,
                coordinator_timeout_s: float | None = None, now: float | None = None,
-               memory: dict | None = None, with_committed: bool = True) -> RunView:
-    """Judge every part of one run at wall time ``now`` (default: the clock). ``memory`` (a dict the
-    caller keeps between looks) enables ``stalled``; without it only silence counts.
+               memory: Memory | None = None, with_committed: bool = True) -> RunView:
+    """Judge every part of one run at wall time ``now`` (default: the clock). ``memory`` (the
+    caller's, kept between looks) enables ``stalled``; without it only silence counts.
 
     What one look costs, on S3, for N shards: a listing of ``heartbeats/`` and N beat reads (in
     parallel), one listing of ``fences/`` (every part's generation), one listing of the current
@@ -133,7 +134,7 @@ def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: flo
     coordinator, info, session_start = None, None, None
     if cbeat is not None:
         session_start = cbeat.started or None
-        info = coordinator_info(cbeat)
+        info = CoordinatorInfo.of_beat(cbeat)
         state = cbeat.status if cbeat.status in ("finished", "failed") else "running"
         coordinator = PartView.of(COORDINATOR, state, cbeat.generation, cbeat, now)
         age = cbeat.age(now)
@@ -192,7 +193,7 @@ class _Look:
 
 def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartView | None,
                   info: CoordinatorInfo | None, *, now: float, timeout_s: float, start_timeout_s: float,
-                  memory: dict | None, url: str) -> PartView:
+                  memory: Memory | None, url: str) -> PartView:
     live = look.live(part)
     coord_running = coordinator is not None and coordinator.state == "running"
     c_round = coordinator.round if coordinator is not None else None
@@ -205,7 +206,7 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
         return _replaced(look, view, beat, coordinator, now=now, start_timeout_s=start_timeout_s,
                          memory=memory, url=url)
     if memory is not None:
-        memory[("beat", url, part, beat.generation)] = beat.time
+        memory.saw(url, part, beat)
     if beat.status in ("finished", "failed", "fenced"):
         view.state = beat.status
         return view
@@ -229,16 +230,11 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
                        f"{limit:g} s) {_where(beat)}")
         view.failure_time = beat.time
         return view
-    if memory is not None:
-        # one entry per part (not per round: a watchdog's memory must not grow with the run's history)
-        key, attempt = ("progress", url, part), (beat.generation, beat.attempt, beat.round)
-        first = memory.get(key)
-        if first is None or first[:2] != (attempt, beat.step):
-            memory[key] = (attempt, beat.step, beat.time)
-        elif beat.time - first[2] > timeout_s:
-            view.state = "stalled"
-            view.reason = f"beats but no progress for {beat.time - first[2]:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
-            view.failure_time = first[2]
+    since = memory.progress_since(url, part, beat) if memory is not None else beat.time
+    if beat.time - since > timeout_s:
+        view.state = "stalled"
+        view.reason = f"beats but no progress for {beat.time - since:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
+        view.failure_time = since
     return view
 
 
@@ -265,16 +261,15 @@ def _waiting(look: _Look, part: str, live: int, prior: Beat | None, coordinator:
 
 
 def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | None, *, now: float,
-              start_timeout_s: float, memory: dict | None, url: str) -> PartView:
+              start_timeout_s: float, memory: Memory | None, url: str) -> PartView:
     """A fenced attempt's beat: replaced until the live generation beats, then lost if it never does."""
     live, part = view.live, view.part
     fence = read_fence(look.store, part, live)
     since = fence.time if fence is not None and fence.time is not None else beat.time
     view.state, view.reason = "replaced", f"generation {beat.generation} was fenced; waiting for generation {live} to beat"
-    if memory is not None:
-        seen = memory.get(("beat", url, part, live))
-        if seen is not None:
-            since = max(since, seen)
+    seen = memory.last_seen(url, part, live) if memory is not None else None
+    if seen is not None:
+        since = max(since, seen)
     coord_running = coordinator is not None and coordinator.state == "running"
     if look.fragment_done(beat.round, part, live):
         view.state, view.reason = "done", None
@@ -292,12 +287,12 @@ def _where(beat: Beat) -> str:
     return f"at step {beat.round_step}/{beat.steps_per_round} of round {beat.round}"
 
 
-def superseded(store: Store, part: str, round: int, generation: int, live: int | None = None) -> int | None:
-    """The live generation if it is newer than ``generation`` and has written its fragment of ``round``:
+def superseded(store: Store, part: str, round_no: int, generation: int, live: int | None = None) -> int | None:
+    """The live generation if it is newer than ``generation`` and has written its fragment of ``round_no``:
     the training flow then stops waiting for the attempt of ``generation`` (it may never return).
     ``live``: the part's live generation when the caller has just read it (``commit.live_generations``:
     one listing for all shards), else it is read here."""
     live = commit.live_generation(store, part) if live is None else live
-    if live > generation and store.exists(commit.fragment_key(round, part, live)):
+    if live > generation and store.exists(commit.fragment_key(round_no, part, live)):
         return live
     return None

@@ -21,14 +21,11 @@ from typing import Any
 
 from ckptlib.documents import Document
 
+from ..documents import Cut, ShardInfo
+from ..errors import RerunRefused
 from ..layout import shard_index
-from ..rounds import Cut, shard_info
 from ..spec import RunSettings, RunSpec
 from .judge import PartView, RunView
-
-
-class RerunRefused(ValueError):
-    """A dead shard cannot (or must not) be rerun here; the message says why and what would allow it."""
 
 
 @dataclass(frozen=True)
@@ -75,17 +72,17 @@ def plan_rerun(view: RunView, pv: PartView, *, known: RunSpec | None, allowed: C
     if shard is None:
         raise RerunRefused(f"{pv.part} is not a shard")
     info, coord = view.info, view.coordinator
-    round_ = pv.round if pv.round is not None else (coord.round if coord is not None else None)
-    if round_ is None:
+    round_no = pv.round if pv.round is not None else (coord.round if coord is not None else None)
+    if round_no is None:
         raise RerunRefused(f"{pv.part}: no round known")
-    mine = shard_info(pv.beat) if pv.beat is not None else None
+    mine = ShardInfo.of_beat(pv.beat) if pv.beat is not None else None
     cut = None
-    if info is not None and coord is not None and coord.round == round_ and info.cut is not None:
+    if info is not None and coord is not None and coord.round == round_no and info.cut is not None:
         cut = info.cut
-    elif mine is not None and pv.beat is not None and pv.beat.round == round_:
+    elif mine is not None and pv.beat is not None and pv.beat.round == round_no:
         cut = mine.cut
     if cut is None:
-        raise RerunRefused(f"the cut round {round_} of {pv.part} starts from is unknown (no coordinator beat for it)")
+        raise RerunRefused(f"the cut round {round_no} of {pv.part} starts from is unknown (no coordinator beat for it)")
     stored = _stored_spec(info.spec if info is not None else None, committed_config)
     if known is not None:
         if stored is not None and stored.config_hash() != known.config_hash():
@@ -100,7 +97,7 @@ def plan_rerun(view: RunView, pv: PartView, *, known: RunSpec | None, allowed: C
     if mine is not None and mine.config_hash != spec.config_hash():
         raise RerunRefused("the dead attempt's config hash differs from the run's configuration")
     settings = info.settings if info is not None else RunSettings()
-    return RerunRequest(run_url=view.url, shard=shard, round=int(round_), cut=cut, spec=spec, settings=settings)
+    return RerunRequest(run_url=view.url, shard=shard, round=int(round_no), cut=cut, spec=spec, settings=settings)
 
 
 def _stored_spec(spec: RunSpec | None, committed_config: Callable[[], dict[str, Any] | None]) -> RunSpec | None:

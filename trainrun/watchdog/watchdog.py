@@ -46,10 +46,12 @@ from ckptlib.store import Store
 
 from ..chaos import read_strike
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
-from ..rounds import stored_config
+from ..results import ShardResult
+from ..resume import stored_config
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
 from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, latest_committed, start_timeout_for
+from .memory import Memory
 from .rerun import RerunRefused, RerunRequest, plan_rerun
 
 log = logging.getLogger("trainrun.watchdog")
@@ -93,7 +95,7 @@ class Watchdog:
         self.by_flow_run_id = by_flow_run_id
         self.discover_every_s = discover_every_s
         self.clock = clock
-        self.memory: dict = {}
+        self.memory = Memory()
         self.runs: dict[str, Store] = {}
         self.views: dict[str, RunView] = {}
         self.decisions: list[Decision] = []
@@ -165,17 +167,13 @@ class Watchdog:
                 request = plan_rerun(view, pv, known=self.specs.get(url.rstrip("/")), allowed=self.allow_workloads,
                                      committed_config=lambda: _committed_config(store))
             except RerunRefused as e:  # reported once, and the shard is left as it is
-                key = ("no-recipe", url, pv.part, pv.round)
-                if key in self.memory:
+                if not self.memory.first_time("cannot-rerun", url, pv.part, pv.round):
                     return []
-                self.memory[key] = True
                 return [self._decision("cannot-rerun", url, pv, now, reason=f"{pv.reason}; cannot rerun it: {e}")]
             rkey = (url, pv.part, request.round)
             if self._reran.get(rkey, 0) >= MAX_RERUNS:
-                mkey = ("gave-up",) + rkey
-                if mkey in self.memory:
+                if not self.memory.first_time("gave-up", *rkey):
                     return []
-                self.memory[mkey] = True
                 return [self._decision("gave-up", url, pv, now, reason=f"{pv.reason}; {MAX_RERUNS} reruns of "
                                        f"round {request.round} already died: giving up on {pv.part}")]
         new_gen = pv.live + 1
@@ -204,19 +202,19 @@ class Watchdog:
         return [decision]
 
     def rerun_done(self, key: Any, ok: bool, error: str | None = None,
-                   result: dict | None = None) -> list[Decision]:
+                   result: ShardResult | None = None) -> list[Decision]:
         """The rerun started for ``key`` has ended (``ok``: its fragment is written, or it was fenced);
-        ``result`` is the shard task's (its ``seconds.total`` dates the start when no look saw it run)."""
+        ``result`` is the shard task's (its ``seconds["total"]`` dates the start when no look saw it run)."""
         fence = self._reruns.pop(key, None)
         if fence is None:
             return []
         out: list[Decision] = []
         recovering = (fence.run_url, fence.part)
         if self._recovering.get(recovering) is fence:
-            total = ((result or {}).get("seconds") or {}).get("total")
-            if ok and total is not None:
+            total = result.seconds.get("total") if result is not None else None
+            if ok and result is not None and total is not None:
                 del self._recovering[recovering]
-                out.append(self._again(fence, self.clock() - float(total), (result or {}).get("attempt"),
+                out.append(self._again(fence, self.clock() - float(total), result.attempt,
                                        "dated from the rerun's own duration"))
         if not ok:
             out.append(replace(fence, kind="rerun-failed", detected=self.clock(),
@@ -252,10 +250,8 @@ class Watchdog:
         assert c is not None
         info = view.info
         ident = (info.flow_run_id if info else None) or str(int(c.beat.started if c.beat else 0))
-        mkey = ("run-dead", url, ident)
-        if mkey in self.memory:
+        if not self.memory.first_time("run-dead", url, ident):
             return []
-        self.memory[mkey] = True
         d = replace(self._decision("run-dead", url, c, self.clock()),
                     flow_run_id=info.flow_run_id if info else None, deployment_id=info.deployment_id if info else None,
                     committed=latest_committed(store), run_id=(info.run_id if info else "") or view.run)

@@ -1,0 +1,132 @@
+"""``ckpt train``'s options as one typed object (``TrainOptions``), and the ``TrainParams`` they become.
+
+Each field is one option: its type, its typer declaration (flag, help, panel of ``--help``) and its
+default, written once. ``options_command`` makes a function of a ``TrainOptions`` a typer command
+whose options are those fields, so the command's body reads ``o.shards``, not 27 parameters.
+
+Most options are ``flows.params.TrainParams`` fields (the one schema: trajectory ``RunSpec``,
+``RunSettings``, where the run lives; ``CLI_FIELDS`` maps them). Their defaults are written here too,
+for ``--help``, so that starting ``ckpt`` does not import pydantic; a test checks every one against
+the schema (tests/test_train_units.py). Bounds are the schema's: ``TrainParams`` validates.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from .common import STORAGE_OPTIONS_HELP
+
+if TYPE_CHECKING:
+    from flows.params import TrainParams
+
+RUN, TRAJECTORY, WHERE, FAILURES, OUTPUT = ("The run", "Trajectory (fixed for the run's life)", "Where it runs",
+                                            "Failures and the watchdog", "Output")
+
+
+def _opt(*flags: str, panel: str, **kw: Any) -> Any:
+    return typer.Option(*flags, rich_help_panel=panel, **kw)
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Every option of ``ckpt train``, as given on the command line (not validated yet)."""
+
+    store: Annotated[str, _opt("--store", metavar="URL", panel=RUN, help="Where runs live: a directory, "
+                               "file:///abs/path or s3://bucket/prefix; checkpoints go to <store>/<run-id>.")] = "./runs"
+    run_id: Annotated[Optional[str], _opt("--run-id", metavar="ID", panel=RUN,
+                                          help="Run id (default: date + short uuid).")] = None
+    workload: Annotated[str, _opt("--workload", metavar="NAME|module:factory", panel=TRAJECTORY,
+                                  help="tinylm, recsys, finetune, finetune-bf16, or package.module:factory.")] = "tinylm"
+    size: Annotated[str, _opt("--size", panel=TRAJECTORY, help="Workload size preset: small | bench.")] = "small"
+    workload_extra: Annotated[Optional[str], _opt("--workload-extra", metavar="JSON", panel=TRAJECTORY,
+                                                  help="Workload knobs as a JSON object, e.g. '{\"d_model\": 64}'.")] = None
+    batch_size: Annotated[Optional[int], _opt("--batch-size", panel=TRAJECTORY,
+                                              help="Per-shard batch size (default: the workload's).")] = None
+    lr: Annotated[Optional[float], _opt("--lr", panel=TRAJECTORY,
+                                        help="Inner learning rate (default: the workload's).")] = None
+    shards: Annotated[int, _opt("--shards", panel=TRAJECTORY, help="Data-parallel shards.")] = 2
+    rounds: Annotated[int, _opt("--rounds", panel=RUN, help="Total rounds (a resume may extend the run).")] = 8
+    steps_per_round: Annotated[int, _opt("--steps-per-round", panel=TRAJECTORY,
+                                         help="Inner steps H per shard and round.")] = 150
+    checkpoint_every: Annotated[int, _opt("--checkpoint-every", panel=RUN,
+                                          help="Commit a checkpoint every C rounds (and after the last).")] = 1
+    keyframe_every: Annotated[int, _opt("--keyframe-every", panel=RUN, help="At most K-1 deltas per chunk before a "
+                                        "keyframe (chains also end once their deltas add up to twice a keyframe).")] = 32
+    seed: Annotated[int, _opt("--seed", panel=TRAJECTORY, help="Run seed.")] = 0
+    resume: Annotated[bool, _opt("--resume", panel=RUN,
+                                 help="Continue the run --run-id from its last healthy checkpoint.")] = False
+    task_runner: Annotated[str, _opt("--task-runner", metavar="threads|dask|dask://HOST:PORT|pool:FLOW/DEPLOYMENT",
+                                     panel=WHERE, help="Where shard tasks run (docs/scale.md).")] = "threads"
+    storage_options: Annotated[Optional[str], _opt("--storage-options", metavar="@FILE|JSON", panel=WHERE,
+                                                   help=STORAGE_OPTIONS_HELP)] = None
+    credentials_block: Annotated[Optional[str], _opt("--credentials-block", metavar="NAME", panel=WHERE,
+                                                     help="A Prefect Secret block holding the s3fs options "
+                                                          "(instead of --storage-options).")] = None
+    chaos: Annotated[Optional[list[str]], _opt("--chaos", metavar="KIND:shard=I,round=R", panel=FAILURES,
+                                               help="Inject a fault: crash, hang, zombie, stall, kill or "
+                                                    "stop:shard=I,round=R[,step=K][,attempt=A] (repeatable; kill and "
+                                                    "stop need --task-runner dask; see docs/watchdog.md).")] = None
+    outer_lr: Annotated[float, _opt("--outer-lr", panel=TRAJECTORY, help="Outer learning rate (1 = averaging).")] = 1.0
+    outer_momentum: Annotated[float, _opt("--outer-momentum", panel=TRAJECTORY,
+                                          help="Outer Nesterov momentum (0 = none).")] = 0.0
+    torch_threads: Annotated[int, _opt("--torch-threads", panel=TRAJECTORY,
+                                       help="torch threads per process (part of the config).")] = 1
+    no_validate: Annotated[bool, _opt("--no-validate", panel=RUN, help="Skip validation (then no checkpoint is "
+                                      "healthy: resume restarts).")] = False
+    json_out: Annotated[Optional[str], _opt("--json", metavar="PATH", panel=OUTPUT,
+                                            help="Also write the summary as JSON to PATH.")] = None
+    verbose: Annotated[bool, _opt("--verbose", "-v", panel=OUTPUT,
+                                  help="Show Prefect's log lines instead of the live table.")] = False
+    heartbeat_every: Annotated[float, _opt("--heartbeat-every", metavar="S", panel=FAILURES,
+                                           help="Seconds between a shard's heartbeats.")] = 2.0
+    no_watchdog: Annotated[bool, _opt("--no-watchdog", panel=FAILURES, help="Run no watchdog beside the run (leave "
+                                      "hung or dead shards to `ckpt watchdog` or the watchdog deployment).")] = False
+    watchdog_timeout: Annotated[float, _opt("--watchdog-timeout", metavar="S", min=0.1, panel=FAILURES,
+                                            help="The watchdog declares a shard dead after S seconds without a beat "
+                                                 "or progress.")] = 30.0
+
+    def params(self, run_id: str, workload_extra: dict[str, Any], storage_options: dict[str, Any] | None) -> TrainParams:
+        """The flow's parameter (pydantic validates: ``ValidationError`` names each bad field); the
+        options that need parsing first come parsed."""
+        from flows.params import TrainParams
+        from trainrun.credentials import StorageOptions
+
+        given = {field: getattr(self, name) for name, field in CLI_FIELDS.items()}
+        return TrainParams(**{**given, "run_id": run_id, "workload_extra": workload_extra, "chaos": list(self.chaos or []),
+                              "storage_options": StorageOptions(storage_options) if storage_options else None,
+                              "validate_checkpoints": not self.no_validate})
+
+
+# option -> TrainParams field, for every option that is one (the others: output, the watchdog, --no-validate)
+CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "size": "workload_size",
+              "workload_extra": "workload_extra", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
+              "shards": "shards", "steps_per_round": "steps_per_round", "outer_lr": "outer_lr",
+              "outer_momentum": "outer_momentum", "torch_threads": "torch_threads", "rounds": "rounds",
+              "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
+              "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
+              "storage_options": "storage_options", "credentials_block": "credentials_block"}
+
+
+def options_command(body: Callable[[TrainOptions], None]) -> Callable[..., None]:
+    """``body`` as a function of keyword arguments, one per ``TrainOptions`` field, whose signature
+    (what typer reads) is those fields' (name, typer annotation, default)."""
+    hints = typing.get_type_hints(TrainOptions, include_extras=True)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                                default=inspect.Parameter.empty if f.default is MISSING else f.default)
+              for f in fields(TrainOptions)]
+
+    @functools.wraps(body)
+    def command(**options: Any) -> None:
+        body(TrainOptions(**options))
+
+    del command.__wrapped__  # typer reads the signature below, not the body's
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command

@@ -1,0 +1,22 @@
+"""Every error trainrun raises on purpose, in ckptlib's tree (``ckptlib.errors.CheckpointError``).
+
+The stdlib mixins say how a caller may treat them: a refusal is a ``ValueError`` (deterministic:
+``tasks/retry.py`` never retries it; the CLI prints it as one line), a drill's crash a ``RuntimeError``
+(a loud failure that Prefect retries). Each message names the cause and the fix.
+"""
+
+from __future__ import annotations
+
+from ckptlib.errors import CheckpointError
+
+
+class RunRefused(CheckpointError, ValueError):
+    """A run cannot start or continue as asked (existing checkpoints, changed configuration)."""
+
+
+class RerunRefused(CheckpointError, ValueError):
+    """A dead shard cannot (or must not) be rerun here; the message says why and what would allow it."""
+
+
+class ChaosCrash(CheckpointError, RuntimeError):
+    """Raised on purpose by a ``crash`` chaos spec (and by a hang/zombie nobody fenced)."""
