@@ -4,7 +4,7 @@ started from the ``dask`` CLI, the store on SeaweedFS S3 (or a local folder).
     python -m bench.scale                                   # 2 8 32 64 shards, 2 rounds, S3, 2 workers
     python -m bench.scale --shards 2 8 --store local --json bench-results/scale.json
 
-It drives the runtime the flow runs (``trainrun.rounds.train_shard_round`` on the Dask workers,
+It drives the runtime the flow runs (``trainrun.shard_round.train_shard_round`` on the Dask workers,
 ``trainrun.cut.cut_round`` here), each through a ``bench.requests.RecordingStore``, so every store
 request is counted where it is made; Prefect adds a constant per task and is measured by the
 end-to-end runs (docs/scale.md). Per shard count, from the last round (steady state: deltas):
@@ -32,13 +32,14 @@ def shard_round(url: str, spec: dict, shard: int, round: int, cut: dict, heartbe
     from ckptlib import Checkpointer
     from ckptlib.store import Store
     from trainrun.credentials import storage_options_from_env
-    from trainrun.rounds import Cut, train_shard_round
+    from trainrun.documents import Cut
+    from trainrun.shard_round import train_shard_round
     from trainrun.spec import RunSpec
 
     store = RecordingStore(Store.from_url(url, storage_options_from_env()))
     with Checkpointer(store) as ck:
         out = train_shard_round(ck, RunSpec.from_dict(spec), shard, round, Cut.from_dict(cut),
-                                heartbeat_every_s=heartbeat_every_s)
+                                heartbeat_every_s=heartbeat_every_s).to_dict()
     out["requests"] = store.counts.to_dict()
     return out
 
@@ -46,9 +47,10 @@ def shard_round(url: str, spec: dict, shard: int, round: int, cut: dict, heartbe
 def measure(n: int, root: str, storage_options: dict | None, client: Any, *, rounds: int, steps: int) -> dict[str, Any]:
     from ckptlib import Checkpointer
     from ckptlib.store import Store
-    from trainrun.cut import cut_round, next_cut
-    from trainrun.rounds import Cut, initial_cut
+    from trainrun.cut import cut_round
+    from trainrun.documents import Cut
     from trainrun.spec import RunSpec
+    from trainrun.step_zero import write_step_zero
 
     spec = RunSpec(workload="tinylm", workload_extra=SMALL, shards=n, steps_per_round=steps, seed=0)
     url = f"{root.rstrip('/')}/shards-{n}"
@@ -56,7 +58,7 @@ def measure(n: int, root: str, storage_options: dict | None, client: Any, *, rou
     rec: dict[str, Any] = {"shards": n}
     with Checkpointer(store) as ck:
         t0 = time.perf_counter()
-        initial_cut(ck, spec)
+        write_step_zero(ck, spec)
         rec["step0_s"] = round(time.perf_counter() - t0, 2)
         cut = Cut.of_step(0)
         for r in range(1, rounds + 1):
@@ -68,9 +70,9 @@ def measure(n: int, root: str, storage_options: dict | None, client: Any, *, rou
             store.reset()
             res = cut_round(ck, spec, r, cut, publish=True)
             t2 = time.perf_counter()
-            cut = next_cut(res)
+            cut = res.next_cut()
         cut_req = store.reset()
-    sec = res["seconds"]
+    sec = res.seconds
     shard_req = [s["requests"] for s in shards]
     created = dict(cut_req.created)
     for s in shard_req:

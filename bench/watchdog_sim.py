@@ -31,9 +31,9 @@ from typing import Any
 
 from ckptlib.heartbeat import Heartbeat
 from ckptlib.store import Store
-from trainrun.beats import CoordinatorBeat, CoordinatorInfo
+from trainrun.beats import CoordinatorBeat
+from trainrun.documents import CoordinatorInfo, Cut, ShardInfo
 from trainrun.layout import shard_part
-from trainrun.rounds import Cut, ShardInfo
 from trainrun.spec import RunSettings, RunSpec
 
 from .common import machine, save_json, store_root, table, workdir
@@ -59,7 +59,7 @@ class BeatSimulator:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="sim-beats", daemon=True)
         info = CoordinatorInfo(run_id="sim", spec=self.spec, settings=RunSettings(heartbeat_every_s=every_s))
-        self.coordinator = CoordinatorBeat(store, info, every_s=every_s, round=round)
+        self.coordinator = CoordinatorBeat(store, info, every_s=every_s, round_no=round)
 
     def _heartbeat(self, i: int) -> Heartbeat:
         meta = ShardInfo(cut=Cut.of_step(self.round - 1), config_hash=self.spec.config_hash()).to_dict()
@@ -68,7 +68,7 @@ class BeatSimulator:
 
     def start(self) -> BeatSimulator:
         self.coordinator.start()
-        self.coordinator.update(round=self.round, phase="shards", cut=Cut.of_step(self.round - 1))
+        self.coordinator.update(round_no=self.round, phase="shards", cut=Cut.of_step(self.round - 1))
         list(self._pool.map(self._beat, range(self.shards)))  # every shard has beaten once
         self._thread.start()
         return self
@@ -123,7 +123,7 @@ class BeatSimulator:
             self.round += 1
             self._steps = [0] * self.shards
             self._hbs = [self._heartbeat(i) for i in range(self.shards)]
-        self.coordinator.update(round=self.round, phase="shards", cut=Cut.of_step(self.round - 1))
+        self.coordinator.update(round_no=self.round, phase="shards", cut=Cut.of_step(self.round - 1))
 
     def stop(self) -> None:
         self._stop.set()
