@@ -28,7 +28,7 @@ from typing import Any
 from .. import commit
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from ..manifest import Fragment, Manifest
-from ..reader import Problem, decode_leaves, inspect_part
+from ..restore import Problem, decode_leaves, inspect_part
 from ..store import Store
 from ..tree import finish_leaf, unflatten
 from .checks import CutView, Findings, PartChecks
