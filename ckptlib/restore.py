@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from . import codecs
+from .bind import bind_into
 from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound
+from .leaves import empty_leaf, finish_leaf, raw_view
 from .manifest import Blob, Fragment, Leaf
 from .store import Store
-from .tree import MISSING, bind_into, empty_leaf, finish_leaf, leaf_indices, prune, raw_view, unflatten
+from .tree import MISSING, leaf_indices, prune, unflatten
 
 
 @dataclass(frozen=True)
@@ -380,7 +382,7 @@ def restore_part(
         else:
             obj[...] = src
         leaves[j] = obj
-    return unflatten(skeleton, leaves), kept
+    return unflatten(skeleton, leaves, specs), kept
 
 
 def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[Problem]]:
@@ -393,7 +395,7 @@ def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list
               for i, leaf in enumerate(fragment.leaves)]
     if not problems:
         try:
-            unflatten(fragment.skeleton, leaves)
+            unflatten(fragment.skeleton, leaves, [leaf.spec for leaf in fragment.leaves])
         except CorruptCheckpoint as e:
             problems.append(Problem(fragment.step, fragment.part, "/", None, None, str(e)))
     return leaves, problems

@@ -35,10 +35,11 @@ from .bases import Base, Retainer, host_buffer
 from .chunking import Unit, plan_units
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, EncodedUnit, EncodeOptions, encode_unit
 from .leases import Lease
+from .leaves import copy_into, raw_view
 from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
 from .store import Store
 from .throttle import RateLimiter
-from .tree import copy_into, flatten, raw_view
+from .tree import flatten
 from .types import LeafSpec
 
 __all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Snapshot", "WriteOptions",
