@@ -35,7 +35,7 @@ from . import commit
 from .bases import Base, DeltaBases, base_of
 from .chunking import auto_chunk_bytes
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from .gc import GcReport, collect_garbage
 from .leases import Lease
 from .manifest import Fragment, Manifest, loads_fragment
@@ -229,19 +229,33 @@ class Checkpointer:
             commit.ensure_marker(self.store)
             self._marked = True
 
-    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart, Lease], T],
+    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T],
                    **kw: Any) -> T:
         """The one save path of a part: under a save lease, encode ``snap`` against the part's base,
-        then ``publish(encoded, lease)`` (commit a manifest, or write a fragment). Only once that
-        succeeded does the result become the part's next base; a failure forgets the base's bytes
-        (a save that read the caller's memory in place may have written over them)."""
+        make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
+        manifest, or write a fragment). Only once that succeeded does the result become the part's
+        next base; a failure forgets the base's bytes (a save that read the caller's memory in place
+        may have written over them)."""
         base = self._bases.get(part)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
             try:
                 enc = encode_part(snap, base, self.store, self._pool, self.options, step=step, part=part,
                                   lease=lease, retain=True, **kw)
-                result = publish(enc, lease)
+                missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], enc.reused)
+                if missing:
+                    # A GC that held the lock as this save began swept objects it wrote or built on
+                    # (docs/format.md, "Garbage collection"): encode again, keyframes only. That GC
+                    # has ended, and every later one sees this lease.
+                    log.warning("a garbage collection beside this save of step %d swept %d objects it needs (e.g. "
+                                "%s): writing part '%s' again as keyframes", step, len(missing), missing[0], part)
+                    enc = encode_part(snap, None, self.store, self._pool, self.options, step=step, part=part,
+                                      lease=lease, retain=True, **kw)
+                    missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], {})
+                    if missing:
+                        raise StoreError(f"{len(missing)} objects of step {step} (e.g. {self.url}/{missing[0]}) "
+                                         "vanished as they were written: is another program deleting in this store?")
+                result = publish(enc)
             except BaseException:
                 self._bases.forget_bytes(part)
                 raise
@@ -250,8 +264,7 @@ class Checkpointer:
         return result
 
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
-        def publish(enc: EncodedPart, lease: Lease) -> tuple[Manifest, bool]:
-            lease.before_publish(enc.reused)
+        def publish(enc: EncodedPart) -> tuple[Manifest, bool]:
             base = self._bases.held(SINGLE_PART)
             return commit.commit_step(self.store, step, {SINGLE_PART: (enc.fragment, None)},
                                       parent=base.step if base else None, single=True, meta=meta)
@@ -438,9 +451,8 @@ class Checkpointer:
         commit.check_live(self.store, part, generation)
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
 
-        def publish(enc: EncodedPart, lease: Lease) -> Fragment:
+        def publish(enc: EncodedPart) -> Fragment:
             commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
-            lease.before_publish(enc.reused)
             commit.put_fragment(self.store, enc.fragment)
             return enc.fragment
 
