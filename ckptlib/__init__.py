@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Checkpointer": "checkpointer", "CommitInfo": "checkpointer", "SaveFuture": "checkpointer",
-    "RetentionPolicy": "retention", "Problem": "reader", "Store": "store", "branch": "branch",
+    "RetentionPolicy": "retention", "Problem": "restore", "Store": "store", "branch": "branch",
     "CheckpointError": "errors", "CommitConflict": "errors", "CorruptCheckpoint": "errors", "FencedError": "errors",
     "FormatVersionError": "errors", "NoCheckpoint": "errors", "ObjectNotFound": "errors", "StoreError": "errors",
     "UnsupportedState": "errors",
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         StoreError,
         UnsupportedState,
     )
-    from .reader import Problem
+    from .restore import Problem
     from .retention import RetentionPolicy
     from .store import Store
 

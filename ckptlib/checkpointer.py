@@ -21,35 +21,31 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import commit
-from .chunking import DEFAULT_CHUNK_BYTES, Unit, auto_chunk_bytes, plan_units
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound
+from .bases import Base, DeltaBases, base_of
+from .chunking import auto_chunk_bytes
+from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from .gc import GcReport, collect_garbage
 from .leases import Lease
-from .manifest import MAX_CHAIN, Fragment, Manifest, loads_fragment
-from .reader import Problem, inspect_part, restore_part
+from .manifest import Fragment, Manifest, loads_fragment
+from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
+from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_snapshot
 from .store import Store
-from .throttle import RateLimiter
-from .writer import (
-    DEFAULT_DELTA_BUDGET,
-    DEFAULT_KEYFRAME_EVERY,
-    Base,
-    Snapshot,
-    WriteOptions,
-    encode_part,
-    take_snapshot,
-)
 
 log = logging.getLogger("ckptlib")
+T = TypeVar("T")
 
 SINGLE_PART = "state"
 _FRAGMENTS_KEPT = 16  # fragments of recent multi-part manifests kept by a Checkpointer
@@ -102,47 +98,6 @@ class SaveFuture(Future):
         return e
 
 
-def base_of(fragment: Fragment, chunk_bytes: int | None, raw: dict[str, Any] | None = None) -> Base:
-    """A fragment as the base of this writer's next save of its part, with the raw chunk bytes
-    given (by checksum). Units are matched by how this writer plans them (``chunk_bytes``, or the
-    fragment's own); a unit planned differently has no base, so its next save is a keyframe."""
-    size = chunk_bytes or fragment.chunk_bytes or DEFAULT_CHUNK_BYTES
-    units = {}
-    for unit in plan_units([leaf.spec for leaf in fragment.leaves], size):
-        digest = _unit_digest(unit, fragment)
-        if digest is not None:
-            units[unit.ident] = digest
-    return Base(fragment.step, dict(fragment.blobs), units, dict(raw or {}), size)
-
-
-def _unit_digest(unit: Unit, fragment: Fragment) -> str | None:
-    """The checksum of the chunk of ``fragment`` that holds exactly ``unit``'s bytes, if any."""
-    leaves = fragment.leaves
-    if unit.packed:
-        digests = {leaves[s.leaf].pack for s in unit.segments}
-        if len(digests) != 1 or any(leaves[s.leaf].offset != s.unit_start for s in unit.segments):
-            return None
-        return digests.pop()
-    (seg,) = unit.segments
-    leaf = leaves[seg.leaf]
-    size = leaf.chunk_bytes
-    if leaf.pack is not None or not size or seg.leaf_start % size or seg.length != min(size, leaf.spec.nbytes - seg.leaf_start):
-        return None
-    return leaf.chunks[seg.leaf_start // size]
-
-
-@dataclass
-class _Encoded:
-    """A part encoded and uploaded, not yet adopted as the base (that waits for the publish)."""
-
-    part: str
-    fragment: Fragment
-    new: Base
-    snap: Snapshot
-    old: Base | None
-    reused: dict[str, bytes]
-
-
 def default_threads(store: Store) -> int:
     """Encode/IO threads: twice the cores (numpy, zstd and hashing release the GIL); at least 16
     for a remote store, where most of a thread's time is a request in flight."""
@@ -171,22 +126,13 @@ class Checkpointer:
                  delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
                  reuse_buffers: bool | None = None):
-        if not isinstance(keyframe_every, int) or not 1 <= keyframe_every <= MAX_CHAIN:
-            raise ValueError(f"keyframe_every must be an int in 1..{MAX_CHAIN}, got {keyframe_every!r}")
-        if delta_budget is not None and not delta_budget > 0:
-            raise ValueError(f"delta_budget must be > 0 (or None for no limit), got {delta_budget}")
-        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 4096):
-            raise ValueError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}; about 1-4 MiB suits most stores")
-        if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
-            raise ValueError(f"zstd_level must be an int in -7..22, got {zstd_level!r}")
+        self.options = WriteOptions.checked(chunk_bytes, keyframe_every, delta_budget, zstd_level,
+                                            max_upload_bytes_per_s)
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
-        self.options = WriteOptions(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s),
-                                    delta_budget)
         self.reuse_buffers = reuse_buffers
         self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(self.store), thread_name_prefix="ckpt-io")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
-        self._bases: dict[str, Base] = {}
-        self._spare: dict[str, dict] = {}  # per part: staging buffers kept for the next snapshot
+        self._bases = DeltaBases(self._committed_base)
         # Manifests are read afresh by every call: GC (maybe another process's) drops steps, and a
         # step dropped may be committed again with another state. Fragments a manifest names are
         # immutable by their checksum, so the last few are kept.
@@ -222,7 +168,7 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        spare = self._spare.pop(SINGLE_PART, None)
+        spare = self._bases.take_spare(SINGLE_PART)
         snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True, spare=spare)
         fut = SaveFuture(step)
 
@@ -256,26 +202,24 @@ class Checkpointer:
                 fut.observed = True
                 raise CheckpointError(f"the background save of step {fut.step} failed: {e}") from e
 
-    def _base(self, part: str) -> Base | None:
-        """The delta base of ``part``. A writer that has neither saved nor restored yet starts from
-        the blob table of the latest committed checkpoint: its unchanged chunks are then referenced
-        instead of re-encoded (deltas need the base bytes, which only a save or a restore brings)."""
-        if part not in self._bases:
-            latest = self.latest_step()
-            if latest is None:
-                return None
-            m = self._read_manifest(latest)
-            if part not in m.parts:
-                return None
-            self._bases[part] = base_of(self._fragment(m, part), self.options.chunk_bytes)
-        return self._bases[part]
+    def _committed_base(self, part: str) -> Base | None:
+        """The delta base of a part this writer has neither saved nor restored yet: the blob table of
+        the latest committed checkpoint, so its unchanged chunks are referenced instead of re-encoded
+        (deltas need the base bytes, which only a save or a restore brings)."""
+        latest = self.latest_step()
+        if latest is None:
+            return None
+        m = self._read_manifest(latest)
+        if part not in m.parts:
+            return None
+        return base_of(self._fragment(m, part), self.options.chunk_bytes)
 
     def _chunk_size(self, part: str) -> int | Any:
         """The chunk size of ``part``'s next save: the option, else its base's (so deltas line up),
         else one chosen from the state's size."""
         if self.options.chunk_bytes is not None:
             return self.options.chunk_bytes
-        base = self._base(part)
+        base = self._bases.get(part)
         if base is not None and base.chunk_bytes:
             return base.chunk_bytes
         return auto_chunk_bytes
@@ -285,51 +229,47 @@ class Checkpointer:
             commit.ensure_marker(self.store)
             self._marked = True
 
-    def _encode(self, snap: Snapshot, part: str, step: int, lease: Lease, **kw: Any) -> _Encoded:
-        """Encode ``snap`` as ``part`` of ``step`` against the part's base."""
-        base = self._base(part)
-        try:
-            fragment, new, reused = encode_part(snap, base, self.store, self._pool, self.options, step=step,
-                                                part=part, lease=lease, retain=True, **kw)
-        except BaseException:
-            self._forget_bytes(part)
-            raise
-        return _Encoded(part, fragment, new, snap, base, reused)  # type: ignore[arg-type]
-
-    def _forget_bytes(self, part: str) -> None:
-        """After a failed save: a save that read the caller's memory in place has written over the
-        old base's bytes as it went, so keep only what is certainly right, the last commit's blob table."""
+    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T],
+                   **kw: Any) -> T:
+        """The one save path of a part: under a save lease, encode ``snap`` against the part's base,
+        make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
+        manifest, or write a fragment). Only once that succeeded does the result become the part's
+        next base; a failure forgets the base's bytes (a save that read the caller's memory in place
+        may have written over them)."""
         base = self._bases.get(part)
-        if base is not None:
-            self._bases[part] = base.without_bytes()
-        self._spare.pop(part, None)
-
-    def _adopt(self, enc: _Encoded) -> None:
-        """The committed (or published) fragment becomes the part's base, with its bytes."""
-        self._bases[enc.part] = enc.new
-        keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(enc.snap)
-        if keep_spare and enc.old is not None:
-            live = {id(b) for b in enc.new.raw.values()}
-            spare: dict[int, list] = {}
-            for buf in enc.old.raw.values():
-                if id(buf) not in live:
-                    spare.setdefault(buf.nbytes, []).append(buf)
-            self._spare[enc.part] = spare
-
-    def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
-        base = self._base(SINGLE_PART)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
-            enc = self._encode(snap, SINGLE_PART, step, lease)
-            manifest = commit.build_manifest(step, base.step if base else None, {SINGLE_PART: (enc.fragment, None)},
-                                             single=True, meta=meta)
             try:
-                lease.before_publish(enc.reused)
-                created = commit.publish(self.store, manifest)
+                enc = encode_part(snap, base, self.store, self._pool, self.options, step=step, part=part,
+                                  lease=lease, retain=True, **kw)
+                missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], enc.reused)
+                if missing:
+                    # A GC that held the lock as this save began swept objects it wrote or built on
+                    # (docs/format.md, "Garbage collection"): encode again, keyframes only. That GC
+                    # has ended, and every later one sees this lease.
+                    log.warning("a garbage collection beside this save of step %d swept %d objects it needs (e.g. "
+                                "%s): writing part '%s' again as keyframes", step, len(missing), missing[0], part)
+                    enc = encode_part(snap, None, self.store, self._pool, self.options, step=step, part=part,
+                                      lease=lease, retain=True, **kw)
+                    missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], {})
+                    if missing:
+                        raise StoreError(f"{len(missing)} objects of step {step} (e.g. {self.url}/{missing[0]}) "
+                                         "vanished as they were written: is another program deleting in this store?")
+                result = publish(enc)
             except BaseException:
-                self._forget_bytes(SINGLE_PART)
+                self._bases.forget_bytes(part)
                 raise
-        self._adopt(enc)
+        keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
+        self._bases.adopt(part, enc.next_base, base, keep_spare)  # type: ignore[arg-type]
+        return result
+
+    def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
+        def publish(enc: EncodedPart) -> tuple[Manifest, bool]:
+            base = self._bases.held(SINGLE_PART)
+            return commit.commit_step(self.store, step, {SINGLE_PART: (enc.fragment, None)},
+                                      parent=base.step if base else None, single=True, meta=meta)
+
+        manifest, created = self._save_part(snap, SINGLE_PART, step, publish)
         if not created:
             log.info("step %d was already committed with the same digest: nothing new published", step)
         durable = time.perf_counter() - t0
@@ -401,13 +341,12 @@ class Checkpointer:
             out = {}
             for name in names:
                 frag = self._fragment(m, name)
-                held = self._bases.get(name)
+                held = self._bases.held(name)
                 state, raw = restore_part(frag, self.store, self._pool, device=device, into=into_parts.get(name),
                                           select=select, keep=keep_base,
                                           known=held.raw if held is not None else None)
                 if raw is not None:
-                    self._bases[name] = base_of(frag, self.options.chunk_bytes, raw)
-                    self._spare.pop(name, None)
+                    self._bases.set(name, base_of(frag, self.options.chunk_bytes, raw))
                 out[name] = state
         finally:
             if lease is not None:
@@ -511,19 +450,13 @@ class Checkpointer:
         self._check_open()
         commit.check_live(self.store, part, generation)
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
-        base = self._base(part)
-        with Lease(self.store, "save", base.step if base else None) as lease:
-            self._ensure_marker()
-            enc = self._encode(snap, part, step, lease, generation=generation, config_hash=config_hash, meta=meta)
-            try:
-                commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
-                lease.before_publish(enc.reused)
-                commit.put_fragment(self.store, enc.fragment)
-            except BaseException:
-                self._forget_bytes(part)
-                raise
-        self._adopt(enc)
-        return enc.fragment
+
+        def publish(enc: EncodedPart) -> Fragment:
+            commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
+            commit.put_fragment(self.store, enc.fragment)
+            return enc.fragment
+
+        return self._save_part(snap, part, step, publish, generation=generation, config_hash=config_hash, meta=meta)
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
                       device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
@@ -551,21 +484,27 @@ class Checkpointer:
             raise ValueError("adopt=True needs the whole part (it becomes the delta base): drop select")
         state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select)
         if raw is not None:
-            self._bases[part] = base_of(frag, self.options.chunk_bytes, raw)
+            self._bases.set(part, base_of(frag, self.options.chunk_bytes, raw))
         return state
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
-               parent: int | None = None, lineage: dict | None = None) -> CommitInfo:
+               parent: int | None = None, lineage: dict | None = None,
+               fragments: dict[str, tuple[Fragment, str]] | None = None) -> CommitInfo:
         """Coordinator: wait for a fragment of the live generation of every part, then publish the
-        cut. The manifest names each part's fragment object (it stays O(parts) in size)."""
+        cut. The manifest names each part's fragment object (it stays O(parts) in size).
+
+        ``fragments``: parts already gathered (``commit.gather``: fragment and the checksum of its
+        stored bytes), committed exactly as given: a coordinator that combined those very fragments
+        commits them, not a generation fenced in since. Only the other parts are waited for."""
         t0 = time.perf_counter()
-        frags = commit.gather(self.store, commit.check_step(step), [commit.check_part_name(p) for p in parts],
-                              timeout=timeout)
+        given = dict(fragments or {})
+        missing = [commit.check_part_name(p) for p in parts if p not in given]
+        found = commit.gather(self.store, commit.check_step(step), missing, timeout=timeout) if missing else {}
         if parent is None:
             prior = [s for s in self.steps() if s < step]
             parent = prior[-1] if prior else None
-        manifest = commit.build_manifest(step, parent, dict(frags), single=False, meta=meta, lineage=lineage)
-        created = commit.publish(self.store, manifest)
+        manifest, created = commit.commit_step(self.store, step, {p: (given.get(p) or found[p]) for p in parts},
+                                               parent=parent, meta=meta, lineage=lineage)
         return self._info(manifest, created, 0.0, time.perf_counter() - t0)
 
     def fence(self, part: str, generation: int, reason: str = "", by: str = "",
@@ -602,7 +541,6 @@ class Checkpointer:
             self._background.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._bases.clear()
-            self._spare.clear()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -613,7 +551,7 @@ class Checkpointer:
 
 def _pinned(snap: Snapshot) -> bool:
     """Whether a snapshot's buffers are pinned host memory (a GPU state's)."""
-    if not snap.unit_data or "torch" not in __import__("sys").modules:
+    if not snap.unit_data or "torch" not in sys.modules:
         return False
     import torch
 

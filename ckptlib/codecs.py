@@ -387,12 +387,6 @@ class SparseDelta(_InPlaceDelta):
                                  np.frombuffer(widths, dtype=np.uint8)])
         return np.concatenate([header, index, z.encode(planes, None)])
 
-    def count(self, data: np.ndarray) -> int:
-        """How many elements this delta changes (read from its header)."""
-        if data.nbytes < self._header_bytes:
-            raise CorruptCheckpoint("sparse_delta chunk is shorter than its header")
-        return int(data[8:16].view("<u8")[0])
-
     def changes(self, data: np.ndarray, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         """(positions of the changed elements, their zigzag-decoded differences as unsigned ints)."""
         if nbytes % self.itemsize:
@@ -518,14 +512,6 @@ def additive(codecs: list[Codec]) -> tuple[int, bool] | None:
     if isinstance(first, (SparseDelta, ArithDelta)):
         return first.itemsize, first.ordered_float
     return None
-
-
-def changed_elements(data: np.ndarray, codecs: list[Codec], nbytes: int) -> int:
-    """How many elements an additive delta changes (cheap: a header for sparse deltas)."""
-    first = codecs[0]
-    if isinstance(first, SparseDelta):
-        return first.count(data)
-    return nbytes // first.itemsize  # type: ignore[attr-defined]
 
 
 def add_delta(data: np.ndarray, codecs: list[Codec], acc: np.ndarray) -> None:

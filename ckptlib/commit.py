@@ -1,4 +1,4 @@
-"""The commit protocol (DESIGN.md section 3): fragments -> consistent cut -> atomic publish.
+"""The commit protocol (docs/format.md, "Commit protocol"): fragments -> consistent cut -> atomic publish.
 
 Keys under a run's root::
 
@@ -137,6 +137,17 @@ def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragmen
     return Manifest(step=step, parent=parent, created=datetime.now(UTC).isoformat(),
                     digest=combined_digest({n: r.digest for n, r in refs.items()}, single), single=single,
                     parts=refs, meta=dict(meta or {}), lineage=lineage, stored_bytes=stored)
+
+
+def commit_step(store: Store, step: int, parts: dict[str, tuple[Fragment, str | None]], *, parent: int | None,
+                single: bool = False, meta: dict[str, Any] | None = None,
+                lineage: dict[str, Any] | None = None) -> tuple[Manifest, bool]:
+    """The one commit of the protocol: the manifest of exactly ``parts`` (name -> (fragment, checksum
+    of its stored bytes, or None to embed it)) at ``step``, published. Returns (manifest, whether
+    this call created it); see ``publish`` for the retry and conflict rules. Every writer commits
+    through here: a single-writer save, a coordinator's cut, a collective save."""
+    manifest = build_manifest(step, parent, parts, single=single, meta=meta, lineage=lineage)
+    return manifest, publish(store, manifest)
 
 
 def publish(store: Store, manifest: Manifest, *, attempts: int = 4) -> bool:

@@ -22,6 +22,14 @@ class CorruptCheckpoint(CheckpointError):
     """Stored bytes fail a checksum, do not decode, or a manifest is malformed."""
 
 
+class Damaged(CorruptCheckpoint):
+    """A stored object is missing or does not decode to its checksum (``key``: which object)."""
+
+    def __init__(self, key: str | None, reason: str):
+        super().__init__(f"object {key} {reason}" if key else reason)
+        self.key, self.reason = key, reason
+
+
 class FormatVersionError(CheckpointError):
     """A manifest written by a format this version cannot read."""
 

@@ -88,102 +88,157 @@ def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = D
 
 
 def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: bool, lock: GcLock | None) -> GcReport:
-    steps = committed_steps(store)
+    # The leases are read BEFORE the steps are listed: a save seen here is still live (its base step
+    # is kept, and the sweep waits while it lives), and one not seen here had already published its
+    # manifest (a save publishes, then releases its lease), so the listing below has it.
     leases = live_leases(store)
+    steps = committed_steps(store)
     protected = {lease.step for lease in leases if lease.step is not None} & set(steps)
     kept = policy.select(steps) | protected | set(steps[-1:])
     dropped = [s for s in steps if s not in kept]
     report = GcReport(sorted(kept), dropped, dry_run=dry_run)
-    newest = steps[-1] if steps else -1
-
-    # 1. mark (reads only; any damage aborts here, before a single delete). Each step's keys are
-    # folded into the kept or the dropped union as they come: memory is the run's distinct objects,
-    # not one set per step (10,000 steps sharing most of their objects), and no more than
-    # 2 x _MARK_THREADS manifests are read ahead of the fold.
-    kept_marks: set[str] = set()
-    dropped_marks: set[str] = set()
-    with ThreadPoolExecutor(max_workers=_MARK_THREADS, thread_name_prefix="ckpt-gc") as pool:
-        for start in range(0, len(steps), _MARK_WINDOW):
-            window = steps[start:start + _MARK_WINDOW]
-            for step, keys in zip(window, map_ahead(pool, lambda s: _needed(store, s), window, 2 * _MARK_THREADS)):
-                (kept_marks if step in kept else dropped_marks).update(keys)
-            if lock is not None and start + _MARK_WINDOW < len(steps) and not lock.renew():
-                raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
-                                      "nothing was deleted: run it again")
-    dropped_only = dropped_marks - kept_marks
-    del dropped_marks
-    kept_marks |= _pending_fragment_marks(store, newest)
-
-    cutoff = time.time() - grace_s
-
-    def saving() -> str | None:
-        busy = [lease for lease in live_leases(store) if lease.kind == "save"]
-        if busy:
-            return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
-                    "objects were not swept; run GC again later")
-        if lock is not None and not lock.renew():
-            return "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
-        return None
-
-    def delete(keys: list[tuple[str, int]]) -> None:
-        for start in range(0, len(keys), _BATCH):
-            why = saving()
-            if why:
-                report.deferred = why
-                raise _Stop
-            batch = keys[start:start + _BATCH]
-            for key, size in batch:
-                report.deleted_objects.append(key)
-                report.freed_bytes += size
-            if not dry_run:  # in parallel: one request each (a 10,000-step run deletes ~30,000 objects)
-                list(deleter.map(store.delete, [key for key, _ in batch]))
-
-    def sweep(protect: set[str], only: set[str] | None = None) -> None:
-        garbage = []
-        for info in store.scan("chunks"):
-            if not _CHUNK_KEY.match(info.key):
-                report.skipped.append(info.key)
-            elif info.key not in protect and (only is None or info.key in only) and info.modified < cutoff:
-                garbage.append((info.key, info.size))
-        for info in store.scan("fragments"):
-            m = _FRAGMENT_KEY.match(info.key)
-            if not m:
-                report.skipped.append(info.key)
-            elif (info.key not in protect and (only is None or info.key in only) and int(m.group(1)) <= newest
-                  and info.modified < cutoff):
-                garbage.append((info.key, info.size))
-        delete(garbage)
-
-    deleter = ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="ckpt-gc-delete")
+    marks = _Marks.read(store, steps, kept, lock)
+    sweeper = _Sweeper(store, report, marks, lock, dry_run, time.time() - grace_s)
     try:
-        # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
-        # a write's temp file is as old as the write began, and a slow write can outlive the grace.
-        if not dry_run and saving() is None:
-            for name in store.remove_stale_temp(min(cutoff, time.time() - TEMP_MIN_AGE_S)):
-                report.deleted_objects.append(name)
-            delete([(key, 0) for key in expired_leases(store, cutoff)])
-        sweep(kept_marks | dropped_only)
-        # 3. uncommit the dropped steps: for each, report and verdict first, the manifest last (steps
-        # in parallel: no order between two dropped steps matters)
-        for start in range(0, len(dropped), _BATCH):
-            if lock is not None and not lock.renew():
-                report.deferred = "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
-                raise _Stop
-            for done, skipped, freed in deleter.map(lambda s: _uncommit(store, s, dry_run), dropped[start:start + _BATCH]):
-                report.deleted_objects.extend(done)
-                report.skipped.extend(skipped)
-                report.freed_bytes += freed
-        # 4. what only the dropped steps needed
-        if dropped_only:
-            sweep(kept_marks, only=dropped_only)
+        sweeper.run(dropped)
     except _Stop:
         log.warning("garbage collection of %s stopped early: %s", store.url, report.deferred)
     finally:
-        deleter.shutdown(wait=True)
+        sweeper.close()
     if report.skipped:
         log.warning("garbage collection of %s skipped %d keys that ckptlib does not write (e.g. %s)", store.url,
                     len(report.skipped), report.skipped[0])
     return report
+
+
+class _Marks:
+    """What the committed checkpoints need: ``kept`` (objects of the kept steps and of pending
+    cuts), ``dropped_only`` (objects only the dropped steps need), as of the steps in ``seen``."""
+
+    def __init__(self, kept: set[str], dropped_only: set[str], seen: set[int]):
+        self.kept, self.dropped_only, self.seen = kept, dropped_only, seen
+
+    @property
+    def newest(self) -> int:
+        return max(self.seen, default=-1)
+
+    @classmethod
+    def read(cls, store: Store, steps: list[int], kept_steps: set[int], lock: GcLock | None) -> _Marks:
+        """Read every committed manifest (any damage aborts here, before a single delete). Each step's
+        keys are folded into the kept or the dropped union as they come: memory is the run's
+        distinct objects, not one set per step (10,000 steps sharing most of their objects), and no
+        more than 2 x _MARK_THREADS manifests are read ahead of the fold."""
+        kept: set[str] = set()
+        dropped: set[str] = set()
+        with ThreadPoolExecutor(max_workers=_MARK_THREADS, thread_name_prefix="ckpt-gc") as pool:
+            for start in range(0, len(steps), _MARK_WINDOW):
+                window = steps[start:start + _MARK_WINDOW]
+                for step, keys in zip(window, map_ahead(pool, lambda s: _needed(store, s), window, 2 * _MARK_THREADS)):
+                    (kept if step in kept_steps else dropped).update(keys)
+                if lock is not None and start + _MARK_WINDOW < len(steps) and not lock.renew():
+                    raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
+                                          "nothing was deleted: run it again")
+        marks = cls(kept, dropped - kept, set(steps))
+        marks.kept |= _pending_fragment_marks(store, marks.newest)
+        return marks
+
+    def catch_up(self, store: Store) -> list[int]:
+        """Mark the steps committed since the listing (by saves that were in flight when this GC read
+        the leases and have finished since): their objects are kept. Returns those steps."""
+        new = [s for s in committed_steps(store) if s not in self.seen]
+        for step in new:
+            keys = _needed(store, step)
+            self.kept |= keys
+            self.dropped_only -= keys
+            self.seen.add(step)
+        if new:
+            self.kept |= _pending_fragment_marks(store, self.newest)
+        return new
+
+
+class _Sweeper:
+    """Deletes, in batches, only while no save is in flight and the lock is this GC's."""
+
+    def __init__(self, store: Store, report: GcReport, marks: _Marks, lock: GcLock | None, dry_run: bool,
+                 cutoff: float):
+        self.store, self.report, self.marks, self.lock, self.dry_run, self.cutoff = \
+            store, report, marks, lock, dry_run, cutoff
+        self.caught_up = False
+        self.deleter = ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="ckpt-gc-delete")
+
+    def close(self) -> None:
+        self.deleter.shutdown(wait=True)
+
+    def run(self, dropped: list[int]) -> None:
+        # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
+        # a write's temp file is as old as the write began, and a slow write can outlive the grace.
+        if not self.dry_run and self.clear_to_delete() is None:
+            for name in self.store.remove_stale_temp(min(self.cutoff, time.time() - TEMP_MIN_AGE_S)):
+                self.report.deleted_objects.append(name)
+            self.delete([(key, 0) for key in expired_leases(self.store, self.cutoff)])
+        self.sweep(only=None)
+        # 3. uncommit the dropped steps: for each, report and verdict first, the manifest last (steps
+        # in parallel: no order between two dropped steps matters)
+        for start in range(0, len(dropped), _BATCH):
+            if self.lock is not None and not self.lock.renew():
+                self.report.deferred = "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
+                raise _Stop
+            batch = dropped[start:start + _BATCH]
+            for done, skipped, freed in self.deleter.map(lambda s: _uncommit(self.store, s, self.dry_run), batch):
+                self.report.deleted_objects.extend(done)
+                self.report.skipped.extend(skipped)
+                self.report.freed_bytes += freed
+        # 4. what only the dropped steps needed
+        if self.marks.dropped_only:
+            self.sweep(only=self.marks.dropped_only)
+
+    def clear_to_delete(self) -> str | None:
+        """Why nothing may be deleted now (None: go on). The first time it is clear, the steps
+        committed since the listing are marked: after that no save can publish before this GC ends
+        (a save that began after it took the lock sees the lock and waits)."""
+        busy = [lease for lease in live_leases(self.store) if lease.kind == "save"]
+        if busy:
+            return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
+                    "objects were not swept; run GC again later")
+        if self.lock is not None and not self.lock.renew():
+            return "the GC lock was taken over or expired (this GC ran past its lock's expiry): stopped"
+        if not self.caught_up:
+            self.caught_up = True
+            new = self.marks.catch_up(self.store)
+            if new:
+                log.info("garbage collection of %s: steps %s were committed while it planned; kept", self.store.url, new)
+        return None
+
+    def delete(self, keys: list[tuple[str, int]]) -> None:
+        for start in range(0, len(keys), _BATCH):
+            why = self.clear_to_delete()
+            if why:
+                self.report.deferred = why
+                raise _Stop
+            batch = [(k, n) for k, n in keys[start:start + _BATCH] if k not in self.marks.kept]
+            for key, size in batch:
+                self.report.deleted_objects.append(key)
+                self.report.freed_bytes += size
+            if not self.dry_run:  # in parallel: one request each (a 10,000-step run deletes ~30,000 objects)
+                list(self.deleter.map(self.store.delete, [key for key, _ in batch]))
+
+    def sweep(self, only: set[str] | None) -> None:
+        """Delete unmarked chunks and fragments older than the cutoff (``only``: of these keys)."""
+        protect = self.marks.kept if only is not None else self.marks.kept | self.marks.dropped_only
+        garbage = []
+        for info in self.store.scan("chunks"):
+            if not _CHUNK_KEY.match(info.key):
+                self.report.skipped.append(info.key)
+            elif info.key not in protect and (only is None or info.key in only) and info.modified < self.cutoff:
+                garbage.append((info.key, info.size))
+        for info in self.store.scan("fragments"):
+            m = _FRAGMENT_KEY.match(info.key)
+            if not m:
+                self.report.skipped.append(info.key)
+            elif (info.key not in protect and (only is None or info.key in only)
+                  and int(m.group(1)) <= self.marks.newest and info.modified < self.cutoff):
+                garbage.append((info.key, info.size))
+        self.delete(garbage)
 
 
 def _uncommit(store: Store, step: int, dry_run: bool) -> tuple[list[str], list[str], int]:

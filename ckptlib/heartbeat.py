@@ -2,7 +2,7 @@
 
 Who calls what
 --------------
-The training loop of one shard attempt (DESIGN.md section 6)::
+The training loop of one shard attempt (docs/watchdog.md)::
 
     hb = Heartbeat(store, "shard-1", generation=g, round=3, steps_per_round=200, every_s=2.0)
     hb.start(step=data_position)          # first beat; FencedError if generation g is not live

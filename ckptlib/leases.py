@@ -36,6 +36,7 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,22 +117,31 @@ class Lease:
             self.doc = LeaseDoc(**{**self.doc.to_json(), "expires": self._renewed + self.ttl_s})
             self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
 
-    def before_publish(self, reused: dict[str, bytes]) -> None:
-        """If a GC held the lock when this lease was written, wait for it to end, then make sure
-        every re-used object (key -> its encoded bytes) still exists, writing back any it swept."""
+    def before_publish(self, needed: Iterable[str], reused: dict[str, bytes]) -> list[str]:
+        """If a GC held the lock when this lease was written, wait for it to end, then make sure every
+        object the save needs (``needed``: the keys its fragment names, delta chains included) still
+        exists: a re-used one it swept is written back from ``reused`` (key -> its encoded bytes).
+        Returns the keys still missing (a new object of this save, or an older link of a delta
+        chain, swept by that GC): the caller encodes the part again without them. [] when no GC ran."""
         if not self.gc_seen:
-            return
+            return []
         deadline = time.monotonic() + GC_WAIT_S
         while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now():
             if time.monotonic() > deadline:
                 raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
                                  "this save waited for it and gives up. Save again once it has finished.")
             time.sleep(0.5)
-        for key, data in reused.items():
-            if not self.store.exists(key):
+        missing = []
+        for key in dict.fromkeys(needed):
+            if self.store.exists(key):
+                continue
+            if key in reused:
                 log.warning("%s/%s was garbage-collected while this save re-used it: writing it again",
                             self.store.url, key)
-                self.store.put_if_absent(key, data)
+                self.store.put_if_absent(key, reused[key])
+            else:
+                missing.append(key)
+        return missing
 
     def release(self) -> None:
         if self.held:
@@ -224,8 +234,12 @@ class GcLock:
         return held is not None and held.get("id") == self.id
 
     def renew(self) -> bool:
-        """Push the expiry forward if due (cheap to call often); False if the lock is no longer ours."""
-        if time.time() < self._doc["expires"] - 3 * self.ttl_s / 4:
+        """Push the expiry forward if due (cheap to call often); False if the lock is no longer ours,
+        or expired before this renewal (a save waiting for it may have gone ahead meanwhile)."""
+        now = time.time()
+        if now >= self._doc["expires"]:
+            return False
+        if now < self._doc["expires"] - 3 * self.ttl_s / 4:
             return True
         if not self.still_held():
             return False

@@ -2,31 +2,39 @@
 
 A state is a nested structure of containers and values. ``flatten`` turns it into a JSON
 *skeleton* in which every array (torch tensor, numpy array, bytes) is replaced by
-``{"__leaf__": i}``, plus the list of those leaves; ``unflatten`` is the inverse. The skeleton is
-plain JSON and is decoded from a closed list of tags, so loading a checkpoint never imports or
-runs anything. Dispatch is on the exact type: a subclass that is not listed (an ``IntEnum``, a
-namedtuple, a ``np.memmap``) is refused with ``UnsupportedState`` naming its path, never saved as
-its base class.
+``{"__leaf__": i}``, plus the list of those leaves; ``unflatten`` is the inverse. Dispatch is on
+the exact type: a subclass that is not listed (an ``IntEnum``, a namedtuple, a ``np.memmap``) is
+refused with ``UnsupportedState`` naming its path, never saved as its base class.
 
-Node grammar (format 2; a superset of format 1's, so one decoder reads both)::
+The grammar (format 2; a superset of format 1's, so one decoder reads both) is written once, in
+``Node`` and ``parse``: every walker (``flatten``, ``unflatten``, ``prune``, ``leaf_indices``,
+``ckptlib.bind``) reads and writes nodes through them, so a new kind is added in one place::
 
-    null, true, false, "string", 12 (int), 1.5 (finite float: a JSON number with '.' or 'e')
-    [..]                              list
-    {"k": ..}                         dict whose keys are all str and none is a tag below
-    {"__leaf__": i}                   array leaf i
-    {"__ref__": i}                    the same tensor as leaf i (tied weights restore tied)
-    {"__attrs__": [node, {name: node}]}   a tensor with Python attributes (``t.is_sparse_grad = True``)
-    {"__tuple__": [..]}               tuple
-    {"__items__": [[k, v], ..]}       dict with other keys (optimizer state is keyed by int)
-    {"__map__": {"type": T, "items": [[k, v], ..], "attrs": {name: node}, "factory": F}}
-                                      T: OrderedDict | defaultdict | Counter (attrs: e.g. the
-                                      ``_metadata`` of a module's state_dict; F: a builtin factory)
-    {"__float__": "nan" | "inf" | "-inf" | "<16 hex digits>"}   non-finite float (NaN payload kept)
-    {"__complex__": [re, im]}         complex
-    {"__set__": [..]}, {"__frozenset__": [..]}   in a canonical order (digests do not depend on hashing)
-    {"__np__": [dtype, "<hex>"]}      numpy scalar (np.float32(0.5), np.int64(3), np.bool_, ...)
-    {"__size__": [..]}                torch.Size
-    {"__dtype__": "float32"}, {"__device__": "cuda:0"}   torch.dtype, torch.device
+    kind       spelling                                   Python value
+    scalar     null, true, 12, 1.5, "s"                   None, bool, int, finite float, str
+    list       [..]                                       list
+    dict       {"k": ..} (no key is a tag)                dict of str keys, in order
+    leaf       {"__leaf__": i}                            array leaf i
+    ref        {"__ref__": i}                             the same tensor as leaf i (tied weights)
+    attrs      {"__attrs__": [node, {name: node}]}        a tensor with Python attributes
+    tuple      {"__tuple__": [..]}                        tuple
+    set        {"__set__": [..]}, {"__frozenset__": [..]}  set, frozenset (canonical order)
+    items      {"__items__": [[k, v], ..]}                dict with other keys (int-keyed optimizer state)
+    map        {"__map__": {"type", "items", "attrs", "factory"}}   OrderedDict, defaultdict, Counter
+    float      {"__float__": "nan" | "inf" | "-inf" | "<16 hex>"}  non-finite float (NaN payload kept)
+    complex    {"__complex__": [re, im]}                  complex
+    np         {"__np__": [dtype, "<hex>"]}               numpy scalar
+    size       {"__size__": [..]}                         torch.Size
+    dtype      {"__dtype__": "float32"}                   torch.dtype
+    device     {"__device__": "cuda:0"}                   torch.device
+
+The decoder builds only what ``flatten`` writes (a store is not trusted: anyone who can write it
+can recompute the digests): attributes only on tensors (and on the maps, as their ``__dict__``),
+never with a name the type itself defines (``data``, ``shape``, ``items``); dict keys only of the
+kinds a dict key may be here (None, bool, numbers, str, numpy scalars, tuples/frozensets of those);
+set items only of the kinds a set may hold (those, bytes, torch dtypes and devices); each leaf once.
+Anything else is ``CorruptCheckpoint`` naming the path. Decoding is linear in the skeleton's size:
+paths are strings only when an error names one.
 
 torch is imported only when the state holds torch objects (on save) or the skeleton names them
 (on restore): reading manifests, listing and GC never load it.
@@ -35,34 +43,193 @@ torch is imported only when the state holds torch objects (on save) or the skele
 from __future__ import annotations
 
 import collections
-import json
 import math
 import re
 import struct
 import sys
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import CorruptCheckpoint, UnsupportedState
 from .types import NUMPY_KINDS, TORCH_DTYPES, LeafSpec, dense_strides
 
-TAGS = frozenset({"__leaf__", "__ref__", "__attrs__", "__tuple__", "__items__", "__map__", "__float__", "__complex__",
-                  "__set__", "__frozenset__", "__np__", "__size__", "__dtype__", "__device__"})
 # Deepest nesting of containers a state may have. Real states are a handful of levels deep; the
 # limit keeps encoding and decoding (of hostile manifests too) far from Python's recursion limit.
 MAX_DEPTH = 100
+_MAX_SIZE_DIM = 2**63 - 1
 
 _MAPS = {"OrderedDict": collections.OrderedDict, "defaultdict": collections.defaultdict,
          "Counter": collections.Counter}
-_MAP_NAMES = {cls: name for name, cls in _MAPS.items()}
+_MAP_NAMES: dict[type, str] = {cls: name for name, cls in _MAPS.items()}
 # defaultdict factories that can be restored by name without running any code of the store's.
 _FACTORIES = {"list": list, "dict": dict, "set": set, "frozenset": frozenset, "tuple": tuple, "int": int,
               "float": float, "complex": complex, "str": str, "bytes": bytes, "bool": bool,
               "OrderedDict": collections.OrderedDict, "Counter": collections.Counter}
 _FACTORY_NAMES = {f: name for name, f in _FACTORIES.items()}
-_ATTR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DEVICE = re.compile(r"^[a-z_]{1,32}(:\d{1,6})?$")
 
+
+# --- the grammar -----------------------------------------------------------------------------------
+
+# kind -> tag, for every tagged kind; "list", "dict" and "scalar" are plain JSON.
+_TAG = {"leaf": "__leaf__", "ref": "__ref__", "attrs": "__attrs__", "tuple": "__tuple__", "set": "__set__",
+        "frozenset": "__frozenset__", "items": "__items__", "map": "__map__", "float": "__float__",
+        "complex": "__complex__", "np": "__np__", "size": "__size__", "dtype": "__dtype__", "device": "__device__"}
+_KIND = {tag: kind for kind, tag in _TAG.items()}
+TAGS = frozenset(_KIND)
+_SEQUENCES = ("list", "tuple", "set", "frozenset")  # items: child nodes
+_KEYED = ("dict", "items", "map")  # items: (key, child node) pairs
+
+
+class _Bad(Exception):
+    """A node that is not in the grammar (raised with why; the walker adds where)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One skeleton node, parsed. ``value``: a scalar's value, a leaf's index, an atom's raw tag
+    value, a map's ``(type, factory)``. ``items``: a sequence's child nodes, or a keyed container's
+    ``(key, child)`` pairs (str keys for a dict, key *nodes* for items/map). ``attrs``: ``(name,
+    node)`` pairs of a tensor's or a map's attributes; ``inner``: the tensor node of attrs."""
+
+    kind: str
+    value: Any = None
+    items: tuple = ()
+    attrs: tuple = ()
+    inner: Any = None
+
+    def json(self) -> Any:
+        """The node as JSON (the inverse of ``parse``)."""
+        k = self.kind
+        if k == "scalar":
+            return self.value
+        if k == "list":
+            return list(self.items)
+        if k == "dict":
+            return dict(self.items)
+        if k in ("tuple", "set", "frozenset"):
+            return {_TAG[k]: list(self.items)}
+        if k == "items":
+            return {"__items__": [list(kv) for kv in self.items]}
+        if k == "map":
+            kind, factory = self.value
+            doc: dict[str, Any] = {"type": kind, "items": [list(kv) for kv in self.items]}
+            if kind == "defaultdict":
+                doc["factory"] = factory
+            if self.attrs:
+                doc["attrs"] = dict(self.attrs)
+            return {"__map__": doc}
+        if k == "attrs":
+            return {"__attrs__": [self.inner, dict(self.attrs)]}
+        return {_TAG[k]: self.value}
+
+
+def parse(node: Any) -> Node:
+    """The kind and parts of a JSON node; ``_Bad`` if it is not in the grammar. Checks the node's
+    own structure only (its children are parsed when they are walked)."""
+    t = type(node)
+    if node is None or t in (bool, int, str):
+        return Node("scalar", node)
+    if t is float:
+        if not math.isfinite(node):
+            raise _Bad("a non-finite float outside __float__")
+        return Node("scalar", node)
+    if t is list:
+        return Node("list", items=tuple(node))
+    if t is not dict:
+        raise _Bad(f"unexpected {t.__name__}")
+    if len(node) == 1:
+        ((tag, v),) = node.items()
+        kind = _KIND.get(tag)
+        if kind is not None:
+            return _PARSERS[kind](kind, v)
+    if not TAGS.isdisjoint(node):
+        raise _Bad(f"tag {sorted(TAGS.intersection(node))[0]} among other keys")
+    return Node("dict", items=tuple(node.items()))
+
+
+def _index(kind: str, v: Any) -> Node:
+    if type(v) is not int or v < 0:
+        raise _Bad(f"leaf index {v!r} is not a non-negative int")
+    return Node(kind, v)
+
+
+def _list(kind: str, v: Any) -> Node:
+    if type(v) is not list:
+        raise _Bad(f"{_TAG[kind]} holds {type(v).__name__}, not a list")
+    return Node(kind, items=tuple(v))
+
+
+def _pairs(v: Any) -> tuple:
+    if type(v) is not list or not all(type(p) is list and len(p) == 2 for p in v):
+        raise _Bad("items are not [key, value] pairs")
+    return tuple(tuple(p) for p in v)
+
+
+def _attr_pairs(v: Any) -> tuple:
+    if type(v) is not dict or not all(type(k) is str for k in v):
+        raise _Bad("attributes are not an object of names")
+    return tuple(v.items())
+
+
+def _map(kind: str, v: Any) -> Node:
+    if type(v) is not dict or v.get("type") not in _MAPS or not set(v) <= {"type", "items", "attrs", "factory"}:
+        raise _Bad(f"malformed __map__ {str(v)[:80]!r}")
+    factory = v.get("factory")
+    if factory is not None and (v["type"] != "defaultdict" or factory not in _FACTORIES):
+        raise _Bad(f"defaultdict factory {str(factory)[:40]!r} is not a builtin")
+    return Node(kind, (v["type"], factory), _pairs(v.get("items", [])), _attr_pairs(v.get("attrs", {})))
+
+
+def _attrs(kind: str, v: Any) -> Node:
+    if type(v) is not list or len(v) != 2:
+        raise _Bad("__attrs__ is not [node, {name: node}]")
+    return Node(kind, attrs=_attr_pairs(v[1]), inner=v[0])
+
+
+def _atom(kind: str, v: Any) -> Node:
+    return Node(kind, v)
+
+
+def _items(kind: str, v: Any) -> Node:
+    return Node(kind, items=_pairs(v))
+
+
+_PARSERS = {"leaf": _index, "ref": _index, "tuple": _list, "set": _list, "frozenset": _list, "items": _items,
+            "map": _map, "attrs": _attrs, "float": _atom, "complex": _atom, "np": _atom, "size": _atom,
+            "dtype": _atom, "device": _atom}
+assert set(_PARSERS) == set(_TAG)
+
+
+def tagged(kind: str, value: Any) -> dict[str, Any]:
+    """The JSON node of an atom or a sequence kind (what ``flatten`` writes)."""
+    return {_TAG[kind]: value}
+
+
+class Path:
+    """Where a node is, as a chain of labels: O(1) per child, a string only when printed."""
+
+    __slots__ = ("parent", "label")
+
+    def __init__(self, parent: Path | None = None, label: Any = None):
+        self.parent, self.label = parent, label
+
+    def child(self, label: Any) -> Path:
+        return Path(self, label)
+
+    def __str__(self) -> str:
+        labels = []
+        p: Path | None = self
+        while p is not None and p.parent is not None:
+            labels.append(str(p.label))
+            p = p.parent
+        return "/" + "/".join(reversed(labels)) if labels else "/"
+
+
+# --- torch, when loaded ----------------------------------------------------------------------------
 
 def _torch():
     import torch  # imported only when a state holds or names torch objects
@@ -79,9 +246,177 @@ def _torch_types() -> tuple:
     return torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.device
 
 
+def _is_tensor(obj: Any) -> bool:
+    types = _torch_types()
+    return bool(types) and isinstance(obj, types[0])
+
+
+def attribute_problem(cls: type, name: Any) -> str | None:
+    """Why ``name`` cannot be stored or restored as an attribute of an instance of ``cls`` (None:
+    it can). Only plain data attributes: no dunders, nothing the type itself defines (a tensor's
+    ``data`` or ``shape``, a dict's ``items``): restoring those would change what the object is."""
+    if not isinstance(name, str) or not _IDENTIFIER.match(name) or name.startswith("__"):
+        return f"attribute {str(name)[:40]!r} is not a plain identifier"
+    if hasattr(cls, name):
+        return f"attribute {name!r} is defined by {cls.__name__} itself"
+    return None
+
+
+# --- flatten (save) --------------------------------------------------------------------------------
+
+def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
+    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState."""
+    enc = _Encoder()
+    return enc.walk(state, "", 0), enc.leaves
+
+
 def _refuse(path: str, obj: Any, hint: str) -> UnsupportedState:
     cls = type(obj)
     return UnsupportedState(f"cannot checkpoint {cls.__module__}.{cls.__qualname__} at '{path or '/'}': {hint}")
+
+
+_KEY_TYPES = (str, int, float, bool, complex, tuple, frozenset)
+_KEYS_HINT = "dict keys may be None, bool, int, float, complex, str, numpy scalars, or tuples/frozensets of those"
+
+
+class _Encoder:
+    """One ``flatten``: the leaves found so far, tied tensors, and the containers on the path."""
+
+    def __init__(self) -> None:
+        self.leaves: list[tuple[LeafSpec, Any]] = []
+        self.tensor_types = _torch_types()
+        self.ties: dict[Any, int] = {}  # tensor identity -> leaf index
+        self.on_path: set[int] = set()  # ids of the containers being walked: a repeat is a cycle
+
+    def walk(self, obj: Any, path: str, depth: int) -> Any:
+        cls = type(obj)
+        if obj is None or cls in (bool, str):
+            return obj
+        if cls is int:
+            if obj.bit_length() > 13000:  # json (and Python's int->str limit) cannot hold it
+                raise _refuse(path, obj, "integers above 4,000 digits cannot be stored; use a tensor")
+            return obj
+        if cls is float:
+            return obj if math.isfinite(obj) else tagged("float", _nonfinite(obj))
+        if cls is complex:
+            return tagged("complex", [self.walk(obj.real, path, depth), self.walk(obj.imag, path, depth)])
+        if cls in (bytes, bytearray):
+            return self.add_leaf(LeafSpec(path, cls.__name__, "|u1", (len(obj),), len(obj), 1), obj)
+        if cls is np.ndarray:
+            return self.add_leaf(_numpy_spec(obj, path), obj)
+        if isinstance(obj, np.generic):
+            return tagged("np", _np_scalar(obj, path))
+        if self.tensor_types:
+            node = self.torch_value(obj, cls, path)
+            if node is not None:
+                return node
+        if cls in (list, tuple, dict, set, frozenset) or cls in _MAP_NAMES:
+            return self.nested(obj, cls, path, depth)
+        raise _refuse(path, obj, _hint(obj))
+
+    def torch_value(self, obj: Any, cls: type, path: str) -> Any:
+        tensor, parameter, size, dtype, device = self.tensor_types
+        if cls in (tensor, parameter):
+            return self.add_tensor(obj, path)
+        if cls is size:
+            if any(int(v) < 0 for v in obj):
+                raise _refuse(path, obj, "a torch.Size with negative entries is not a shape; store a tuple")
+            return tagged("size", [int(v) for v in obj])
+        if cls is dtype:
+            name = str(obj).removeprefix("torch.")
+            if name not in TORCH_DTYPES:
+                raise _refuse(path, obj, f"torch dtype {name} is not supported")
+            return tagged("dtype", name)
+        if cls is device:
+            return tagged("device", str(obj))
+        if isinstance(obj, tensor):
+            raise _refuse(path, obj, "tensor subclasses (DTensor, FakeTensor, ...) are not stored; convert "
+                                     "it to a plain tensor (e.g. .full_tensor(), .to_local() or .detach()), or "
+                                     "save a DTensor state through Checkpointer(process_group=...)")
+        return None
+
+    def nested(self, obj: Any, cls: type, path: str, depth: int) -> Any:
+        if depth >= MAX_DEPTH:
+            raise UnsupportedState(f"the state is nested deeper than {MAX_DEPTH} levels at '{path or '/'}'; "
+                                   "flatten it (e.g. a dict of paths)")
+        if id(obj) in self.on_path:
+            raise UnsupportedState(f"the state refers to itself at '{path or '/'}' (a cycle); remove the cycle")
+        self.on_path.add(id(obj))
+        try:
+            return self.container(obj, cls, path, depth + 1)
+        finally:
+            self.on_path.discard(id(obj))
+
+    def container(self, obj: Any, cls: type, path: str, depth: int) -> Any:
+        if cls is list:
+            return [self.walk(v, f"{path}/{i}", depth) for i, v in enumerate(obj)]
+        if cls is tuple:
+            return tagged("tuple", [self.walk(v, f"{path}/{i}", depth) for i, v in enumerate(obj)])
+        if cls in (set, frozenset):
+            # in an order of the values themselves: iteration order depends on the hash seed
+            ordered = sorted(obj, key=lambda v: _value_key(v, path))
+            return tagged(cls.__name__, [self.walk(v, f"{path}/<item>", depth) for v in ordered])
+        if cls is dict and all(type(k) is str and k not in TAGS for k in obj):
+            return {k: self.walk(v, f"{path}/{k}", depth) for k, v in obj.items()}
+        items = tuple((self.key(k, path, depth), self.walk(v, f"{path}/{k}", depth)) for k, v in obj.items())
+        if cls is dict:
+            return Node("items", items=items).json()
+        factory = None
+        if cls is collections.defaultdict:
+            if obj.default_factory is not None and obj.default_factory not in _FACTORY_NAMES:
+                raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} would have to be run on "
+                                         f"load; use one of {sorted(_FACTORIES)} or None")
+            factory = _FACTORY_NAMES.get(obj.default_factory)
+        attrs = self.attributes(obj, cls, path, depth)
+        return Node("map", (_MAP_NAMES[cls], factory), items, attrs).json()
+
+    def attributes(self, obj: Any, cls: type, path: str, depth: int) -> tuple:
+        """The Python attributes of ``obj`` (its ``__dict__``), each a plain data attribute."""
+        attrs = getattr(obj, "__dict__", None) or {}
+        for name in attrs:
+            why = attribute_problem(cls, name)
+            if why:
+                raise _refuse(path, obj, why)
+        return tuple((name, self.walk(v, f"{path}/.{name}", depth)) for name, v in attrs.items())
+
+    def key(self, key: Any, path: str, depth: int) -> Any:
+        _check_key(key, f"{path}/<key>")
+        return self.walk(key, f"{path}/<key>", depth)
+
+    def add_leaf(self, spec: LeafSpec, obj: Any) -> dict[str, int]:
+        self.leaves.append((spec, obj))
+        return tagged("leaf", len(self.leaves) - 1)
+
+    def add_tensor(self, t: Any, path: str) -> dict[str, Any]:
+        spec = _torch_spec(t, path)
+        # Tensors that are the same memory (tied weights: state_dict() returns two views of one
+        # parameter) come back as one tensor, as torch.save restores them.
+        tie = None
+        if spec.nbytes:
+            tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, tuple(t.stride()),
+                   str(t.device), spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
+            if tie in self.ties:
+                return tagged("ref", self.ties[tie])
+        node = self.add_leaf(spec, t)
+        if tie is not None:
+            self.ties[tie] = node["__leaf__"]
+        if getattr(t, "__dict__", None):  # Python attributes set on the tensor: kept, as torch.save keeps them
+            return Node("attrs", attrs=self.attributes(t, type(t), path, 1), inner=node).json()
+        return node
+
+
+def _check_key(key: Any, path: str) -> None:
+    """Refuse a dict key of a kind keys may not be (recursively, inside tuples/frozensets)."""
+    if key is None or isinstance(key, np.generic):
+        return
+    if type(key) not in _KEY_TYPES:
+        raise _refuse(path, key, _KEYS_HINT)
+    if type(key) is tuple:
+        for i, k in enumerate(key):
+            _check_key(k, f"{path}/{i}")
+    elif type(key) is frozenset:
+        for k in key:
+            _check_key(k, f"{path}/<item>")
 
 
 def _hint(obj: Any) -> str:
@@ -101,123 +436,6 @@ def _hint(obj: Any) -> str:
     return ("a state may hold dicts (also OrderedDict, defaultdict, Counter), lists, tuples, sets, torch "
             "tensors, numpy arrays and scalars, bytes, and None/bool/int/float/complex/str; "
             "convert the value to one of those")
-
-
-def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
-    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState."""
-    leaves: list[tuple[LeafSpec, Any]] = []
-    tensor_types = _torch_types()
-    tensor_cls = tensor_types[:2]
-    ties: dict[Any, int] = {}  # tensor identity -> leaf index
-    on_path: set[int] = set()  # ids of the containers being walked: a repeat is a cycle
-
-    def walk(obj: Any, path: str, depth: int) -> Any:
-        cls = type(obj)
-        if obj is None or cls in (bool, str):
-            return obj
-        if cls is int:
-            if obj.bit_length() > 13000:  # json (and Python's int->str limit) cannot hold it
-                raise _refuse(path, obj, "integers above 4,000 digits cannot be stored; use a tensor")
-            return obj
-        if cls is float:
-            return obj if math.isfinite(obj) else {"__float__": _nonfinite(obj)}
-        if cls is complex:
-            return {"__complex__": [walk(obj.real, path, depth), walk(obj.imag, path, depth)]}
-        if cls in (bytes, bytearray):
-            return add_leaf(LeafSpec(path, cls.__name__, "|u1", (len(obj),), len(obj), 1), obj)
-        if cls is np.ndarray:
-            return add_leaf(_numpy_spec(obj, path), obj)
-        if isinstance(obj, np.generic):
-            return {"__np__": _np_scalar(obj, path)}
-        if tensor_types:
-            if cls in tensor_cls:
-                return add_tensor(obj, path)
-            if cls is tensor_types[2]:
-                return {"__size__": [int(v) for v in obj]}
-            if cls is tensor_types[3]:
-                name = str(obj).removeprefix("torch.")
-                if name not in TORCH_DTYPES:
-                    raise _refuse(path, obj, f"torch dtype {name} is not supported")
-                return {"__dtype__": name}
-            if cls is tensor_types[4]:
-                return {"__device__": str(obj)}
-            if isinstance(obj, tensor_types[0]):
-                raise _refuse(path, obj, "tensor subclasses (DTensor, FakeTensor, ...) are not stored; convert "
-                                         "it to a plain tensor (e.g. .full_tensor(), .to_local() or .detach())")
-        if cls in (list, tuple, dict, set, frozenset) or cls in _MAP_NAMES:
-            if depth >= MAX_DEPTH:
-                raise UnsupportedState(f"the state is nested deeper than {MAX_DEPTH} levels at '{path or '/'}'; "
-                                       "flatten it (e.g. a dict of paths)")
-            if id(obj) in on_path:
-                raise UnsupportedState(f"the state refers to itself at '{path or '/'}' (a cycle); remove the cycle")
-            on_path.add(id(obj))
-            try:
-                return container(obj, cls, path, depth + 1)
-            finally:
-                on_path.discard(id(obj))
-        raise _refuse(path, obj, _hint(obj))
-
-    def container(obj: Any, cls: type, path: str, depth: int) -> Any:
-        if cls is list:
-            return [walk(v, f"{path}/{i}", depth) for i, v in enumerate(obj)]
-        if cls is tuple:
-            return {"__tuple__": [walk(v, f"{path}/{i}", depth) for i, v in enumerate(obj)]}
-        if cls in (set, frozenset):
-            # in an order of the values themselves: iteration order depends on the hash seed
-            ordered = sorted(obj, key=lambda v: _value_key(v, path))
-            return {f"__{cls.__name__}__": [walk(v, f"{path}/<item>", depth) for v in ordered]}
-        if cls is dict and all(type(k) is str and k not in TAGS for k in obj):
-            return {k: walk(v, f"{path}/{k}", depth) for k, v in obj.items()}
-        items = [[walk_key(k, path, depth), walk(v, f"{path}/{k}", depth)] for k, v in obj.items()]
-        if cls is dict:
-            return {"__items__": items}
-        node: dict[str, Any] = {"type": _MAP_NAMES[cls], "items": items}  # type: ignore[index]
-        if cls is collections.defaultdict:
-            if obj.default_factory is not None and obj.default_factory not in _FACTORY_NAMES:
-                raise _refuse(path, obj, f"its default_factory {obj.default_factory!r} would have to be run on "
-                                         f"load; use one of {sorted(_FACTORIES)} or None")
-            node["factory"] = _FACTORY_NAMES.get(obj.default_factory)
-        attrs = getattr(obj, "__dict__", None) or {}
-        if attrs:
-            for name in attrs:
-                if not isinstance(name, str) or not _ATTR.match(name) or name.startswith("__"):
-                    raise _refuse(path, obj, f"attribute {name!r} is not a plain identifier")
-            node["attrs"] = {name: walk(v, f"{path}/.{name}", depth) for name, v in attrs.items()}
-        return {"__map__": node}
-
-    def walk_key(key: Any, path: str, depth: int) -> Any:
-        if type(key) not in (str, int, float, bool, complex, tuple, frozenset) and key is not None \
-                and not isinstance(key, np.generic):
-            raise _refuse(f"{path}/<key>", key, "dict keys may be None, bool, int, float, complex, str, numpy "
-                                                "scalars, or tuples/frozensets of those")
-        return walk(key, f"{path}/<key>", depth)
-
-    def add_leaf(spec: LeafSpec, obj: Any) -> dict[str, int]:
-        leaves.append((spec, obj))
-        return {"__leaf__": len(leaves) - 1}
-
-    def add_tensor(t: Any, path: str) -> dict[str, int]:
-        spec = _torch_spec(t, path)
-        # Tensors that are the same memory (tied weights: state_dict() returns two views of one
-        # parameter) come back as one tensor, as torch.save restores them.
-        tie = None
-        if spec.nbytes:
-            tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, tuple(t.stride()),
-                   str(t.device), spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
-            if tie in ties:
-                return {"__ref__": ties[tie]}
-        node: dict[str, Any] = add_leaf(spec, t)
-        if tie is not None:
-            ties[tie] = node["__leaf__"]
-        attrs = getattr(t, "__dict__", None)
-        if attrs:  # Python attributes set on the tensor: kept, as torch.save keeps them
-            for name in attrs:
-                if not isinstance(name, str) or not _ATTR.match(name) or name.startswith("__"):
-                    raise _refuse(path, t, f"its attribute {name!r} is not a plain identifier")
-            node = {"__attrs__": [node, {name: walk(v, f"{path}/.{name}", 1) for name, v in attrs.items()}]}
-        return node
-
-    return walk(state, "", 0), leaves
 
 
 def _value_key(v: Any, path: str) -> tuple:
@@ -293,87 +511,7 @@ def _torch_spec(t: Any, path: str) -> LeafSpec:
                     param=param, requires_grad=rg)
 
 
-def copy_into(obj: Any, spec: LeafSpec, out: np.ndarray, non_blocking: bool = False) -> None:
-    """Copy a leaf's bytes, in the order the spec stores them, into ``out`` (uint8, spec.nbytes).
-    One copy from any device or layout. ``non_blocking`` (pinned ``out`` only): the caller
-    synchronises the device before using ``out``."""
-    if spec.nbytes == 0:
-        return
-    if spec.kind == "torch":
-        torch = _torch()
-        src = obj.detach()
-        if spec.stride is not None:  # memory order of a dense non-contiguous layout
-            src = src.as_strided((spec.numel,), (1,))
-        dst = torch.from_numpy(out).view(src.dtype).view(src.shape)
-        dst.copy_(src, non_blocking=non_blocking and src.is_cuda)
-    elif spec.kind in ("bytes", "bytearray"):
-        out[:] = np.frombuffer(obj, dtype=np.uint8)
-    else:
-        a = np.asarray(obj)
-        out[:] = (a.ravel(order="K") if spec.order == "F" else np.ascontiguousarray(a).reshape(-1)).view(np.uint8)
-
-
-def raw_view(obj: Any, spec: LeafSpec) -> np.ndarray | None:
-    """The leaf's bytes in stored order without a copy (a view of a CPU tensor/array's memory), or
-    None when only a copy can give them (another device, a layout the spec does not store as is)."""
-    if spec.nbytes == 0:
-        return np.empty(0, dtype=np.uint8)
-    if spec.kind == "torch":
-        if obj.device.type != "cpu" or obj.is_conj() or obj.is_neg():
-            return None
-        t = obj.detach()
-        if spec.stride is not None:
-            if tuple(t.stride()) != spec.stride:
-                return None
-            t = t.as_strided((spec.numel,), (1,))
-        elif not t.is_contiguous():
-            return None
-        return t.reshape(-1).view(_torch().uint8).numpy()
-    if spec.kind in ("bytes", "bytearray"):
-        return np.frombuffer(obj, dtype=np.uint8)
-    a = obj
-    if spec.order == "F":
-        return a.ravel(order="F").view(np.uint8) if a.flags.f_contiguous else None
-    return a.reshape(-1).view(np.uint8) if a.flags.c_contiguous else None
-
-
-def empty_leaf(spec: LeafSpec) -> tuple[Any, np.ndarray]:
-    """A new CPU leaf object for ``spec`` and a uint8 view of its memory, in stored order."""
-    if spec.kind == "torch":
-        torch = _torch()
-        dtype = getattr(torch, spec.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise CorruptCheckpoint(f"torch {torch.__version__} has no dtype {spec.dtype!r} (leaf '{spec.path}')")
-        if spec.stride is not None:
-            t = torch.empty_strided(spec.shape, spec.stride, dtype=dtype)
-            flat = t.as_strided((spec.numel,), (1,))
-        else:
-            t = torch.empty(spec.shape, dtype=dtype)
-            flat = t.reshape(-1)
-        raw = flat.view(torch.uint8).numpy() if spec.nbytes else np.empty(0, np.uint8)
-        return t, raw
-    if spec.kind in ("bytes", "bytearray"):
-        buf = bytearray(spec.nbytes)
-        return buf, np.frombuffer(buf, dtype=np.uint8) if spec.nbytes else np.empty(0, np.uint8)
-    order: Literal["C", "F"] = "F" if spec.order == "F" else "C"
-    a = np.empty(spec.shape, dtype=np.dtype(spec.dtype), order=order)
-    return a, a.ravel(order=order).view(np.uint8)
-
-
-def finish_leaf(obj: Any, spec: LeafSpec, device: Any = "cpu") -> Any:
-    """The leaf as the state held it: on ``device``, a Parameter again, bytes immutable again."""
-    if spec.kind == "torch":
-        if str(device) != "cpu":
-            obj = obj.to(device)
-        if spec.param:
-            return _torch().nn.Parameter(obj, requires_grad=spec.requires_grad)
-        return obj.requires_grad_(True) if spec.requires_grad else obj
-    if spec.kind == "bytes":
-        return bytes(obj)
-    if spec.kind == "npscalar":  # format 1
-        return obj[()]
-    return obj
-
+# --- unflatten (restore) ---------------------------------------------------------------------------
 
 class _Missing:
     """Placeholder of a leaf that a partial restore did not read."""
@@ -382,128 +520,160 @@ class _Missing:
 MISSING = _Missing()
 
 
-def unflatten(skeleton: Any, leaves: list[Any]) -> Any:
-    """Inverse of flatten: rebuild the structure around the leaf objects. A malformed skeleton
-    (from a damaged or hostile manifest) raises CorruptCheckpoint naming where; nothing in it is
-    ever imported or called, except the fixed constructors named in the grammar."""
+def unflatten(skeleton: Any, leaves: list[Any], specs: list[LeafSpec] | None = None) -> Any:
+    """Inverse of flatten: rebuild the structure around the leaf objects. A skeleton that flatten
+    would not write (from a damaged or hostile manifest) raises CorruptCheckpoint naming where;
+    nothing in it is ever imported or called, except the fixed constructors of the grammar.
+    ``specs``: the leaves' specs, which say what kind each leaf is (else the objects do; a
+    placeholder such as ``MISSING`` passes as any kind)."""
+    dec = _Decoder(leaves, specs or [])
+    try:
+        return dec.build(skeleton, Path(), 0)
+    except RecursionError:
+        raise CorruptCheckpoint("malformed state skeleton in manifest: nested too deeply") from None
 
-    def bad(path: str, why: str) -> CorruptCheckpoint:
-        return CorruptCheckpoint(f"malformed state skeleton in manifest at '{path or '/'}': {why}")
 
-    def build(node: Any, path: str, depth: int) -> Any:
+def _bad(path: Path | str, why: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"malformed state skeleton in manifest at '{path}': {why}")
+
+
+class _Decoder:
+    """One ``unflatten``: the leaves given, and which of them the skeleton has placed already."""
+
+    def __init__(self, leaves: list[Any], specs: list[LeafSpec]):
+        self.leaves, self.specs = leaves, specs
+        self.placed: set[int] = set()
+
+    def kind(self, i: int) -> str | None:
+        """Leaf ``i``'s kind ("torch", "numpy", "bytes", ...), or None when unknown (a placeholder)."""
+        if i < len(self.specs):
+            return self.specs[i].kind
+        obj = self.leaves[i]
+        if _is_tensor(obj):
+            return "torch"
+        return type(obj).__name__ if type(obj) in (bytes, bytearray, np.ndarray) else None
+
+    def parse(self, node: Any, path: Path, depth: int) -> Node:
         if depth > MAX_DEPTH + 1:
-            raise bad(path, f"nested deeper than {MAX_DEPTH} levels")
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        if isinstance(node, list):
-            return [build(v, f"{path}/{i}", depth + 1) for i, v in enumerate(node)]
-        if not isinstance(node, dict):
-            raise bad(path, f"unexpected {type(node).__name__}")
-        if len(node) == 1:
-            (tag, value), = node.items()
-            if tag in TAGS:
-                return tagged(tag, value, path, depth)
-        if TAGS.intersection(node):
-            raise bad(path, f"tag {sorted(TAGS.intersection(node))[0]} among other keys")
-        return {k: build(v, f"{path}/{k}", depth + 1) for k, v in node.items()}
+            raise _bad(path, f"nested deeper than {MAX_DEPTH} levels")
+        try:
+            return parse(node)
+        except _Bad as e:
+            raise _bad(path, str(e)) from None
 
-    def tagged(tag: str, v: Any, path: str, depth: int) -> Any:
-        if tag in ("__leaf__", "__ref__"):
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < len(leaves):
-                raise bad(path, f"leaf index {v!r} out of range")
-            return leaves[v]
-        if tag == "__float__":
-            return _float(v, path)
-        if tag == "__np__":
-            return _np_from(v, path)
-        if tag == "__dtype__":
-            if v not in TORCH_DTYPES:
-                raise bad(path, f"unknown torch dtype {v!r}")
-            return getattr(_torch(), v)
-        if tag == "__device__":
-            if not isinstance(v, str) or not re.fullmatch(r"[a-z_]+(:\d+)?", v):
-                raise bad(path, f"malformed device {v!r}")
-            return _torch().device(v)
-        if tag == "__map__":
-            return mapping(v, path, depth)
-        if tag == "__attrs__":
-            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[1], dict)):
-                raise bad(path, "__attrs__ is not [node, {name: node}]")
-            obj = build(v[0], path, depth + 1)
-            for name, node in v[1].items():
-                if not _ATTR.match(name) or name.startswith("__"):
-                    raise bad(path, f"attribute name {name!r} is not a plain identifier")
-                setattr(obj, name, build(node, f"{path}/.{name}", depth + 1))
-            return obj
-        if not isinstance(v, list):
-            raise bad(path, f"{tag} holds {type(v).__name__}, not a list")
-        if tag == "__tuple__":
-            return tuple(build(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v))
-        if tag == "__size__":
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise bad(path, "torch.Size of non-integers")
-            return _torch().Size(v)
-        if tag == "__complex__":
-            if len(v) != 2:
-                raise bad(path, "complex needs [real, imag]")
-            re_, im = (build(x, path, depth + 1) for x in v)
-            if not all(isinstance(x, float) for x in (re_, im)):
-                raise bad(path, "complex parts are not floats")
-            return complex(re_, im)
-        if tag in ("__set__", "__frozenset__"):
-            items = [hashable(build(x, f"{path}/<item>", depth + 1), path) for x in v]
-            return set(items) if tag == "__set__" else frozenset(items)
-        return dict(pairs(v, path, depth))  # __items__
+    def build(self, node: Any, path: Path, depth: int) -> Any:
+        n = self.parse(node, path, depth)
+        k = n.kind
+        if k == "scalar":
+            return n.value
+        if k in ("list", "tuple"):
+            out = [self.build(x, path.child(i), depth + 1) for i, x in enumerate(n.items)]
+            return out if k == "list" else tuple(out)
+        if k == "dict":
+            return {key: self.build(v, path.child(key), depth + 1) for key, v in n.items}
+        if k in ("set", "frozenset"):
+            items = [self.set_item(x, path.child("<item>"), depth + 1) for x in n.items]
+            return set(items) if k == "set" else frozenset(items)
+        if k == "items":
+            return dict(self.pairs(n.items, path, depth))
+        if k == "map":
+            return self.mapping(n, path, depth)
+        if k == "attrs":
+            return self.tensor_attrs(n, path, depth)
+        if k in ("leaf", "ref"):
+            return self.leaf(n, path)
+        return _ATOMS[k](n.value, path)
 
-    def pairs(items: Any, path: str, depth: int) -> list[tuple[Any, Any]]:
-        if not isinstance(items, list) or not all(isinstance(p, list) and len(p) == 2 for p in items):
-            raise bad(path, "items are not [key, value] pairs")
+    def leaf(self, n: Node, path: Path) -> Any:
+        i = n.value
+        if i >= len(self.leaves):
+            raise _bad(path, f"leaf index {i} out of range (the part has {len(self.leaves)} leaves)")
+        obj = self.leaves[i]
+        if n.kind == "leaf":
+            if i in self.placed:
+                raise _bad(path, f"leaf {i} is placed twice (a second place would be a __ref__)")
+            self.placed.add(i)
+        elif self.kind(i) not in ("torch", None):
+            raise _bad(path, f"__ref__ {i} names a {self.kind(i)} leaf: only tensors are tied")
+        return obj
+
+    def pairs(self, items: tuple, path: Path, depth: int) -> list[tuple[Any, Any]]:
         out = []
         for k, v in items:
-            key = hashable(build(k, f"{path}/<key>", depth + 1), path)
-            out.append((key, build(v, f"{path}/{key}", depth + 1)))
+            key = self.key(k, path.child("<key>"), depth + 1)
+            out.append((key, self.build(v, path.child(key), depth + 1)))
         return out
 
-    def mapping(v: Any, path: str, depth: int) -> Any:
-        if not isinstance(v, dict) or v.get("type") not in _MAPS or not set(v) <= {"type", "items", "attrs", "factory"}:
-            raise bad(path, f"malformed __map__ {str(v)[:80]!r}")
-        items = pairs(v.get("items", []), path, depth)
-        if v["type"] == "defaultdict":
-            factory = v.get("factory")
-            if factory is not None and factory not in _FACTORIES:
-                raise bad(path, f"defaultdict factory {factory!r} is not a builtin")
-            obj = collections.defaultdict(_FACTORIES.get(factory) if factory else None, items)
+    def key(self, node: Any, path: Path, depth: int) -> Any:
+        """A dict key: only the kinds ``flatten`` writes as keys."""
+        if type(node) is list:  # format 1 stored tuple keys as lists
+            return tuple(self.key(x, path, depth + 1) for x in node)
+        n = self.parse(node, path, depth)
+        if n.kind in ("tuple", "frozenset"):
+            keys = [self.key(x, path, depth + 1) for x in n.items]
+            return tuple(keys) if n.kind == "tuple" else frozenset(keys)
+        if n.kind not in ("scalar", "float", "complex", "np"):
+            raise _bad(path, f"a dict key of kind {n.kind}: save writes keys only of None, bool, numbers, str, "
+                             "numpy scalars and tuples/frozensets of those")
+        return self.build(node, path, depth)
+
+    def set_item(self, node: Any, path: Path, depth: int) -> Any:
+        """A set's item: only the kinds ``flatten`` writes in sets (bytes are leaves)."""
+        n = self.parse(node, path, depth)
+        if n.kind in ("tuple", "frozenset"):
+            items = [self.set_item(x, path, depth + 1) for x in n.items]
+            return tuple(items) if n.kind == "tuple" else frozenset(items)
+        if n.kind == "leaf":
+            obj = self.leaf(n, path)
+            if self.kind(n.value) not in ("bytes", None):
+                raise _bad(path, f"a set holds a {self.kind(n.value)} leaf: save writes only bytes leaves in sets")
+            return obj
+        if n.kind not in ("scalar", "float", "complex", "np", "dtype", "device"):
+            raise _bad(path, f"a set item of kind {n.kind}: sets hold only None, bool, numbers, str, bytes, numpy "
+                             "scalars, torch dtypes and devices, and tuples/frozensets of those")
+        return self.build(node, path, depth)
+
+    def mapping(self, n: Node, path: Path, depth: int) -> Any:
+        kind, factory = n.value
+        cls = _MAPS[kind]
+        items = self.pairs(n.items, path, depth)
+        if kind == "defaultdict":
+            obj = collections.defaultdict(_FACTORIES[factory] if factory else None, items)
         else:
-            obj = _MAPS[v["type"]]()
-            if v["type"] == "Counter":
+            obj = cls()
+            if kind == "Counter":
                 dict.update(obj, items)  # Counter(pairs) would count the pairs
             else:
                 obj.update(items)
-        attrs = v.get("attrs", {})
-        if not isinstance(attrs, dict):
-            raise bad(path, "attrs is not an object")
-        for name, node in attrs.items():
-            if not _ATTR.match(name) or name.startswith("__"):
-                raise bad(path, f"attribute name {name!r} is not a plain identifier")
-            setattr(obj, name, build(node, f"{path}/.{name}", depth + 1))
+        self.set_attrs(obj, cls, n.attrs, path, depth)
         return obj
 
-    def hashable(key: Any, path: str) -> Any:
-        if isinstance(key, list):  # format 1 stored tuple keys as lists
-            key = tuple(hashable(k, path) for k in key)
-        try:
-            hash(key)
-        except TypeError:
-            raise bad(path, f"dict key of type {type(key).__name__} is not hashable") from None
-        return key
+    def tensor_attrs(self, n: Node, path: Path, depth: int) -> Any:
+        inner = self.parse(n.inner, path, depth + 1)
+        if inner.kind not in ("leaf", "ref"):
+            raise _bad(path, f"__attrs__ on a {inner.kind}: save writes attributes only on tensors")
+        obj = self.leaf(inner, path)
+        kind = self.kind(inner.value) if inner.value < len(self.leaves) else None
+        if kind not in ("torch", None):
+            raise _bad(path, f"__attrs__ on a {kind} leaf: save writes attributes only on tensors")
+        if not _is_tensor(obj):  # a placeholder: the attributes are checked, not set
+            for name, _ in n.attrs:
+                why = attribute_problem(_torch_types()[0] if _torch_types() else object, name)
+                if why:
+                    raise _bad(path, why)
+            return obj
+        self.set_attrs(obj, type(obj), n.attrs, path, depth)
+        return obj
 
-    try:
-        return build(skeleton, "", 0)
-    except RecursionError:
-        raise bad("", "nested too deeply") from None
+    def set_attrs(self, obj: Any, cls: type, attrs: tuple, path: Path, depth: int) -> None:
+        for name, node in attrs:
+            why = attribute_problem(cls, name)
+            if why:
+                raise _bad(path, why)
+            setattr(obj, name, self.build(node, path.child(f".{name}"), depth + 1))
 
 
-def _float(v: Any, path: str) -> Any:
+def _float(v: Any, path: Path) -> Any:
     if v in ("nan", "inf", "-inf"):
         return float(v)
     if isinstance(v, str) and re.fullmatch(r"[0-9a-f]{16}", v):
@@ -512,28 +682,108 @@ def _float(v: Any, path: str) -> Any:
     m = re.fullmatch(r"np\.float64\((nan|inf|-inf)\)", v) if isinstance(v, str) else None
     if m:
         return np.float64(m.group(1))
-    raise CorruptCheckpoint(f"malformed state skeleton in manifest at '{path or '/'}': bad float {v!r}")
+    raise _bad(path, f"bad float {str(v)[:40]!r}")
 
 
-def _np_from(v: Any, path: str) -> np.generic:
+def _complex(v: Any, path: Path) -> complex:
+    if type(v) is not list or len(v) != 2:
+        raise _bad(path, "complex needs [real, imag]")
+    parts = []
+    for x in v:
+        if type(x) is float:
+            parts.append(x)
+        elif type(x) is dict and len(x) == 1 and "__float__" in x:
+            parts.append(_float(x["__float__"], path))
+        else:
+            raise _bad(path, "complex parts are not floats")
+    return complex(*parts)
+
+
+def _np_from(v: Any, path: Path) -> np.generic:
     try:
         dtype_str, hexbytes = v
         dt = np.dtype(dtype_str)
         if dt.kind not in NUMPY_KINDS or dt.fields is not None or dt.hasobject or dt.str != dtype_str:
-            raise ValueError(f"dtype {dtype_str!r}")
+            raise ValueError(f"dtype {str(dtype_str)[:20]!r}")
         raw = bytes.fromhex(hexbytes)
         if len(raw) != dt.itemsize:
             raise ValueError(f"{len(raw)} bytes for a {dt.itemsize}-byte scalar")
         return np.frombuffer(raw, dtype=dt)[0]
     except (TypeError, ValueError) as e:
-        raise CorruptCheckpoint(f"malformed state skeleton in manifest at '{path or '/'}': bad numpy scalar "
-                                f"({e})") from None
+        raise _bad(path, f"bad numpy scalar ({e})") from None
+
+
+def _size(v: Any, path: Path) -> Any:
+    if type(v) is not list or not all(type(x) is int and 0 <= x <= _MAX_SIZE_DIM for x in v):
+        raise _bad(path, "torch.Size of other than non-negative ints")
+    return _torch().Size(v)
+
+
+def _dtype(v: Any, path: Path) -> Any:
+    if v not in TORCH_DTYPES:
+        raise _bad(path, f"unknown torch dtype {str(v)[:40]!r}")
+    return getattr(_torch(), v)
+
+
+def _device(v: Any, path: Path) -> Any:
+    if not isinstance(v, str) or not _DEVICE.match(v):
+        raise _bad(path, f"malformed device {str(v)[:40]!r}")
+    try:
+        return _torch().device(v)
+    except (RuntimeError, ValueError) as e:
+        raise _bad(path, f"device {v!r} is not one torch knows ({str(e)[:80]})") from None
+
+
+_ATOMS = {"float": _float, "complex": _complex, "np": _np_from, "size": _size, "dtype": _dtype, "device": _device}
+
+
+# --- queries on a skeleton -------------------------------------------------------------------------
+
+def leaf_indices(skeleton: Any) -> set[int]:
+    """The leaf indices a skeleton refers to (``__leaf__`` and ``__ref__``); malformed nodes are
+    skipped (``unflatten`` reports them)."""
+    found: set[int] = set()
+    stack = [skeleton]
+    while stack:
+        try:
+            n = parse(stack.pop())
+        except _Bad:
+            continue
+        if n.kind in ("leaf", "ref"):
+            found.add(n.value)
+        elif n.kind in _SEQUENCES:
+            stack.extend(n.items)
+        elif n.kind in _KEYED:
+            stack.extend(v for _, v in n.items)
+        if n.kind in ("attrs", "map"):
+            stack.extend(v for _, v in n.attrs)
+        if n.kind == "attrs":
+            stack.append(n.inner)
+    return found
+
+
+def decode_key(node: Any) -> Any:
+    """A keyed container's key node as the Python value; raises CorruptCheckpoint if malformed."""
+    key = _Decoder([], []).key(node, Path(), 0)
+    hash(key)
+    return key
+
+
+def key_name(key: Any) -> str:
+    """How a '/'-path names a key: a str as itself, an int as its digits, others as JSON."""
+    import json
+
+    if isinstance(key, str):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key)
+    return json.dumps(key) if key is None or isinstance(key, (bool, float)) else repr(key)
 
 
 def prune(skeleton: Any, select: list[str]) -> Any:
     """The part of ``skeleton`` under the given '/'-separated key paths (e.g. ``["model"]``, or
     ``["optimizer/param_groups"]``), inside the same containers. Raises KeyError naming a path
-    that is not in the state."""
+    that is not in the state. "0" names the int key 0 of optimizer state, unless "0" is a key."""
     wanted: dict[str, Any] = {}  # nested key -> None (the whole subtree) or a dict of wanted children
     for path in select:
         parts = [p for p in path.split("/") if p]
@@ -547,211 +797,29 @@ def prune(skeleton: Any, select: list[str]) -> Any:
         else:
             node[parts[-1]] = None
 
-    def children(node: Any) -> list[tuple[Any, Any]] | None:
-        if isinstance(node, dict):
-            if len(node) == 1 and "__map__" in node and isinstance(node["__map__"], dict):
-                return [tuple(kv) for kv in node["__map__"].get("items", [])]
-            if len(node) == 1 and "__items__" in node:
-                return [tuple(kv) for kv in node["__items__"]]
-            if not TAGS.intersection(node):
-                return list(node.items())
-        return None
-
-    def with_children(node: Any, kept: list[tuple[Any, Any]]) -> Any:
-        if "__map__" in node and len(node) == 1:
-            return {"__map__": {**node["__map__"], "items": [list(kv) for kv in kept]}}
-        if "__items__" in node and len(node) == 1:
-            return {"__items__": [list(kv) for kv in kept]}
-        return dict(kept)
-
     def take(node: Any, want: dict[str, Any] | None, path: str) -> Any:
         if want is None:
             return node
-        kids = children(node) or []
-        # a path names a key by its text: "0" finds the int key 0 of optimizer state, unless "0" is a key
-        by_name: dict[str, Any] = {}
-        for k, _ in kids:
-            if isinstance(k, str):
-                by_name[k] = k
-        for k, _ in kids:
-            if isinstance(k, (int, float, bool)) or k is None:
-                by_name.setdefault(json.dumps(k) if not isinstance(k, int) or isinstance(k, bool) else str(k), k)
-        for key in want:
-            if key not in by_name:
-                raise KeyError(f"'{path}/{key}' is not in the saved state")
-        chosen = {by_name[key]: key for key in want}
-        return with_children(node, [(k, take(v, want[chosen[k]], f"{path}/{k}")) for k, v in kids
-                                    if _hashable_node(k) and k in chosen])
+        try:
+            n = parse(node)
+        except _Bad:
+            n = Node("scalar")
+        pairs = n.items if n.kind in _KEYED else ()
+        names: dict[str, int] = {}  # a key's name -> its position (a str key wins over an int's digits)
+        for pos, (k, _) in enumerate(pairs):
+            try:
+                key = k if n.kind == "dict" else decode_key(k)
+            except (CorruptCheckpoint, TypeError):
+                continue
+            name = key_name(key)
+            if name not in names or isinstance(key, str):
+                names[name] = pos
+        for name in want:
+            if name not in names:
+                raise KeyError(f"'{path}/{name}' is not in the saved state")
+        chosen = {names[name]: name for name in want}
+        kept = tuple((k, take(v, want[chosen[pos]], f"{path}/{chosen[pos]}")) for pos, (k, v) in enumerate(pairs)
+                     if pos in chosen)
+        return Node(n.kind, n.value, kept, n.attrs, n.inner).json()
 
     return take(skeleton, wanted, "")
-
-
-def _hashable_node(k: Any) -> bool:
-    return not isinstance(k, (list, dict))
-
-
-def leaf_indices(skeleton: Any) -> set[int]:
-    """The leaf indices a skeleton refers to (``__leaf__`` and ``__ref__``)."""
-    found: set[int] = set()
-    stack = [skeleton]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if len(node) == 1 and next(iter(node)) in ("__leaf__", "__ref__"):
-                v = next(iter(node.values()))
-                if isinstance(v, int):
-                    found.add(v)
-            else:
-                stack.extend(node.values())
-    return found
-
-
-_ABSENT = object()
-
-
-def _is_array(obj: Any) -> bool:
-    types = _torch_types()
-    return type(obj) in (np.ndarray, bytearray) or (bool(types) and isinstance(obj, types[0]))
-
-
-def _matches(obj: Any, spec: LeafSpec) -> str | None:
-    """Why ``obj`` cannot receive leaf ``spec`` in place (None: it can)."""
-    if spec.kind == "torch":
-        types = _torch_types()
-        if not types or not isinstance(obj, types[0]):
-            return f"the checkpoint holds a torch tensor, the destination a {type(obj).__name__}"
-        dtype = str(obj.dtype).removeprefix("torch.")
-    elif spec.kind in ("numpy", "npscalar"):
-        if type(obj) is not np.ndarray:
-            return f"the checkpoint holds a numpy array, the destination a {type(obj).__name__}"
-        dtype = obj.dtype.str
-    else:
-        if type(obj) is not bytearray:
-            return f"the checkpoint holds {spec.kind}, the destination a {type(obj).__name__}"
-        return None if len(obj) == spec.nbytes else f"{len(obj)} bytes in the destination, {spec.nbytes} saved"
-    problems = []
-    if dtype != spec.dtype:
-        problems.append(f"dtype {dtype} in the destination, {spec.dtype} saved")
-    if tuple(obj.shape) != spec.shape:
-        problems.append(f"shape {list(obj.shape)} in the destination, {list(spec.shape)} saved")
-    return "; ".join(problems) or None
-
-
-def _arrays_in(obj: Any, path: str, depth: int = 0) -> list[str]:
-    """Paths of the arrays inside ``obj`` (what a destination expects the checkpoint to fill)."""
-    if _is_array(obj):
-        return [path or "/"]
-    if depth > MAX_DEPTH:
-        return []
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _arrays_in(v, f"{path}/{k}", depth + 1)]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in _arrays_in(v, f"{path}/{i}", depth + 1)]
-    return []
-
-
-def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dict[int, Any], list[tuple[int, int, Any]], list[str]]:
-    """Match a destination state ``into`` against a saved skeleton, for a restore in place.
-
-    Returns (skeleton, destinations, aliases, mismatches): ``destinations`` maps a leaf index to
-    the tensor/array of ``into`` that receives it (a saved leaf with no array at its place in
-    ``into`` is allocated anew, like any other value that is replaced); ``aliases`` lists leaves
-    saved tied (``__ref__``) whose destinations are distinct objects, as (new leaf index, source
-    leaf, destination), with the returned skeleton naming the new index there; ``mismatches``
-    lists every place where ``into`` holds an array the checkpoint cannot fill: a different dtype,
-    shape or type, or no saved value at all."""
-    dest: dict[int, Any] = {}
-    aliases: list[tuple[int, int, Any]] = []
-    mismatches: list[str] = []
-    count = [len(specs)]
-
-    def child(obj: Any, key: Any) -> Any:
-        if isinstance(obj, dict):
-            return obj.get(key, _ABSENT)
-        if isinstance(obj, (list, tuple)) and isinstance(key, int) and 0 <= key < len(obj):
-            return obj[key]
-        return _ABSENT
-
-    def extras(obj: Any, seen: set, path: str) -> None:
-        if isinstance(obj, dict):
-            items = [(k, v) for k, v in obj.items() if k not in seen]
-        elif isinstance(obj, (list, tuple)):
-            items = [(i, v) for i, v in enumerate(obj) if i not in seen]
-        else:
-            return
-        for k, v in items:
-            for p in _arrays_in(v, f"{path}/{k}"):
-                mismatches.append(f"{p}: the destination holds an array the checkpoint does not have")
-
-    def walk(node: Any, obj: Any, path: str) -> Any:
-        if isinstance(node, list):
-            out = [walk(v, child(obj, i), f"{path}/{i}") for i, v in enumerate(node)]
-            extras(obj, set(range(len(node))), path)
-            return out
-        if not isinstance(node, dict):
-            if _is_array(obj):
-                mismatches.append(f"{path or '/'}: the destination holds an array, the checkpoint a "
-                                  f"{type(node).__name__}")
-            return node
-        if len(node) == 1 and next(iter(node)) in ("__leaf__", "__ref__"):
-            (tag, i), = node.items()
-            if not isinstance(i, int) or not 0 <= i < len(specs):
-                return node  # unflatten reports it
-            if obj is _ABSENT or not _is_array(obj):
-                return node
-            why = _matches(obj, specs[i])
-            if why:
-                mismatches.append(f"{path or '/'}: {why}")
-                return node
-            if i not in dest:
-                dest[i] = obj
-                return {"__leaf__": i}
-            if dest[i] is obj:
-                return node
-            aliases.append((count[0], i, obj))
-            count[0] += 1
-            return {"__leaf__": count[0] - 1}
-        if len(node) == 1 and next(iter(node)) in TAGS:
-            (tag, v), = node.items()
-            if tag == "__attrs__" and isinstance(v, list) and len(v) == 2:
-                return {"__attrs__": [walk(v[0], obj, path), v[1]]}
-            if tag == "__tuple__" and isinstance(v, list):
-                walked = {"__tuple__": [walk(x, child(obj, k), f"{path}/{k}") for k, x in enumerate(v)]}
-                extras(obj, set(range(len(v))), path)
-                return walked
-            pairs = v if tag == "__items__" else (v.get("items") if tag == "__map__" and isinstance(v, dict) else None)
-            if isinstance(pairs, list):
-                new_pairs, seen = [], set()
-                for kv in pairs:
-                    if not (isinstance(kv, list) and len(kv) == 2):
-                        continue
-                    key = _decode_key(kv[0])
-                    if key is _ABSENT:
-                        new_pairs.append(kv)
-                        continue
-                    seen.add(key)
-                    new_pairs.append([kv[0], walk(kv[1], child(obj, key), f"{path}/{key}")])
-                extras(obj, seen, path)
-                return {"__items__": new_pairs} if tag == "__items__" else {"__map__": {**v, "items": new_pairs}}
-            if _is_array(obj):
-                mismatches.append(f"{path or '/'}: the destination holds an array, the checkpoint a {tag.strip('_')}")
-            return node
-        mapping = {k: walk(v, child(obj, k), f"{path}/{k}") for k, v in node.items()}
-        extras(obj, set(node), path)
-        return mapping
-
-    new_skeleton = walk(skeleton, into, "")
-    return new_skeleton, dest, aliases, mismatches
-
-
-def _decode_key(node: Any) -> Any:
-    """A dict key of a skeleton as the Python value (keys hold no leaves); _ABSENT if malformed."""
-    try:
-        key = unflatten(node, [])
-        hash(key)
-        return key
-    except (CorruptCheckpoint, TypeError):
-        return _ABSENT
-

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptlib import Checkpointer, branch
 from ckptlib.store import Store
-from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
+from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.documents import Cut

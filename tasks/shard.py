@@ -20,7 +20,7 @@ from prefect.states import Cancelled, State
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Beat
-from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
+from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut

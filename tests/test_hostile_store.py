@@ -358,6 +358,91 @@ def _stride_lies(doc, frag):
     leaf(frag, "/model/a")["stride"] = [0]
 
 
+# --- forged trees: digests recomputed, so only the decoder's grammar can refuse them (each of these
+# built an object save never writes, or raised a raw error, before the decoder checked its grammar)
+
+def _skel(frag):
+    return frag["skeleton"]
+
+
+def _tensor_data_attribute(doc, frag):  # a 3072-element tensor came back with another's data
+    _skel(frag)["model"]["a"] = {"__attrs__": [_skel(frag)["model"]["a"], {"data": _skel(frag)["model"]["b"]}]}
+
+
+def _tensor_shape_attribute(doc, frag):  # a read-only property: AttributeError from setattr
+    _skel(frag)["model"]["a"] = {"__attrs__": [_skel(frag)["model"]["a"], {"shape": 5}]}
+
+
+def _ordered_dict_shadowing_items(doc, frag):
+    _skel(frag)["model"] = {"__map__": {"type": "OrderedDict", "items": [["a", _skel(frag)["model"]["a"]]],
+                                        "attrs": {"items": 1, "keys": [1]}}}
+
+
+def _attributes_on_a_str(doc, frag):
+    _skel(frag)["step"] = {"__attrs__": ["hello", {"upper": 1}]}
+
+
+def _attributes_on_a_list(doc, frag):
+    _skel(frag)["step"] = {"__attrs__": [[1, 2], {"x": 1}]}
+
+
+def _tensor_as_dict_key(doc, frag):
+    _skel(frag)["model"] = {"__items__": [[_skel(frag)["model"]["a"], 1], ["b", _skel(frag)["model"]["b"]]]}
+
+
+def _set_of_tensors(doc, frag):
+    _skel(frag)["model"]["a"] = {"__set__": [_skel(frag)["model"]["a"]]}
+
+
+def _negative_size(doc, frag):
+    _skel(frag)["step"] = {"__size__": [-5]}
+
+
+def _bad_device(doc, frag):
+    _skel(frag)["step"] = {"__device__": "warpdrive:0"}
+
+
+def _leaf_placed_twice(doc, frag):
+    _skel(frag)["model"]["b"] = dict(_skel(frag)["model"]["a"])
+
+
+def _ref_to_a_numpy_leaf(doc, frag):
+    _skel(frag)["model"]["b"] = {"__ref__": _skel(frag)["n"]["__leaf__"]}
+
+
+def _nan_outside_its_tag(doc, frag):
+    _skel(frag)["step"] = float("nan")
+
+
+FORGED_TREES = {
+    "tensor-data-attribute": _tensor_data_attribute,
+    "tensor-shape-attribute": _tensor_shape_attribute,
+    "ordered-dict-shadowing-items": _ordered_dict_shadowing_items,
+    "attributes-on-a-str": _attributes_on_a_str,
+    "attributes-on-a-list": _attributes_on_a_list,
+    "tensor-as-dict-key": _tensor_as_dict_key,
+    "set-of-tensors": _set_of_tensors,
+    "negative-size": _negative_size,
+    "bad-device": _bad_device,
+    "leaf-placed-twice": _leaf_placed_twice,
+    "ref-to-a-numpy-leaf": _ref_to_a_numpy_leaf,
+    "nan-outside-its-tag": _nan_outside_its_tag,
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED_TREES))
+def test_a_forged_tree_is_refused_naming_where(run, tmp_path, name):
+    """The decoder builds only what save writes: restore, verify and export refuse with a
+    CorruptCheckpoint that names the path, whatever the digests say."""
+    doc = load(run, 1)
+    FORGED_TREES[name](doc, fragment_of(doc))
+    reseal(doc)
+    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
+    err = assert_refused(run, 1, tmp_path, intact={2: state(2)})
+    assert isinstance(err, CorruptCheckpoint), err
+    assert "skeleton" in str(err) and "at '/" in str(err), err
+
+
 EDITS = {
     # name: (edit, step, resealed)
     "nbytes-0": (_nbytes_zero, 1, False),
@@ -983,3 +1068,20 @@ def test_gc_never_removes_the_temp_file_of_a_write_in_flight(tmp_path, monkeypat
     assert ran
     with Checkpointer(url) as ck:
         assert_same_state(state(2), ck.restore(2))
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_of_long_paths_restores_in_time_linear_in_its_size(run):
+    """A 4 MB manifest whose 1,000,000 list items sit under a 2 MB key: a decoder that makes a path
+    string per child copies 2 TB (minutes); one that names a path only for an error reads it in
+    about a second. Restore, restore into a state and verify all read it."""
+    doc = load(run, 1)
+    key = "k" * 2_000_000
+    _skel(fragment_of(doc))[key] = [0] * 1_000_000
+    reseal(doc)
+    store_doc(run, 1, doc)
+    with Checkpointer(str(run)) as ck:
+        restored = ck.restore(1)
+        assert restored[key] == [0] * 1_000_000
+        assert ck.restore(1, into=state(1))[key] == [0] * 1_000_000
+        assert ck.verify(1) == []

@@ -41,11 +41,11 @@ def test_fenced_generation_is_refused_and_never_in_the_cut(tmp_path):
         zombie.write_fragment(1, "shard-0", {"w": torch.zeros(10)}, generation=0)
     # a zombie that wrote before noticing: its fragment exists but is not the live generation
     from ckptlib import commit
-    from ckptlib.writer import encode_part, take_snapshot
+    from ckptlib.save import encode_part, take_snapshot
 
     snap = take_snapshot({"w": torch.full((10,), -1.0)}, zombie._pool, 1 << 20)
-    frag, _, _ = encode_part(snap, None, zombie.store, zombie._pool, zombie.options, step=1, part="shard-0",
-                             generation=0)
+    frag = encode_part(snap, None, zombie.store, zombie._pool, zombie.options, step=1, part="shard-0",
+                       generation=0).fragment
     commit.put_fragment(zombie.store, frag)
     live.write_fragment(1, "shard-0", {"w": torch.ones(10)}, generation=1)
     coord.commit(1, ["shard-0"], timeout=5)

@@ -17,6 +17,7 @@ from ckptlib.testing.protocol import (
     crash_after_every_call,
     expect_states,
     interleave_gc,
+    run_inside_gc,
 )
 
 CHUNK = 4096
@@ -284,6 +285,32 @@ def test_gc_between_every_two_calls_of_a_multi_part_cut(template, gc_first):
         commit_cut(store, 2)
 
     interleave_gc(template(build), op, expect_states({1: cut(1), 2: cut(2)}), gc_first=gc_first, expect_committed=[2])
+
+
+# ----------------------------------------------------------------------------- a save inside a GC
+
+
+def _keep_last_2(store):
+    with Checkpointer(store) as ck:
+        return ck.gc(RetentionPolicy(keep_last=2), grace_s=0)
+
+
+@pytest.mark.parametrize("template", ["memory", "local"], indirect=True)
+@pytest.mark.parametrize("follow", [False, True], ids=["fresh-writer", "follower"])
+def test_a_save_between_every_two_calls_of_a_gc(template, follow):
+    """The interleaving that lost commits: a GC lists the steps, then a whole save of a new state
+    (a new keyframe of the dense chunk) runs and commits, then the GC reads the leases (none: the
+    save is done) and sweeps with marks that do not know the new manifest. Every committed step
+    must still restore, and so must the next save's deltas built on it."""
+    def history(store):
+        save(store, 1, 2)
+
+    def op(store):
+        save(store, 3, follow=follow)
+
+    points = run_inside_gc(template(history), op, expect_states({1: state(1), 2: state(2), 3: state(3)}),
+                           gc=_keep_last_2, expect_committed=[3])
+    assert sum(p.outcome == "op ran" for p in points) >= 8
 
 
 def test_the_kits_see_a_broken_protocol(template):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ckptlib.writer import DEFAULT_KEYFRAME_EVERY
+from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
 
 if TYPE_CHECKING:
     from workloads import WorkloadConfig

@@ -42,7 +42,15 @@ call k; the collection finishes; the operation goes on. That is the interleaving
 sweeps objects a save re-uses (found already stored, e.g. left by an earlier failed attempt of
 the same step) after the save found them.
 
-Both return what they did (``Point``s: k, the call, how it ended) so a test can also assert
+``run_inside_gc(make_store, op, check)``: the mirror image: for k = 0, 1, ...: the operation (e.g.
+a save of a new state) starts and pauses right after its first look at ``gc.lock`` (its lease
+written, no GC seen); a full garbage collection starts; after the collection's store call k the
+operation runs to its end, as another process would; then the collection goes on. The operation
+must succeed, ``check`` pass and ``expect_committed`` be committed. That is the interleaving in
+which a GC that listed the steps before a save committed, and read the leases after it ended,
+swept with marks that did not know the save's manifest (the new keyframe it wrote was lost).
+
+They return what they did (``Point``s: k, the call, how it ended) so a test can also assert
 coverage (e.g. that some crash fell right after the manifest was published).
 
 Keep states small (a few chunks of ``chunk_bytes=4096``): each point replays the whole operation.
@@ -68,6 +76,7 @@ __all__ = [
     "default_gc",
     "expect_states",
     "interleave_gc",
+    "run_inside_gc",
 ]
 
 MAX_POINTS = 5000  # an operation that makes more calls than this is not a "small" test
@@ -236,11 +245,13 @@ class _Tap(WrapperStore):
     def _forward(self, op: str, key: str, *args: Any) -> Any:
         if self.before:
             self.before(op, key)
-        result = super()._forward(op, key, *args)
-        if op == "scan":
-            result = list(result)
-        if self.after:
-            self.after(op, key)
+        try:
+            result = super()._forward(op, key, *args)
+            if op in ("scan", "list", "list_dirs"):  # a lazy listing would be read after the call returns
+                result = list(result)
+        finally:  # also after a call that raised (a get of a missing gc.lock: "no GC")
+            if self.after:
+                self.after(op, key)
         return result
 
     def remove_stale_temp(self, older_than: float) -> list[str]:
@@ -359,3 +370,90 @@ class _Interleaving:
             err = self.gc_error
             raise AssertionError(f"GC at call {self.k} ({self.call}) failed: {type(err).__name__}: {err}") from err
         return self.call, self.calls
+
+
+# --------------------------------------------------------------------------- an operation around a GC
+
+
+def run_inside_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], check: Callable[[Store], None], *,
+                  gc: Callable[[Store], Any] = default_gc, expect_committed: Iterable[int] | None = None,
+                  max_points: int = MAX_POINTS, timeout_s: float = 120.0) -> list[Point]:
+    """See the module docstring. Raises AssertionError naming k (the GC's call) at the first failure."""
+    points: list[Point] = []
+    for k in range(max_points + 1):
+        run = _OpAroundGc(make_store(), op, gc, k, timeout_s)
+        where = run.go()
+        try:
+            check(run.store)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from e
+        now = committed_manifests(run.store)
+        if expect_committed is not None:
+            missing = sorted(set(expect_committed) - set(now))
+            assert not missing, f"{where}: steps {missing} are not committed"
+        points.append(Point(k, run.call, "op ran" if run.call else "completed", tuple(now)))
+        if run.call is None:  # the GC made fewer than k calls: every point was tried
+            break
+    else:
+        raise AssertionError(f"the GC made more than {max_points} store calls; use a smaller store")
+    return points
+
+
+class _OpAroundGc:
+    """One run of run_inside_gc: the operation starts first and pauses right after its first look at
+    gc.lock (its lease is written: it saw no GC); the GC runs; after the GC's call k the operation
+    runs to its end; then the GC goes on."""
+
+    def __init__(self, store: Store, op: Callable[[Store], Any], gc: Callable[[Store], Any], k: int,
+                 timeout_s: float):
+        self.store, self.op, self.gc, self.k, self.timeout_s = store, op, gc, k, timeout_s
+        self.call: Call | None = None
+        self.op_error: BaseException | None = None
+        self.paused, self.resume = threading.Event(), threading.Event()
+        self.gc_calls = 0
+        self.thread = threading.Thread(target=self._run_op, name="op-around-gc", daemon=True)
+
+    def _run_op(self) -> None:
+        try:
+            self.op(_Tap(self.store, after=self._op_after))
+        except BaseException as e:  # noqa: BLE001 - reported by go()
+            self.op_error = e
+        finally:
+            self.paused.set()
+
+    def _op_after(self, name: str, key: Any) -> None:
+        if name == "get" and key == "gc.lock" and not self.paused.is_set():
+            self.paused.set()
+            if not self.resume.wait(self.timeout_s):
+                raise AssertionError("the operation was never resumed")
+
+    def _finish_op(self, call: Call) -> None:
+        self.call = call
+        self.resume.set()
+        self.thread.join(self.timeout_s)
+        if self.thread.is_alive():
+            raise AssertionError(f"after call {self.k} of the GC ({call.op} {call.key!r}) the operation did not "
+                                 f"finish within {self.timeout_s:.0f} s: it waits for the GC, which it never saw")
+
+    def _gc_after(self, name: str, key: Any) -> None:
+        self.gc_calls += 1
+        if self.call is None and self.gc_calls == self.k:
+            self._finish_op(Call(name, str(key)))
+
+    def go(self) -> str:
+        self.thread.start()
+        self.paused.wait(self.timeout_s)
+        if self.k == 0:
+            self._finish_op(Call("start", ""))
+        try:
+            self.gc(_Tap(self.store, after=self._gc_after))
+        finally:
+            if self.call is None:  # the GC made fewer than k calls: the operation ends after it
+                self.resume.set()
+                self.thread.join(self.timeout_s)
+        where = (f"the operation finished after call {self.k} of the GC ({self.call.op} {self.call.key!r})"
+                 if self.call else f"k={self.k} (the GC made {self.gc_calls} calls)")
+        if self.op_error is not None:
+            err = self.op_error
+            raise AssertionError(f"{where}: the operation failed: {type(err).__name__}: {err}") from err
+        return where

@@ -27,10 +27,11 @@ from typing import Any
 
 from .. import commit
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
+from ..leaves import finish_leaf
 from ..manifest import Fragment, Manifest
-from ..reader import Problem, decode_leaves, inspect_part
+from ..restore import Problem, decode_leaves, inspect_part
 from ..store import Store
-from ..tree import finish_leaf, unflatten
+from ..tree import unflatten
 from .checks import CutView, Findings, PartChecks
 from .stats import (
     loss_of,
@@ -163,7 +164,7 @@ class _Measure:
             self.out.problems += problems
             state = None
             try:
-                state = unflatten(frag.skeleton, leaves)
+                state = unflatten(frag.skeleton, leaves, [leaf.spec for leaf in frag.leaves])
             except CorruptCheckpoint as e:
                 self.out.problems.append(Problem(self.step, name, "/", None, None, str(e)))
             if name in bases:

@@ -128,7 +128,7 @@ LEAF = _Leaf()
 
 def skeleton_state(frag: Fragment) -> Any:
     """The part's state with every tensor replaced by ``LEAF``: scalars without reading a chunk."""
-    return unflatten(frag.skeleton, [LEAF] * len(frag.leaves))
+    return unflatten(frag.skeleton, [LEAF] * len(frag.leaves), [leaf.spec for leaf in frag.leaves])
 
 
 def get(state: Any, *keys: str) -> Any:

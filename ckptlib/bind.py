@@ -1,0 +1,155 @@
+"""Matching a destination state against a saved skeleton, for a restore in place (``into=``).
+
+``bind_into`` walks the skeleton (through the grammar of ``ckptlib.tree``) beside the caller's
+state and finds, for each saved leaf, the tensor or array of the destination that receives it;
+every place where the destination holds an array the checkpoint cannot fill is a mismatch, and
+all of them are reported at once before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptCheckpoint
+from .tree import MAX_DEPTH, Node, Path, _Bad, _torch_types, decode_key, parse
+from .types import LeafSpec
+
+_ABSENT = object()
+
+
+def _is_array(obj: Any) -> bool:
+    types = _torch_types()
+    return type(obj) in (np.ndarray, bytearray) or (bool(types) and isinstance(obj, types[0]))
+
+
+def _matches(obj: Any, spec: LeafSpec) -> str | None:
+    """Why ``obj`` cannot receive leaf ``spec`` in place (None: it can)."""
+    if spec.kind == "torch":
+        types = _torch_types()
+        if not types or not isinstance(obj, types[0]):
+            return f"the checkpoint holds a torch tensor, the destination a {type(obj).__name__}"
+        dtype = str(obj.dtype).removeprefix("torch.")
+    elif spec.kind in ("numpy", "npscalar"):
+        if type(obj) is not np.ndarray:
+            return f"the checkpoint holds a numpy array, the destination a {type(obj).__name__}"
+        dtype = obj.dtype.str
+    else:
+        if type(obj) is not bytearray:
+            return f"the checkpoint holds {spec.kind}, the destination a {type(obj).__name__}"
+        return None if len(obj) == spec.nbytes else f"{len(obj)} bytes in the destination, {spec.nbytes} saved"
+    problems = []
+    if dtype != spec.dtype:
+        problems.append(f"dtype {dtype} in the destination, {spec.dtype} saved")
+    if tuple(obj.shape) != spec.shape:
+        problems.append(f"shape {list(obj.shape)} in the destination, {list(spec.shape)} saved")
+    return "; ".join(problems) or None
+
+
+def _arrays_in(obj: Any, path: str, depth: int = 0) -> list[str]:
+    """Paths of the arrays inside ``obj`` (what a destination expects the checkpoint to fill)."""
+    if _is_array(obj):
+        return [path or "/"]
+    if depth > MAX_DEPTH:
+        return []
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _arrays_in(v, f"{path}/{k}", depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in _arrays_in(v, f"{path}/{i}", depth + 1)]
+    return []
+
+
+def _child(obj: Any, key: Any) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, _ABSENT)
+    if isinstance(obj, (list, tuple)) and isinstance(key, int) and 0 <= key < len(obj):
+        return obj[key]
+    return _ABSENT
+
+
+class _Binder:
+    """One ``bind_into``: destinations found, aliases made, mismatches seen."""
+
+    def __init__(self, specs: list[LeafSpec]):
+        self.specs = specs
+        self.dest: dict[int, Any] = {}
+        self.aliases: list[tuple[int, int, Any]] = []
+        self.mismatches: list[str] = []
+        self.count = len(specs)
+
+    def extras(self, obj: Any, seen: set, path: Path) -> None:
+        if isinstance(obj, dict):
+            items = [(k, v) for k, v in obj.items() if k not in seen]
+        elif isinstance(obj, (list, tuple)):
+            items = [(i, v) for i, v in enumerate(obj) if i not in seen]
+        else:
+            return
+        for k, v in items:
+            for p in _arrays_in(v, str(path.child(k))):
+                self.mismatches.append(f"{p}: the destination holds an array the checkpoint does not have")
+
+    def walk(self, node: Any, obj: Any, path: Path) -> Any:
+        try:
+            n = parse(node)
+        except _Bad:
+            return node  # unflatten reports it
+        if n.kind in ("leaf", "ref"):
+            return self.leaf(n, node, obj, path)
+        if n.kind == "attrs":
+            return Node("attrs", attrs=n.attrs, inner=self.walk(n.inner, obj, path)).json()
+        if n.kind in ("list", "tuple"):
+            items = tuple(self.walk(x, _child(obj, i), path.child(i)) for i, x in enumerate(n.items))
+            self.extras(obj, set(range(len(n.items))), path)
+            return Node(n.kind, items=items).json()
+        if n.kind in ("dict", "items", "map"):
+            return self.keyed(n, obj, path)
+        if _is_array(obj):
+            what = n.kind if n.kind != "scalar" else type(node).__name__
+            self.mismatches.append(f"{path}: the destination holds an array, the checkpoint a {what}")
+        return node
+
+    def keyed(self, n: Node, obj: Any, path: Path) -> Any:
+        pairs, seen = [], set()
+        for k, v in n.items:
+            try:
+                key = k if n.kind == "dict" else decode_key(k)
+            except (CorruptCheckpoint, TypeError):
+                pairs.append((k, v))  # unflatten reports it
+                continue
+            seen.add(key)
+            pairs.append((k, self.walk(v, _child(obj, key), path.child(key))))
+        self.extras(obj, seen, path)
+        return Node(n.kind, n.value, tuple(pairs), n.attrs).json()
+
+    def leaf(self, n: Node, node: Any, obj: Any, path: Path) -> Any:
+        i = n.value
+        if not 0 <= i < len(self.specs) or obj is _ABSENT or not _is_array(obj):
+            return node  # out of range: unflatten reports it; no array here: allocated anew
+        why = _matches(obj, self.specs[i])
+        if why:
+            self.mismatches.append(f"{path}: {why}")
+            return node
+        if i not in self.dest:
+            self.dest[i] = obj
+            return {"__leaf__": i}
+        if self.dest[i] is obj:
+            return node
+        self.aliases.append((self.count, i, obj))
+        self.count += 1
+        return {"__leaf__": self.count - 1}
+
+
+def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dict[int, Any], list[tuple[int, int, Any]], list[str]]:
+    """Match a destination state ``into`` against a saved skeleton, for a restore in place.
+
+    Returns (skeleton, destinations, aliases, mismatches): ``destinations`` maps a leaf index to
+    the tensor/array of ``into`` that receives it (a saved leaf with no array at its place in
+    ``into`` is allocated anew, like any other value that is replaced); ``aliases`` lists leaves
+    saved tied (``__ref__``) whose destinations are distinct objects, as (new leaf index, source
+    leaf, destination), with the returned skeleton naming the new index there; ``mismatches``
+    lists every place where ``into`` holds an array the checkpoint cannot fill: a different dtype,
+    shape or type, or no saved value at all."""
+    binder = _Binder(specs)
+    new_skeleton = binder.walk(skeleton, into, Path())
+    return new_skeleton, binder.dest, binder.aliases, binder.mismatches

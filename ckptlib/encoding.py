@@ -1,0 +1,158 @@
+"""How one unit (a chunk, or a pack of small leaves) is stored: unchanged, a delta, or a keyframe.
+
+Pure: bytes in, (codecs, payload) out; no I/O. Called by ``save.encode_part`` for every unit of a
+part, with the unit's previous version (its delta base) when the writer holds one. The rules
+(docs/format.md, "Encoding a unit"):
+
+* ``unchanged``: the unit's raw checksum is already in the base's blob table: nothing is written,
+  the fragment references the stored object.
+* ``delta`` against the previous version of the same unit, while its chain is shorter than
+  ``keyframe_every`` (lowered by up to a quarter for some units, so chains that began together do
+  not all end at the same save), the chain's deltas stay within ``delta_budget`` keyframes, and the
+  delta is at least 10% smaller than a keyframe.
+* ``keyframe`` otherwise: byte planes + zstd, or the raw bytes when zstd does not pay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import codecs
+from .chunking import Unit
+from .manifest import Blob
+
+# A delta lengthens the chain a restore must decode, so it is kept only when it is at least this
+# much smaller than a keyframe of the same chunk, and while the chain's deltas, it included, add up
+# to at most ``delta_budget`` keyframes of the chunk as it is now. The keyframe is estimated by the
+# size of the chain's own keyframe, and encoded only when the estimate says the delta may not do.
+_DELTA_PAYS = 0.9
+# Defaults of a Checkpointer (measured in docs/decisions.md, "Keyframes by budget"): a chunk's chain
+# gets a new keyframe once its deltas add up to twice the keyframe's size, or after 32 links.
+DEFAULT_KEYFRAME_EVERY = 32
+DEFAULT_DELTA_BUDGET = 2.0
+# Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
+# recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
+_SPARSE_BELOW = 0.3
+# A keyframe that zstd shrinks by less than this is stored raw: its restore is then a copy
+# (docs/decisions.md, "Raw keyframes").
+RAW_KEYFRAME_ABOVE = 0.98
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What bounds a unit's delta chain and how hard zstd works."""
+
+    keyframe_every: int = DEFAULT_KEYFRAME_EVERY  # longest chain + 1: a restore reads at most this many objects
+    delta_budget: float | None = DEFAULT_DELTA_BUDGET  # a chain's deltas add up to at most this many keyframes
+    zstd_level: int = 3
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The previous version of a unit: its raw checksum, its raw bytes, its stored blob."""
+
+    digest: str
+    data: np.ndarray
+    blob: Blob
+
+
+@dataclass
+class EncodedUnit:
+    """One unit's raw checksum and, unless it is unchanged, the blob to store and its payload."""
+
+    digest: str
+    kind: str  # "unchanged" | "delta" | "keyframe"
+    blob: Blob | None = None
+    payload: np.ndarray | None = None
+
+
+def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Blob], previous: Previous | None,
+                opts: EncodeOptions) -> EncodedUnit:
+    """Encode the raw bytes ``view`` of ``unit`` (the ``position``-th of its part). ``known``: the
+    base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held."""
+    digest = codecs.checksum(view)
+    if digest in known:
+        return EncodedUnit(digest, "unchanged")
+    if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
+        chosen, payload, base = _delta_or_keyframe(view, unit, previous, known, opts)
+    else:
+        (chosen, payload), base = keyframe(view, unit, opts.zstd_level), None
+    configs = [c.to_config() for c in chosen]
+    depth = 0 if base is None else previous.blob.depth + 1  # type: ignore[union-attr]
+    blob = Blob(blob_key(digest, base, configs), payload.nbytes, view.nbytes, tuple(configs), base, depth)
+    return EncodedUnit(digest, "keyframe" if base is None else "delta", blob, payload)
+
+
+def _delta_or_keyframe(view: np.ndarray, unit: Unit, previous: Previous, known: dict[str, Blob],
+                       opts: EncodeOptions) -> tuple[list, np.ndarray, str | None]:
+    """(codecs, payload, base checksum or None): a delta against ``previous``, unless a keyframe is
+    better. The chain's own keyframe estimates this unit's; only when the estimate says a keyframe
+    may be better is one encoded, to decide on its real size."""
+    chosen = delta_codecs(view, previous.data, unit, opts.zstd_level)
+    payload = codecs.encode(view, chosen, previous.data)
+    key_estimate, chain_deltas = chain_sizes(previous.blob, known)
+    chain_deltas += payload.nbytes
+    if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
+        key_codecs, key_payload = keyframe(view, unit, opts.zstd_level)
+        if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
+            return key_codecs, key_payload, None
+    return chosen, payload, previous.digest
+
+
+def delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> list:
+    """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else."""
+    if not codecs.integer_deltas_apply(unit.itemsize):
+        return codecs.delta_codecs(unit.itemsize, level)
+    uint = np.dtype(f"u{unit.itemsize}")
+    changed = np.count_nonzero(view.view(uint) != base_view.view(uint))
+    if changed < _SPARSE_BELOW * (view.nbytes // unit.itemsize):
+        return codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
+    return codecs.arith_codecs(unit.itemsize, level, unit.is_float)
+
+
+def keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
+    """(codecs, payload) of a keyframe: byte planes + zstd, or the raw bytes when zstd does not pay."""
+    chosen = codecs.keyframe_codecs(unit.itemsize, level)
+    payload = codecs.encode(view, chosen)
+    if payload.nbytes >= RAW_KEYFRAME_ABOVE * view.nbytes:
+        return [codecs.Raw()], view
+    return chosen, payload
+
+
+def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
+    """(encoded size of the keyframe at the root of ``blob``'s delta chain, or its raw size if
+    unknown; encoded bytes of the chain's deltas up to and including ``blob``)."""
+    deltas = 0
+    while blob.base is not None and blob.base in known:
+        deltas += blob.size
+        blob = known[blob.base]
+    if blob.base is not None:
+        return blob.nbytes, deltas + blob.size
+    return blob.size, deltas
+
+
+def keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None) -> bool:
+    """Whether a keyframe of ``keyframe`` bytes beats a delta of ``delta`` bytes that would bring its
+    chain's deltas to ``chain_deltas`` bytes: the delta does not pay, or the chain is over budget."""
+    return delta >= _DELTA_PAYS * keyframe or (budget is not None and chain_deltas > budget * keyframe)
+
+
+def chain_cap(keyframe_every: int, position: int) -> int:
+    """The chain bound of the unit at ``position`` in the part: ``keyframe_every``, lowered by up to
+    a quarter for some positions. Units whose chains all started at one save (the first, say) would
+    otherwise all reach the bound at the same save, and that save would upload the whole state
+    again; staggered, the keyframes spread over a quarter of the cycle. Never above the bound."""
+    spread = keyframe_every // 4
+    return keyframe_every - position % spread if spread > 1 else keyframe_every
+
+
+def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:
+    """Content-derived object key: the same chunk encoded the same way always lands on the same key."""
+    ident = json.dumps([raw_digest, base, codec_configs], sort_keys=True, separators=(",", ":"))
+    h = hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
+    return f"chunks/{h[:2]}/{h}"

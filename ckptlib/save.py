@@ -1,0 +1,370 @@
+"""Save one part of a checkpoint: snapshot -> units -> encode -> upload -> digests -> Fragment.
+
+Called by ``Checkpointer`` (the only caller). The phases are the code of ``encode_part``:
+
+1. ``take_snapshot`` is the only step that reads the caller's tensors. With ``copy=True`` (a
+   background save) it copies every leaf into host buffers and the caller may change its state as
+   soon as it returns. With ``copy=False`` (a save the caller waits for) it copies only what it
+   cannot read in place (other devices, layouts, small leaves into their packs): CPU tensors are
+   encoded straight from their memory, which must not change until the save returns.
+2. Each unit is encoded (``ckptlib.encoding``: unchanged, delta or keyframe) and uploaded with
+   ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
+   nothing and is safe. When one upload fails the others stop (nothing more is written) and that
+   error is raised.
+3. Each leaf's digest and place (chunks, or an offset in a pack) and the blob table (every object
+   the part needs, delta chains included) make the ``Fragment``. It writes no fragment and no
+   manifest; publishing is ``commit``'s job.
+4. With ``retain``, the bytes of every unit are kept as the next save's delta base
+   (``bases.Retainer``: one base at a time, never two).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import codecs
+from .bases import Base, Retainer, host_buffer
+from .chunking import Unit, plan_units
+from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, EncodedUnit, EncodeOptions, encode_unit
+from .leases import Lease
+from .leaves import copy_into, raw_view
+from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
+from .store import Store
+from .throttle import RateLimiter
+from .tree import flatten
+from .types import LeafSpec
+
+__all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Snapshot", "WriteOptions",
+           "encode_part", "take_snapshot"]
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    chunk_bytes: int | None  # None: each part's own (its base's, or chunking.auto_chunk_bytes)
+    keyframe_every: int  # longest delta chain + 1: restore reads at most this many objects per chunk
+    zstd_level: int
+    limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))  # upload bandwidth
+    delta_budget: float | None = DEFAULT_DELTA_BUDGET  # a chain's deltas add up to at most this many keyframes
+
+    @classmethod
+    def checked(cls, chunk_bytes: int | None, keyframe_every: int, delta_budget: float | None, zstd_level: int,
+                max_upload_bytes_per_s: float | None) -> WriteOptions:
+        """The options of a ``Checkpointer``, each checked (ValueError naming the bound)."""
+        if not isinstance(keyframe_every, int) or not 1 <= keyframe_every <= MAX_CHAIN:
+            raise ValueError(f"keyframe_every must be an int in 1..{MAX_CHAIN}, got {keyframe_every!r}")
+        if delta_budget is not None and not delta_budget > 0:
+            raise ValueError(f"delta_budget must be > 0 (or None for no limit), got {delta_budget}")
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 4096):
+            raise ValueError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}; about 1-4 MiB suits most stores")
+        if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
+            raise ValueError(f"zstd_level must be an int in -7..22, got {zstd_level!r}")
+        return cls(chunk_bytes, keyframe_every, zstd_level, RateLimiter(max_upload_bytes_per_s), delta_budget)
+
+    @property
+    def encoding(self) -> EncodeOptions:
+        return EncodeOptions(self.keyframe_every, self.delta_budget, self.zstd_level)
+
+
+@dataclass
+class Snapshot:
+    """A state's leaves as raw bytes, in flatten order, and the units they are stored in."""
+
+    skeleton: Any
+    specs: list[LeafSpec]
+    units: list[Unit]
+    unit_data: list[np.ndarray]  # raw bytes of each unit (views)
+    leaf_data: list[np.ndarray]  # raw bytes of each leaf (views; a packed leaf's is a slice of its pack)
+    owned: list[bool]  # unit_data[u] is our memory, not the caller's
+    chunk_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class EncodedPart:
+    """What ``encode_part`` made: the fragment (not yet published), with ``retain`` the next save's
+    base (this fragment with its bytes), and the bytes of objects found stored already while a GC
+    ran (what ``Lease.before_publish`` must check still exist)."""
+
+    fragment: Fragment
+    next_base: Base | None
+    reused: dict[str, bytes]
+
+
+# --- 1. snapshot -----------------------------------------------------------------------------------
+
+def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], *, copy: bool = True,
+                  spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
+    """The leaves of ``state`` as raw bytes (the blocking part of a save).
+
+    With tensors on a GPU the host buffers are pinned (page-locked): device-to-host copies into
+    pinned memory run at full bus speed and asynchronously. ``spare``: buffers of earlier
+    snapshots to reuse, by size (pinning is slow; so are page faults on fresh memory).
+    """
+    t0 = time.perf_counter()
+    skeleton, leaves = flatten(state)
+    specs = [spec for spec, _ in leaves]
+    if callable(chunk_bytes):
+        chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
+    units = plan_units(specs, chunk_bytes)
+    on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
+    spare = spare if spare is not None else {}
+
+    def buffer(nbytes: int) -> np.ndarray:
+        reuse = spare.get(nbytes)
+        return reuse.pop() if reuse else host_buffer(nbytes, pinned=on_gpu)
+
+    unit_data, leaf_data, owned, to_copy = _place_units(units, leaves, buffer, copy)
+
+    # torch.copy_ and numpy copies release the GIL: copy in parallel, in a few groups of about equal
+    # bytes (one task per leaf would cost more in dispatch than copying a small tensor).
+    def copy_group(indices: list[int]) -> None:
+        for i in indices:
+            copy_into(leaves[i][1], specs[i], leaf_data[i], non_blocking=on_gpu)
+
+    list(pool.map(copy_group, _balanced_groups([specs[i].nbytes for i in to_copy], _SNAPSHOT_GROUPS, to_copy)))
+    if on_gpu:
+        import torch
+
+        torch.cuda.synchronize()  # the asynchronous copies must land before the caller moves on
+    return Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, chunk_bytes, time.perf_counter() - t0)
+
+
+def _place_units(units: list[Unit], leaves: list[tuple[LeafSpec, Any]], buffer: Callable[[int], np.ndarray],
+                 copy: bool) -> tuple[list[np.ndarray], list[np.ndarray], list[bool], list[int]]:
+    """Where each unit's and leaf's bytes are: (unit views, leaf views, unit is our memory, leaves to
+    copy into our buffers). A packed unit is a buffer of ours; a chunk is a view of its leaf, which
+    is the caller's memory when it can be read in place (and ``copy`` is off), else a buffer."""
+    leaf_data: list[np.ndarray | None] = [None] * len(leaves)
+    to_copy: list[int] = []
+    copied: set[int] = set()
+    unit_data: list[np.ndarray] = []
+    owned: list[bool] = []
+    for unit in units:
+        if unit.packed:
+            buf = buffer(unit.nbytes)
+            for seg in unit.segments:
+                leaf_data[seg.leaf] = buf[seg.unit_start:seg.unit_start + seg.length]
+                to_copy.append(seg.leaf)
+            unit_data.append(buf)
+            owned.append(True)
+            continue
+        (seg,) = unit.segments
+        i = seg.leaf
+        if leaf_data[i] is None:
+            spec = leaves[i][0]
+            view = None if copy else raw_view(leaves[i][1], spec)
+            if view is None:
+                view = buffer(spec.nbytes)
+                to_copy.append(i)
+                copied.add(i)
+            leaf_data[i] = view
+        unit_data.append(leaf_data[i][seg.leaf_start:seg.leaf_start + seg.length])  # type: ignore[index]
+        owned.append(i in copied)
+    empty = np.empty(0, dtype=np.uint8)  # zero-byte leaves are in no unit
+    return unit_data, [d if d is not None else empty for d in leaf_data], owned, to_copy
+
+
+_SNAPSHOT_GROUPS = 8
+
+
+def _balanced_groups(sizes: list[int], n: int, items: list[int]) -> list[list[int]]:
+    """``items`` split into at most n groups of about equal total size (largest first, greedy)."""
+    groups: list[list[int]] = [[] for _ in range(min(n, len(items)))]
+    totals = [0] * len(groups)
+    for k in sorted(range(len(items)), key=lambda k: -sizes[k]):
+        g = totals.index(min(totals))
+        groups[g].append(items[k])
+        totals[g] += sizes[k]
+    return [g for g in groups if g]
+
+
+# --- the driver ------------------------------------------------------------------------------------
+
+def encode_part(snap: Snapshot, base: Base | None, store: Store, pool: Executor, opts: WriteOptions, *,
+                step: int, part: str, generation: int = 0, config_hash: str | None = None,
+                meta: dict[str, Any] | None = None, lease: Lease | None = None,
+                retain: bool = False) -> EncodedPart:
+    """Encode and upload every unit of ``snap`` against ``base``; the fragment of ``part`` at ``step``."""
+    uploader = _Uploader(store, opts.limiter, lease)
+    units = _encode_units(snap, base, pool, opts, uploader, retain)  # 2. encode + upload
+    if lease is not None:
+        lease.renew()
+    leaves = _leaf_entries(snap, [u.digest for u in units], pool)  # 3. digests, places, the blob table
+    table = _blob_table(units, base.blobs if base else {})
+    fragment = Fragment(
+        step=step, part=part, generation=generation, config_hash=config_hash, skeleton=snap.skeleton,
+        leaves=tuple(leaves), blobs=table, digest=part_digest(snap.skeleton, leaves),
+        logical_bytes=snap.logical_bytes, bytes_written=sum(u.written for u in units),
+        stats=_stats(units), meta=dict(meta or {}), chunk_bytes=snap.chunk_bytes,
+    )
+    next_base = None
+    if retain:  # 4. the next save's base
+        next_base = Base(step, dict(table), {unit.ident: u.digest for unit, u in zip(snap.units, units)},
+                         {u.digest: u.kept for u in units if u.kept is not None}, snap.chunk_bytes)
+    return EncodedPart(fragment, next_base, uploader.reused)
+
+
+# --- 2. encode and upload --------------------------------------------------------------------------
+
+@dataclass
+class _UnitDone:
+    digest: str
+    kind: str
+    blob: Blob | None
+    written: int  # bytes this save stored for the unit (0: unchanged, or the object was there)
+    kept: np.ndarray | None  # its bytes for the next base (with retain)
+
+
+class _Cancelled(Exception):
+    """An upload skipped because another one of the same save failed."""
+
+
+class _Uploader:
+    """``put_if_absent`` of encoded units under the bandwidth limit, stopped once one has failed.
+    While a GC runs beside the save (``lease.gc_seen``), the bytes of every object found stored
+    already are kept: that GC may sweep it before the save publishes, and then it is written again."""
+
+    def __init__(self, store: Store, limiter: RateLimiter, lease: Lease | None):
+        self.store, self.limiter, self.lease = store, limiter, lease
+        self.failed = threading.Event()
+        self.reused: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        if self.failed.is_set():
+            raise _Cancelled
+
+    def put(self, enc: EncodedUnit) -> int:
+        """Store ``enc``'s payload as its blob (and drop the payload); the bytes written (0 when the
+        object was there already, or the unit is unchanged)."""
+        blob, payload, enc.payload = enc.blob, enc.payload, None
+        if blob is None or payload is None:
+            return 0
+        self.limiter.acquire(payload.nbytes)
+        self.check()
+        data = payload.tobytes()
+        del payload
+        if self.store.put_if_absent(blob.key, data):
+            return blob.size
+        if self.lease is not None and self.lease.gc_seen:
+            with self._lock:
+                self.reused[blob.key] = data
+        return 0
+
+
+def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: WriteOptions, uploader: _Uploader,
+                  retain: bool) -> list[_UnitDone]:
+    """Encode and upload every unit on ``pool``: CPU work one unit per core at a time (that bounds a
+    save's memory), uploads outside that bound (many requests in flight)."""
+    known = base.blobs if base else {}
+    slots = threading.Semaphore(os.cpu_count() or 2)
+    retainer = Retainer(base) if retain else None
+    enc_opts = opts.encoding
+
+    def one(u: int) -> _UnitDone:
+        uploader.check()
+        unit, view = snap.units[u], snap.unit_data[u]
+        with slots:
+            enc: EncodedUnit = encode_unit(view, unit, u, known, base.previous(unit) if base else None, enc_opts)
+        written = uploader.put(enc)  # outside a slot: many uploads in flight
+        kept = retainer.keep(unit, view, snap.owned[u], enc.digest) if retainer is not None else None
+        return _UnitDone(enc.digest, enc.kind, enc.blob, written, kept)
+
+    return _run_all(pool, one, len(snap.units), uploader.failed)
+
+
+def _run_all(pool: Executor, fn: Any, n: int, failed: threading.Event) -> list[Any]:
+    """fn(0..n-1) on the pool; on the first error, stop starting new calls, wait for the running
+    ones, and raise that error (so a failed save leaves no upload running behind it). The failing
+    call itself raises the flag, so calls still queued see it at once, whatever their order."""
+    def run(i: int) -> Any:
+        try:
+            return fn(i)
+        except _Cancelled:
+            raise
+        except BaseException:
+            failed.set()
+            raise
+
+    futures: list[Future] = [pool.submit(run, i) for i in range(n)]
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except (_Cancelled, CancelledError):
+            pass
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once every upload has stopped
+            if first is None:
+                first = e
+                for other in futures:
+                    other.cancel()
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]
+
+
+# --- 3. the fragment's leaves and blob table -------------------------------------------------------
+
+def _leaf_entries(snap: Snapshot, unit_digest: list[str], pool: Executor) -> list[Leaf]:
+    """Each leaf's digest (the checksum of all its bytes; for a leaf of one chunk, the chunk's) and
+    where its bytes are: its chunks, or an offset in a pack."""
+    leaf_units: list[list[int]] = [[] for _ in snap.specs]
+    pack_of: dict[int, tuple[int, int]] = {}  # leaf -> (unit, offset)
+    for u, unit in enumerate(snap.units):
+        for seg in unit.segments:
+            if unit.packed:
+                pack_of[seg.leaf] = (u, seg.unit_start)
+            else:
+                leaf_units[seg.leaf].append(u)
+    empty = codecs.checksum(b"")
+    needs_hash = [i for i, spec in enumerate(snap.specs) if spec.nbytes and (i in pack_of or len(leaf_units[i]) > 1)]
+    hashed = dict(zip(needs_hash, pool.map(lambda i: codecs.checksum(snap.leaf_data[i]), needs_hash)))
+    leaves = []
+    for i, spec in enumerate(snap.specs):
+        digest = hashed.get(i) or (unit_digest[leaf_units[i][0]] if leaf_units[i] else empty)
+        if i in pack_of:
+            u, offset = pack_of[i]
+            leaves.append(Leaf(spec, digest, None, (), unit_digest[u], offset))
+        else:
+            size = snap.units[leaf_units[i][0]].nbytes if leaf_units[i] else spec.itemsize
+            leaves.append(Leaf(spec, digest, size, tuple(unit_digest[u] for u in leaf_units[i])))
+    return leaves
+
+
+def _blob_table(units: list[_UnitDone], known: dict[str, Blob]) -> dict[str, Blob]:
+    """Every object the units need: new blobs (of units with the same bytes, the first's) plus the
+    delta chains of both new and unchanged units, so the fragment restores on its own."""
+    new: dict[str, Blob] = {}
+    for u in units:
+        if u.blob is not None:
+            new.setdefault(u.digest, u.blob)
+    table: dict[str, Blob] = {}
+    pending = [u.digest for u in units]
+    while pending:
+        d = pending.pop()
+        if d in table:
+            continue
+        blob = new.get(d) or known[d]
+        table[d] = blob
+        if blob.base is not None:
+            pending.append(blob.base)
+    return table
+
+
+def _stats(units: list[_UnitDone]) -> dict[str, int]:
+    stats = {"keyframe": 0, "delta": 0, "unchanged": 0}
+    for u in units:
+        stats[u.kind] += 1
+    return stats
