@@ -487,6 +487,13 @@ class Checkpointer:
             self._bases.set(part, base_of(frag, self.options.chunk_bytes, raw))
         return state
 
+    def gather(self, step: int, parts: list[str], *, timeout: float = 600.0) -> dict[str, tuple[Fragment, str]]:
+        """Coordinator: wait until every part has a fragment of its live generation for ``step``;
+        {part: (fragment, checksum of its stored bytes)} (``commit.gather``), what ``commit(fragments=)``
+        then commits exactly."""
+        return commit.gather(self.store, commit.check_step(step), [commit.check_part_name(p) for p in parts],
+                             timeout=timeout)
+
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
                parent: int | None = None, lineage: dict | None = None,
                fragments: dict[str, tuple[Fragment, str]] | None = None) -> CommitInfo:
@@ -498,8 +505,8 @@ class Checkpointer:
         commits them, not a generation fenced in since. Only the other parts are waited for."""
         t0 = time.perf_counter()
         given = dict(fragments or {})
-        missing = [commit.check_part_name(p) for p in parts if p not in given]
-        found = commit.gather(self.store, commit.check_step(step), missing, timeout=timeout) if missing else {}
+        missing = [p for p in parts if p not in given]
+        found = self.gather(step, missing, timeout=timeout) if missing else {}
         if parent is None:
             prior = [s for s in self.steps() if s < step]
             parent = prior[-1] if prior else None

@@ -11,8 +11,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ckptlib import Checkpointer, branch
-from ckptlib.store import Store
 from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
+from ckptlib.store import Store
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.documents import Cut

@@ -19,8 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, State
 
 from ckptlib import Checkpointer, FencedError
-from ckptlib.heartbeat import Beat
 from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
+from ckptlib.heartbeat import Beat
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut

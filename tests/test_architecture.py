@@ -127,12 +127,6 @@ def test_ckpt_help_loads_no_schema_torch_or_prefect():
 # --- no function longer than a page -------------------------------------------------------------------
 
 MAX_FUNCTION_LINES = 100
-# Functions still longer than that, each being split on another branch (the lead removes them at merge).
-LONG_FUNCTIONS = {
-    ("ckptlib/tree.py", "flatten"): "being split on another branch",
-    ("ckptlib/tree.py", "unflatten"): "being split on another branch",
-    ("ckptlib/writer.py", "encode_part"): "being split on another branch",
-}
 
 
 def test_no_function_is_longer_than_a_page():
@@ -146,5 +140,4 @@ def test_no_function_is_longer_than_a_page():
                     lines = node.end_lineno - node.lineno + 1
                     if lines > MAX_FUNCTION_LINES:
                         long[(str(path.relative_to(ROOT)), node.name)] = lines
-    assert not {k: v for k, v in long.items() if k not in LONG_FUNCTIONS}, long
-    assert not [k for k in LONG_FUNCTIONS if k not in long], "split already: remove it from LONG_FUNCTIONS"
+    assert not long, long

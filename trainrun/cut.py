@@ -6,7 +6,7 @@
     mean   = the shards' models from those very fragments, streamed (ShardMean)
     model  = outer_step(previous global model, mean)      # trainrun.outer
     coord  = write the coordinator's fragment of step r
-    publish(manifest of exactly frags + coord)     # only when ``publish``: every C-th round and the last
+    commit(exactly frags + coord)                  # only when ``publish``: every C-th round and the last
 
 The manifest names exactly the fragments that were combined: a shard fenced between the gather and
 the publish cannot slip another generation into the cut (its new fragment is the next round's
@@ -23,9 +23,8 @@ from dataclasses import replace
 from typing import Any
 
 from ckptlib import Checkpointer
-from ckptlib import commit as ckcommit
 from ckptlib.concurrency import map_ahead
-from ckptlib.manifest import Fragment, Manifest
+from ckptlib.manifest import Fragment
 
 from .documents import Cut
 from .layout import COORDINATOR, shard_part
@@ -56,7 +55,7 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     prev = read_cut_part(ck, cut, COORDINATOR)
     shard_parts = [shard_part(i) for i in range(spec.shards)]
     clock.lap("load")
-    gathered = ckcommit.gather(ck.store, round_no, shard_parts, timeout=commit_timeout_s)
+    gathered = ck.gather(round_no, shard_parts, timeout=commit_timeout_s)
     frags = {p: frag for p, (frag, _) in gathered.items()}
     clock.lap("wait")
     mean = ShardMean(prev["model"])
@@ -90,23 +89,14 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     if publish:
         meta = {**(run_meta or {}), "round": round_no, "loss": loss, "eval_loss": eval_loss,
                 **({"reshards": reshards} if reshards else {})}
-        manifest, created = _publish(ck, round_no, _parent(ck, cut, round_no), gathered, meta,
-                                     timeout_s=commit_timeout_s)
-        result = replace(result, committed=True, created=created, digest=manifest.digest,
-                         stored_bytes=manifest.stored_bytes, kind=manifest.kind, chunks=manifest.stats,
-                         logical_bytes=manifest.logical_bytes)
+        # the coordinator's fragment as stored, and the shards' exactly as combined
+        info = ck.commit(round_no, [COORDINATOR, *shard_parts], fragments=gathered, parent=_parent(ck, cut, round_no),
+                         meta=meta, timeout=commit_timeout_s)
+        result = replace(result, committed=True, created=info.committed, digest=info.digest,
+                         stored_bytes=info.stored_bytes, kind=info.kind, chunks=info.chunks,
+                         logical_bytes=info.logical_bytes)
     clock.lap("commit")
     return replace(result, seconds=clock.seconds())
-
-
-def _publish(ck: Checkpointer, step: int, parent: int | None, gathered: dict[str, Any], meta: dict[str, Any], *,
-             timeout_s: float) -> tuple[Manifest, bool]:
-    """Commit step ``step``: the coordinator's fragment as stored (the manifest records its bytes'
-    checksum) and the shards' exactly as combined (``gathered``). Returns the manifest and whether
-    this call published it (False: an identical one was there already)."""
-    coordinator = ckcommit.gather(ck.store, step, [COORDINATOR], timeout=timeout_s)
-    manifest = ckcommit.build_manifest(step, parent, {**coordinator, **gathered}, single=False, meta=meta)
-    return manifest, ckcommit.publish(ck.store, manifest)
 
 
 def _shard_models(ck: Checkpointer, step: int, frags: list[Fragment]) -> Iterator[dict[str, Any]]:
