@@ -4,18 +4,21 @@ checkpoint needs. It never deletes what a committed checkpoint, a save in flight
 Order (each step safe to crash after; the argument is in docs/format.md, "Garbage collection"):
 
 0. Refuse unless the store is a ckptlib store (``commit.is_store``); take ``gc.lock`` (one GC at a
-   time); read the live leases. Steps a lease names (a save's delta base, a step being read) and
-   the newest committed step are kept whatever the policy says.
+   time); read the live leases, THEN list the committed steps. Steps a lease names (a save's delta
+   base, a step being read) and the newest committed step are kept whatever the policy says.
 1. Plan without deleting anything: read every committed manifest (a damaged one aborts the GC
    before any delete) and mark every object any of them needs, delta chains included, and every
    object a pending fragment (of a step after the newest commit) needs.
 2. Sweep garbage: unmarked objects under ``chunks/`` and ``fragments/`` older than ``grace_s``,
    temp files of killed writes, expired leases. Only while no save holds a lease (a save that
    re-uses an unreferenced object would otherwise lose it); the leases are read again before each
-   batch of deletes. Keys that are not objects ckptlib writes are skipped and reported, never deleted.
+   batch of deletes. The first time no save is in flight, the steps committed since the listing
+   are marked too (saves that were in flight as the leases were read). Keys that are not objects
+   ckptlib writes are skipped and reported, never deleted.
 3. Drop the steps the policy does not keep: for each, its report and verdict, then its manifest
-   last (a crash leaves a committed step whose objects all exist).
-4. Sweep, as in 2, the objects only the dropped manifests needed.
+   last (a crash leaves a committed step whose objects all exist). Also when a save deferred the
+   sweeps: this deletes no object.
+4. Sweep, as in 2, the objects only the dropped manifests needed (not when 2 was deferred).
 
 Memory stays bounded by the set of objects the kept checkpoints reference: listings are read page
 by page and manifests a few dozen at a time (read by 16 threads).
@@ -172,11 +175,19 @@ class _Sweeper:
     def run(self, dropped: list[int]) -> None:
         # 2. garbage: what no committed manifest needs. Temp files only while no save is in flight:
         # a write's temp file is as old as the write began, and a slow write can outlive the grace.
-        if not self.dry_run and self.clear_to_delete() is None:
-            for name in self.store.remove_stale_temp(min(self.cutoff, time.time() - TEMP_MIN_AGE_S)):
-                self.report.deleted_objects.append(name)
-            self.delete([(key, 0) for key in expired_leases(self.store, self.cutoff)])
-        self.sweep(only=None)
+        # A save in flight defers the sweeps (2 and 4), not the uncommits (3): those delete only
+        # manifests, reports and verdicts of steps no lease names, never an object.
+        swept = True
+        try:
+            if not self.dry_run and self.clear_to_delete() is None:
+                for name in self.store.remove_stale_temp(min(self.cutoff, time.time() - TEMP_MIN_AGE_S)):
+                    self.report.deleted_objects.append(name)
+                self.delete([(key, 0) for key in expired_leases(self.store, self.cutoff)])
+            self.sweep(only=None)
+        except _Stop:
+            if self.lock is not None and not self.lock.still_held():
+                raise
+            swept = False
         # 3. uncommit the dropped steps: for each, report and verdict first, the manifest last (steps
         # in parallel: no order between two dropped steps matters)
         for start in range(0, len(dropped), _BATCH):
@@ -188,9 +199,11 @@ class _Sweeper:
                 self.report.deleted_objects.extend(done)
                 self.report.skipped.extend(skipped)
                 self.report.freed_bytes += freed
-        # 4. what only the dropped steps needed
-        if self.marks.dropped_only:
+        # 4. what only the dropped steps needed (a later GC sweeps it when this one could not)
+        if swept and self.marks.dropped_only:
             self.sweep(only=self.marks.dropped_only)
+        if not swept:
+            raise _Stop
 
     def clear_to_delete(self) -> str | None:
         """Why nothing may be deleted now (None: go on). The first time it is clear, the steps

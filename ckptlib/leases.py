@@ -125,12 +125,13 @@ class Lease:
         chain, swept by that GC): the caller encodes the part again without them. [] when no GC ran."""
         if not self.gc_seen:
             return []
-        deadline = time.monotonic() + GC_WAIT_S
+        deadline, pause = time.monotonic() + GC_WAIT_S, 0.02
         while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now():
             if time.monotonic() > deadline:
                 raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
                                  "this save waited for it and gives up. Save again once it has finished.")
-            time.sleep(0.5)
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)  # a GC often lasts a fraction of a second
         missing = []
         for key in dict.fromkeys(needed):
             if self.store.exists(key):

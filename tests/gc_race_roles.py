@@ -2,9 +2,9 @@
 ``python tests/gc_race_roles.py ROLE URL SECONDS`` with s3fs options in ``CKPT_STORAGE_OPTIONS``.
 
 * saver: saves steps 1, 2, ... of ``state(step)`` as a follower (each save a delta against the
-  last, with new keyframes as chains end), restoring its base again now and then, for SECONDS;
-* gc: ``gc(RetentionPolicy(keep_last=2), grace_s=0)`` in a loop (a lock held by a GC that cannot
-  run is skipped);
+  last, with new keyframes as chains end), restoring its base again now and then, with up to 60 ms
+  of "training" between two saves, for SECONDS;
+* gc: ``gc(RetentionPolicy(keep_last=2), grace_s=0)`` in a loop, 0.2 s apart;
 * restorer: restores committed steps at random; each one must come back bit-exactly, or fail
   because the step was dropped by a GC meanwhile (it is no longer committed). Prints one JSON
   line of counts at the end; exits 1 at the first wrong state.
@@ -46,18 +46,19 @@ def _options() -> dict | None:
 
 
 def saver(url: str, seconds: float) -> dict:
-    deadline, step = time.monotonic() + seconds, 0
+    deadline, step, rng = time.monotonic() + seconds, 0, random.Random(1)
     with Checkpointer(url, _options(), chunk_bytes=CHUNK, keyframe_every=4) as ck:
         while time.monotonic() < deadline:
             step += 1
             ck.save(step, state(step))
             if step % 5 == 0:
                 ck.restore(step, keep_base=True)
+            time.sleep(rng.uniform(0, 0.06))  # training between two saves: a GC may sweep meanwhile
     return {"saved": step}
 
 
 def gc_loop(url: str, seconds: float) -> dict:
-    deadline, runs, dropped = time.monotonic() + seconds, 0, 0
+    deadline, runs, dropped, swept = time.monotonic() + seconds, 0, 0, 0
     while time.monotonic() < deadline:
         with Checkpointer(url, _options()) as ck:
             try:
@@ -69,7 +70,9 @@ def gc_loop(url: str, seconds: float) -> dict:
                 continue
         runs += 1
         dropped += len(report.dropped_steps)
-    return {"gc_runs": runs, "dropped": dropped}
+        swept += sum(key.startswith("chunks/") for key in report.deleted_objects)
+        time.sleep(0.2)  # a GC loop, not a spin: saves wait for a GC they saw start
+    return {"gc_runs": runs, "dropped": dropped, "chunks_swept": swept}
 
 
 def restorer(url: str, seconds: float) -> dict:
