@@ -30,6 +30,17 @@ class Damaged(CorruptCheckpoint):
         self.key, self.reason = key, reason
 
 
+class ObjectTooLarge(CorruptCheckpoint):
+    """A stored object is larger than any its kind ckptlib writes (``Store.get(key, max_bytes=)``):
+    refused before it is read whole (``size``: its size when the store could tell, else None)."""
+
+    def __init__(self, where: str, size: int | None, cap: int):
+        shown = f"{size} bytes" if size is not None else f"more than {cap} bytes"
+        super().__init__(f"{where} is {shown}, more than the {cap} bytes a reader of it accepts: it was not "
+                         "written by ckptlib (a damaged or planted object); it was refused unread")
+        self.where, self.size, self.cap = where, size, cap
+
+
 class FormatVersionError(CheckpointError):
     """A manifest written by a format this version cannot read."""
 
