@@ -38,7 +38,7 @@ from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from .gc import GcReport, collect_garbage
 from .leases import Lease
-from .manifest import Fragment, Manifest, loads_fragment
+from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_snapshot
@@ -412,10 +412,10 @@ class Checkpointer:
         """The validation verdict of ``step``; None if there is none or it is not a valid verdict
         document (then the step counts as not validated, and a warning names the object)."""
         try:
-            doc = json.loads(self.store.get(commit.validation_key(step)))
+            doc = json.loads(self.store.get(commit.validation_key(step), max_bytes=commit.VERDICT_MAX_BYTES))
         except ObjectNotFound:
             return None
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, CorruptCheckpoint):  # not JSON, or larger than any verdict
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("passed"), bool):
             log.warning("%s/%s is not a valid verdict: step %d counts as not validated", self.url,
@@ -472,11 +472,10 @@ class Checkpointer:
         frag = fragment
         if frag is None:
             try:
-                data = self.store.get(key)
+                frag, _ = commit.read_fragment(self.store, key)
             except ObjectNotFound:
                 raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                    f"written step {step} yet") from None
-            frag = loads_fragment(data, f"{self.url}/{key}")
         if (frag.step, frag.part, frag.generation) != (step, part, gen):
             raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
                                     f"{frag.generation}")

@@ -28,8 +28,18 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
+from .errors import (
+    CommitConflict,
+    CorruptCheckpoint,
+    FencedError,
+    NoCheckpoint,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StoreError,
+)
 from .manifest import (
+    MAX_FRAGMENT_BYTES,
+    MAX_MANIFEST_BYTES,
     Fragment,
     Manifest,
     PartRef,
@@ -47,6 +57,11 @@ _MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
 
 
 STORE_MARKER = "ckptlib.json"  # written by the first save: what tells a store from any other folder
+
+# Caps of the small documents of a run (docs/format.md, "Caps"); manifests and fragments have theirs
+# in ckptlib.manifest. A verdict lists every integrity problem of its step (one line each).
+VERDICT_MAX_BYTES = 16 << 20
+FENCE_MAX_BYTES = 1 << 20
 
 
 def ensure_marker(store: Store) -> None:
@@ -95,7 +110,7 @@ def committed_steps(store: Store) -> list[int]:
 def read_manifest(store: Store, step: int) -> Manifest:
     key = manifest_key(step)
     try:
-        data = store.get(key)
+        data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
     except ObjectNotFound:
         raise NoCheckpoint(f"step {step} is not committed in {store.url} (no {key}); `ckpt ls {store.url}` lists the committed steps") from None
     m = loads_manifest(data, f"{store.url}/{key}")
@@ -113,11 +128,13 @@ def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
     if ref.fragment is not None:
         return ref.fragment
     where = f"{store.url}/{ref.key}"
-    try:
-        data = store.get(ref.key)  # type: ignore[arg-type]
+    try:  # the size the manifest recorded (older manifests: what any fragment may hold)
+        data = store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES if ref.size is None else ref.size)  # type: ignore[arg-type]
     except ObjectNotFound:
         raise CorruptCheckpoint(f"{where}, part '{name}' of committed step {manifest.step}, is missing from the "
                                 "store (deleted?); restore another step") from None
+    except ObjectTooLarge as e:
+        raise CorruptCheckpoint(f"part '{name}' of committed step {manifest.step}: {e}") from None
     if document_checksum(data) != ref.checksum:
         raise CorruptCheckpoint(f"{where} does not match the checksum committed for part '{name}' of step "
                                 f"{manifest.step}: it was replaced or damaged")
@@ -214,10 +231,10 @@ def fence(store: Store, part: str, generation: int, reason: str = "", by: str = 
 def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | None:
     """The fence document of ``part``'s generation ``generation`` (None if absent or not JSON)."""
     try:
-        doc = json.loads(store.get(fence_key(part, generation)))
+        doc = json.loads(store.get(fence_key(part, generation), max_bytes=FENCE_MAX_BYTES))
     except ObjectNotFound:
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, ObjectTooLarge):
         return {"part": part, "generation": generation}
     return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 
@@ -238,8 +255,7 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
     data = dumps(fragment)
     if store.put_if_absent(key, data):
         return document_checksum(data)
-    stored = store.get(key)
-    existing = loads_fragment(stored, f"{store.url}/{key}")
+    existing, stored = read_fragment(store, key)
     if existing.digest != fragment.digest:
         raise CommitConflict(
             f"{store.url}/{key} already holds a different state (digest {existing.digest} != "
@@ -247,6 +263,17 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
             "or two attempts share a generation; fence the part to start a new generation."
         )
     return document_checksum(stored)
+
+
+def read_fragment(store: Store, key: str) -> tuple[Fragment, bytes]:
+    """The fragment stored under ``key`` (read with the fragment cap, checked as it is parsed) and
+    its bytes; ObjectNotFound when there is none."""
+    where = f"{store.url}/{key}"
+    try:
+        data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
+    except ObjectTooLarge as e:
+        raise CorruptCheckpoint(str(e)) from None
+    return loads_fragment(data, where), data
 
 
 def gather(store: Store, step: int, parts: list[str], *, timeout: float,
@@ -266,13 +293,12 @@ def gather(store: Store, step: int, parts: list[str], *, timeout: float,
             gen = live.get(part, 0)
             if part in found and found[part][0].generation == gen:
                 continue
-            key = fragment_key(step, part, gen)
             try:
-                data = store.get(key)
+                frag, data = read_fragment(store, fragment_key(step, part, gen))
             except ObjectNotFound:
                 found.pop(part, None)
                 continue
-            found[part] = (loads_fragment(data, f"{store.url}/{key}"), document_checksum(data))
+            found[part] = (frag, document_checksum(data))
         if len(found) == len(parts):
             live = live_generations(store)  # fenced while we read? then look again
             if all(found[p][0].generation == live.get(p, 0) for p in parts):

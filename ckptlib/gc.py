@@ -33,11 +33,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, is_store, load_part, manifest_key, read_manifest, validation_key
+from .commit import committed_steps, is_store, load_part, manifest_key, read_fragment, read_manifest, validation_key
 from .concurrency import map_ahead
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
-from .manifest import loads_fragment
 from .retention import RetentionPolicy
 from .store import Store
 from .store.base import is_clean_key
@@ -301,7 +300,7 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
                 continue  # not a fragment (the sweep reports it)
             keys.add(info.key)
             try:
-                frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")
+                frag, _ = read_fragment(store, info.key)
             except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
                 continue  # unreadable: it can never be committed; its chunks are not protected by it
             keys.update(b.key for b in frag.blobs.values())

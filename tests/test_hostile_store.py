@@ -539,9 +539,210 @@ def test_huge_tensor_is_refused_before_allocating(run, tmp_path):
         first = x["chunks"][0]
         x["shape"], x["nbytes"], x["chunk_bytes"], x["chunks"] = [2**28, 1024], 2**40, 2**40, [first]
         frag["blobs"][first]["nbytes"] = 2**40
+        frag["chunk_bytes"] = 2**40  # self-consistent: the writer's chunk size (a chunk is no larger)
 
     err = edit_and_check(run, tmp_path, 1, edit, resealed=True)
     assert "GiB" in str(err) or "memory" in str(err)
+
+
+# ----------------------------------------------------------------------------- bounded work
+
+
+def peak_bytes(call) -> tuple[int, object]:
+    """(the peak of Python allocations during ``call()`` (every byte a store returns is one), its
+    outcome: the value, or the exception it raised)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            outcome = call()
+        except Exception as e:  # noqa: BLE001 - returned: the caller asserts what it is
+            outcome = e
+        return tracemalloc.get_traced_memory()[1], outcome
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_pack_declaring_2_45_bytes_is_refused_before_allocating(run, tmp_path):
+    """The pack of small leaves declares 2^45 bytes: its leaves end at byte 40, so it is refused
+    when the fragment is parsed (before: numpy's MemoryError from restore, a traceback from verify)."""
+
+    def edit(doc, frag):
+        frag["blobs"][leaf(frag, "/model/small")["pack"]]["nbytes"] = 2**45
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "pack" in str(err) and str(2**45) in str(err), err
+
+
+def test_a_self_consistent_2_45_byte_pack_is_refused_against_memory(run, tmp_path):
+    """The same pack with its leaf at its end and the writer's chunk size raised to match: every
+    check of the document passes, and the restore counts the pack's buffer against memory."""
+
+    def edit(doc, frag):
+        small = leaf(frag, "/model/small")
+        frag["blobs"][small["pack"]]["nbytes"] = 2**45
+        small["offset"] = 2**45 - small["nbytes"]
+        frag["chunk_bytes"] = 2**45
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "GiB" in str(err) and "memory" in str(err), err
+
+
+def test_a_pack_larger_than_the_chunk_size_is_refused(run, tmp_path):
+    def edit(doc, frag):
+        frag["chunk_bytes"] = 16  # the pack of "small" holds 40 bytes
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "chunk size" in str(err), err
+
+
+def test_a_chunk_declaring_a_huge_stored_size_is_refused_unread(run, tmp_path):
+    """A 4 KiB chunk whose object was replaced by 64 MiB and whose declared size says so: no
+    encoding of 4 KiB is that large, the manifest is refused before any object is read."""
+    doc = load(run, 1)
+    frag = fragment_of(doc)
+    blob = frag["blobs"][leaf(frag, "/model/a")["chunks"][0]]
+    (run / blob["key"]).write_bytes(bytes(64 << 20))
+    blob["size"] = 64 << 20
+    store_doc(run, 1, doc)
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+    assert isinstance(outcome, CorruptCheckpoint) and "blob size" in str(outcome), outcome
+    assert peak < 8 << 20, peak
+    assert_refused(run, 1, tmp_path)  # (step 2's deltas build on that object: it is damaged too)
+
+
+def test_a_chunk_object_larger_than_its_manifest_says_is_not_read(run, tmp_path):
+    """The object of a chunk replaced by 64 MiB, the manifest untouched: the restore reads no more
+    than the size the manifest records (before: all 64 MiB, then a size mismatch)."""
+    with Checkpointer(str(run)) as ck:
+        frag = ck.fragment(1, "state")
+    key = frag.blobs[frag.leaves[0].chunks[0]].key
+    (run / key).write_bytes(bytes(64 << 20))
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+        assert isinstance(outcome, CorruptCheckpoint) and key in str(outcome), outcome
+        assert peak < 8 << 20, peak
+        problems = ck.verify(1)
+    assert problems and key in str(problems[0]), problems
+
+
+def _write_junk(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: the test writes no data, the reader would read it all
+
+
+def test_a_manifest_larger_than_any_is_refused_unread(run, tmp_path):
+    """A manifest past the manifest cap (a fragment's cap and the manifest's own fields) is refused
+    before it is read (before: read and parsed whole: 1.5 GB of memory for a 500 MB one)."""
+    from ckptlib.manifest import MAX_MANIFEST_BYTES
+
+    _write_junk(run / "manifests" / "1.json", MAX_MANIFEST_BYTES + 1)
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+        assert isinstance(outcome, CorruptCheckpoint), outcome
+        assert str(MAX_MANIFEST_BYTES + 1) in str(outcome) and str(MAX_MANIFEST_BYTES) in str(outcome), outcome
+        assert peak < 1 << 20, peak
+        assert_same_state(state(2), ck.restore(2))
+
+
+def test_a_multi_part_manifest_is_capped_by_its_parts(cut_run, tmp_path):
+    """A manifest naming 2 fragments holds a few KiB: padded past what 2 parts may hold (its meta
+    grown to 2 MiB, digests untouched), it is refused; and a commit never writes one."""
+    from ckptlib import UnsupportedState
+    from ckptlib.manifest import multi_part_cap
+
+    doc = load(cut_run, 2)
+    doc["meta"] = {"junk": "x" * (2 << 20)}
+    store_doc(cut_run, 2, doc)
+    err = assert_refused(cut_run, 2, tmp_path, part="shard-0")
+    assert str(multi_part_cap(2)) in str(err) and "2 parts" in str(err), err
+    with Checkpointer(str(cut_run)) as ck, pytest.raises(UnsupportedState, match="meta"):
+        ck.commit(1, list(PARTS), timeout=5, meta={"junk": "x" * (2 << 20)})
+
+
+def test_a_fragment_is_read_with_the_size_its_manifest_records(cut_run, tmp_path):
+    """A multi-part manifest records each fragment's size; a fragment object grown past it (64 MiB of
+    JSON whitespace: still the same document) is refused having read no more than that."""
+    doc = load(cut_run, 2)
+    ref = doc["parts"]["shard-0"]
+    target = cut_run / ref["key"]
+    assert ref["size"] == target.stat().st_size
+    with open(target, "ab") as f:
+        f.write(b" " * (64 << 20))
+    with Checkpointer(str(cut_run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(2, part="shard-0"))
+    assert isinstance(outcome, CorruptCheckpoint) and "shard-0" in str(outcome), outcome
+    assert str(ref["size"]) in str(outcome), outcome
+    assert peak < 8 << 20, peak
+
+
+def test_a_manifest_without_fragment_sizes_still_restores(cut_run):
+    """Manifests written before sizes were recorded read their fragments with the fragment cap."""
+    doc = load(cut_run, 2)
+    for ref in doc["parts"].values():
+        del ref["size"]
+    store_doc(cut_run, 2, doc)
+    with Checkpointer(str(cut_run)) as ck:
+        expected = state(2)
+        expected["model"]["a"] += 1
+        assert_same_state(expected, ck.restore(2, part="shard-1"))
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_huge_heartbeat_is_ignored_unread(run, kind, request):
+    """A heartbeat is kilobytes: one of 64 MiB is refused before it is read whole (logged, read as
+    no beat; before: read and parsed: `ckpt status` took 1.1 GB for a 300 MB beat)."""
+    from ckptlib.heartbeat import HEARTBEAT_MAX_BYTES, Heartbeat, read_heartbeats
+
+    if kind == "s3":
+        loc = request.getfixturevalue("s3_url")
+        store = Store.from_url(loc.url, loc.storage_options)
+    else:
+        store = Store.from_url(str(run))
+    Heartbeat(store, "shard-0", generation=0, round=0).start(step=1)
+    Heartbeat(store, "shard-1", generation=0, round=0).start(step=1)
+    junk = b'{"format": 1, "pad": "' + b"x" * (64 << 20) + b'"}'
+    store.put("heartbeats/shard-1.json", junk)
+    del junk
+    peak, beats = peak_bytes(lambda: read_heartbeats(store))
+    assert isinstance(beats, dict) and sorted(beats) == ["shard-0"], beats
+    assert peak < 2 * HEARTBEAT_MAX_BYTES + (1 << 20), peak
+
+
+def test_a_heartbeat_is_never_written_larger_than_a_reader_accepts(tmp_path):
+    from ckptlib.heartbeat import Heartbeat
+
+    hb = Heartbeat(Store.from_url(str(tmp_path / "run")), "shard-0", generation=0, round=0,
+                   meta={"junk": "x" * (5 << 20)})
+    with pytest.raises(ValueError, match="heartbeat of shard-0 would be .* bytes, more than the 4194304"):
+        hb.start(step=0)
+
+
+def test_huge_verdicts_leases_and_fences_are_refused_unread(run):
+    """Small documents have small caps: a 32 MiB verdict reads as not validated (and as failed to
+    ckptlib.validate), a 32 MiB lease as malformed (it protects nothing), a 32 MiB fence as a fence
+    with no details; none is read whole."""
+    from ckptlib import commit
+    from ckptlib.leases import live_leases
+    from ckptlib.validate.verdict import read_verdict
+
+    _write_junk(run / "validations" / "1.json", 32 << 20)
+    _write_junk(run / "leases" / ("save-" + "0" * 32 + ".json"), 32 << 20)
+    _write_junk(run / "fences" / "shard-0" / "1", 32 << 20)
+    store = Store.from_url(str(run))
+    with Checkpointer(store) as ck:
+        for call, check in ((lambda: ck.verdict(1), lambda v: v is None),
+                            (lambda: read_verdict(store, 1), lambda v: v.passed is False),
+                            (lambda: live_leases(store), lambda v: v == []),
+                            (lambda: commit.read_fence(store, "shard-0", 1),
+                             lambda v: v == {"part": "shard-0", "generation": 1})):
+            peak, outcome = peak_bytes(call)
+            assert check(outcome), outcome
+            assert peak < 1 << 20, (outcome, peak)
+        assert ck.latest_step(healthy=True) is None
 
 
 def test_manifest_that_is_not_a_manifest(run, tmp_path):

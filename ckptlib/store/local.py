@@ -109,10 +109,12 @@ class LocalStore(Store):
                     size = os.fstat(f.fileno()).st_size
                     if size > max_bytes:  # refused unread
                         raise self._too_large(key, size, max_bytes)
-                    data = f.read(max_bytes + 1)
+                    data = f.read(size + 1)  # (read(n) allocates n bytes first: not the cap)
+                    if len(data) > size:  # appended to since the stat (a put replaces the file whole)
+                        data += f.read(max_bytes + 1 - len(data))
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 raise self._not_found(key) from None  # a folder of keys is not an object
-        if len(data) > max_bytes:  # it grew after the stat (replaced files are new inodes: appended to)
+        if len(data) > max_bytes:
             raise self._too_large(key, None, max_bytes)
         return data
 

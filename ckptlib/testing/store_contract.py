@@ -204,6 +204,19 @@ class StoreContract:
             tracemalloc.stop()
         assert peak < 4 << 20, f"a refused bounded read allocated {peak} bytes"
 
+    def test_bounded_get_under_a_large_cap_allocates_what_it_reads(self, store: Store) -> None:
+        """A 1 KiB object read under a 1 GiB cap costs about 1 KiB (not a buffer of the cap)."""
+        import tracemalloc
+
+        self.raw_put(store, "manifests/2.json", b"m" * 1024)
+        tracemalloc.start()
+        try:
+            assert store.get("manifests/2.json", max_bytes=1 << 30) == b"m" * 1024
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"a bounded read of 1 KiB allocated {peak} bytes"
+
     def test_bounded_get_of_a_missing_key_or_a_folder(self, store: Store) -> None:
         store.put("reports/3/summary.json", b"{}")
         for key in ("manifests/7.json", "reports/3"):
