@@ -31,7 +31,9 @@ from typing import Any
 from .errors import (
     CommitConflict,
     CorruptCheckpoint,
+    DamagedStep,
     FencedError,
+    FormatVersionError,
     NoCheckpoint,
     ObjectNotFound,
     ObjectTooLarge,
@@ -107,32 +109,55 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
+def damaged_step(store: Store, step: int, error: BaseException | str) -> DamagedStep:
+    """The one error of a committed step that cannot be read: what is wrong and what to do."""
+    reason = error.reason if isinstance(error, DamagedStep) else " ".join(str(error).split())
+    return DamagedStep(
+        f"step {step} of {store.url} is damaged: {reason}. Restore another step (`ckpt ls {store.url}` marks the "
+        f"damaged ones; a resume takes the newest healthy one), or move this one aside: "
+        f"`ckpt quarantine {store.url} --step {step}`", step, reason)
+
+
 def read_manifest(store: Store, step: int) -> Manifest:
+    """The committed manifest of ``step``: NoCheckpoint when it is not committed, CorruptCheckpoint
+    (``damaged_step``) when its manifest cannot be read."""
     key = manifest_key(step)
     try:
         data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+        m = loads_manifest(data, f"{store.url}/{key}")
     except ObjectNotFound:
         raise NoCheckpoint(f"step {step} is not committed in {store.url} (no {key}); `ckpt ls {store.url}` lists the committed steps") from None
-    m = loads_manifest(data, f"{store.url}/{key}")
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, step, e) from None
+    except FormatVersionError as e:
+        raise FormatVersionError(f"step {step} of {store.url}: {e}") from None
     if m.step != step:
-        raise CorruptCheckpoint(f"{store.url}/{key} describes step {m.step}, not {step}")
+        raise damaged_step(store, step, f"{store.url}/{key} describes step {m.step}")
     return m
 
 
 def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
     """The fragment of part ``name`` of a committed manifest: embedded, or read from its object and
-    checked against the manifest (its bytes' checksum, step, part, generation and digest)."""
+    checked against the manifest (its bytes' checksum, step, part, generation and digest);
+    CorruptCheckpoint (``damaged_step``) when it cannot be."""
     ref = manifest.parts.get(name)
     if ref is None:
         raise NoCheckpoint(f"step {manifest.step} has no part '{name}'; it has {sorted(manifest.parts)}")
     if ref.fragment is not None:
         return ref.fragment
+    try:
+        return _read_part(store, manifest, name, ref)
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, manifest.step, e) from None
+
+
+def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> Fragment:
     where = f"{store.url}/{ref.key}"
     try:  # the size the manifest recorded (older manifests: what any fragment may hold)
         data = store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES if ref.size is None else ref.size)  # type: ignore[arg-type]
     except ObjectNotFound:
         raise CorruptCheckpoint(f"{where}, part '{name}' of committed step {manifest.step}, is missing from the "
-                                "store (deleted?); restore another step") from None
+                                "store (deleted?)") from None
     except ObjectTooLarge as e:
         raise CorruptCheckpoint(f"part '{name}' of committed step {manifest.step}: {e}") from None
     if document_checksum(data) != ref.checksum:

@@ -29,6 +29,21 @@ class Damaged(CorruptCheckpoint):
         super().__init__(f"object {key} {reason}" if key else reason)
         self.key, self.reason = key, reason
 
+    def __reduce__(self) -> tuple:  # pickles (across processes, e.g. a task's error) with its fields
+        return type(self), (self.key, self.reason)
+
+
+class DamagedStep(CorruptCheckpoint):
+    """A committed step whose manifest (or a fragment it names) cannot be read: ``step``, and
+    ``reason``, what is wrong (the message adds what to do)."""
+
+    def __init__(self, message: str, step: int, reason: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.step, self.reason)
+
 
 class ObjectTooLarge(CorruptCheckpoint):
     """A stored object is larger than any its kind ckptlib writes (``Store.get(key, max_bytes=)``):
@@ -39,6 +54,9 @@ class ObjectTooLarge(CorruptCheckpoint):
         super().__init__(f"{where} is {shown}, more than the {cap} bytes a reader of it accepts: it was not "
                          "written by ckptlib (a damaged or planted object); it was refused unread")
         self.where, self.size, self.cap = where, size, cap
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.where, self.size, self.cap)
 
 
 class FormatVersionError(CheckpointError):

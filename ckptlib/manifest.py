@@ -221,6 +221,8 @@ class Fragment:
                                      f"holds {blob.nbytes}")
                 if leaf.pack is not None:
                     pack_end[digest] = max(pack_end.get(digest, 0), at + length)
+        if len({b.key for b in self.blobs.values()}) != len(self.blobs):  # a key is a hash of its raw checksum
+            raise ValueError("two chunks of its blob table name the same stored object")
         for digest, end in pack_end.items():
             nbytes = self.blobs[digest].nbytes
             if nbytes != end or (self.chunk_bytes is not None and nbytes > self.chunk_bytes):
@@ -471,8 +473,8 @@ def _parse(cls: Any, data: bytes, where: str, cap: int) -> Any:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpoint(
-            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {str(e)[:300]}). It was damaged "
-            "or written by something else; restore an older step (ckpt ls shows them) and check the store."
+            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {str(e)[:300]}): it was damaged "
+            "or written by something else"
         ) from None
 
 

@@ -1286,3 +1286,233 @@ def test_a_manifest_of_long_paths_restores_in_time_linear_in_its_size(run):
         assert restored[key] == [0] * 1_000_000
         assert ck.restore(1, into=state(1))[key] == [0] * 1_000_000
         assert ck.verify(1) == []
+
+
+# ----------------------------------------------------------------------------- every command, one line
+
+
+def _junk(data: bytes):
+    def edit(run: Path, step: int) -> None:
+        (run / "manifests" / f"{step}.json").write_bytes(data)
+    return edit
+
+
+def _edited(edit, resealed: bool):
+    def apply(run: Path, step: int) -> None:
+        doc = load(run, step)
+        edit(doc, fragment_of(doc))
+        if resealed:
+            reseal(doc)
+        store_doc(run, step, doc)
+    return apply
+
+
+def _sized(field: str, value):
+    def edit(doc, frag):
+        leaf(frag, "/model/a" if field != "dtype" else "/n")[field] = value
+    return _edited(edit, True)
+
+
+DAMAGED_STEPS = {  # name: (damage(run, step), step): every store the tests above build, applied for the CLI
+    **{f"forged-{name}": (_edited(fn, True), 1) for name, fn in FORGED_TREES.items()},
+    **{f"edit-{name}": (_edited(edit, resealed), step) for name, (edit, step, resealed) in EDITS.items()},
+    **{f"leaf-{name}": (_sized(*SIZES[name]), 1) for name in SIZES},
+    **{f"junk-{i}": (_junk(data), 2) for i, data in enumerate(
+        [b"", b"\x00\xff" * 100, b"[]", b"null", b'{"format": 2}', b"{" * 100000, b"1e999999"])},
+    "pack-2^45": (_edited(lambda doc, frag: frag["blobs"][leaf(frag, "/model/small")["pack"]].update(nbytes=2**45),
+                          False), 1),
+}
+# report (half a second: it draws the run's plot) on every kind of damage a listing can see, and on a
+# sample of the others; validate (seconds) on one case of each kind
+_REPORTED = {n for n in DAMAGED_STEPS if n.startswith(("forged-", "junk-"))} | {
+    "edit-chunks-reordered", "edit-unknown-codec", "edit-parts-empty", "edit-future-format", "edit-base-cycle-of-two",
+    "leaf-nbytes-huge", "leaf-dtype-object", "pack-2^45"}
+_VALIDATED = {"forged-bad-device", "edit-chunks-reordered", "junk-2"}
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def table_rows(output: str) -> dict[str, str]:
+    """{first cell: the line} of the rows of a rich table (continuation lines have an empty first cell)."""
+    rows = {}
+    for line in output.splitlines():
+        cells = line.split("│")
+        if len(cells) > 2 and cells[1].strip():
+            rows[cells[1].strip()] = line
+    return rows
+
+
+def assert_one_line(result, codes: tuple[int, ...], *, what: str, verdict: int | None = None) -> None:
+    """Exit code in ``codes``; on failure exactly one ``error:`` line on stderr (``verdict``: the
+    exit code of a verdict printed on stdout instead); never a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), (what, repr(result.exception),
+                                                                                  result.output[-2000:])
+    assert "Traceback" not in result.output, (what, result.output[-2000:])
+    assert result.exit_code in codes, (what, result.exit_code, result.output[-2000:])
+    lines = result.stderr.strip().splitlines()
+    if result.exit_code not in (0, verdict):
+        assert len(lines) == 1 and lines[0].startswith("error: "), (what, result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("name", list(DAMAGED_STEPS))
+def test_every_command_reports_a_damaged_step_and_goes_on(run, tmp_path, name):
+    """Whatever is wrong with one step, every command answers in one line, and the others go on:
+    ls lists every step (a step whose manifest is not read is marked DAMAGED, with its reason),
+    show of it is one error: line or its details, verify checks every step (exit 1, the other intact),
+    export refuses, report lists every step, validate gives a verdict or one error: line."""
+    damage, bad = DAMAGED_STEPS[name]
+    good = 2 if bad == 1 else 1
+    damage(run, bad)
+    url = str(run)
+
+    ls = _cli("ls", url)
+    assert_one_line(ls, (0,), what="ls")
+    rows = table_rows(ls.stdout)
+    assert set(rows) == {str(good), str(bad)}, ls.stdout
+    if "DAMAGED" in rows[str(bad)] or "UNREADABLE" in rows[str(bad)]:
+        assert f"damaged: step {bad}: " in ls.stdout, ls.stdout
+    assert "DAMAGED" not in rows[str(good)]
+
+    show = _cli("show", url, "--step", str(bad))
+    assert_one_line(show, (0, 2), what="show")
+    if show.exit_code == 2:
+        assert f"step {bad}" in show.stderr, show.stderr
+        assert "quarantine" in show.stderr or "install the ckptlib version" in show.stderr, show.stderr
+    if "DAMAGED" in rows[str(bad)] or name.startswith("forged"):
+        assert show.exit_code == 2, show.output
+
+    for args in (("verify", url), ("verify", url, "--step", str(bad))):
+        verify = _cli(*args)
+        assert_one_line(verify, (1,), what=" ".join(args[:1] + args[2:]))
+        assert f"step {bad}: damaged" in verify.stdout, verify.stdout
+    assert f"step {good}: intact" in _cli("verify", url).stdout
+
+    out = tmp_path / "exports" / "x.pt"
+    out.parent.mkdir()
+    assert_one_line(_cli("export", url, "--step", str(bad), "--out", str(out)), (2,), what="export")
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+    if name not in _REPORTED:
+        return
+    report = _cli("report", url)
+    assert_one_line(report, (0,), what="report")
+    listed = table_rows(report.stdout)
+    assert set(listed) == {str(good), str(bad)}, report.stdout
+    if "DAMAGED" in rows[str(bad)] or name.startswith("forged"):
+        assert "damaged" in listed[str(bad)] and f"damaged: step {bad}: " in report.stdout, report.stdout
+
+    if name in _VALIDATED:
+        validate = _cli("validate", url, "--step", str(bad))
+        assert_one_line(validate, (1, 2), what="validate", verdict=1)
+        if validate.exit_code == 1:
+            assert f"step {bad}: FAILED" in validate.stdout, validate.stdout
+
+
+# ----------------------------------------------------------------------------- one damaged step
+
+
+@pytest.fixture
+def three_steps(tmp_path) -> Path:
+    """Steps 1, 2, 3 (3 writes new keyframes of its own), every one validated as passed."""
+    root = tmp_path / "three"
+    with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
+        for step in (1, 2, 3):
+            s = state(step)
+            if step == 3:
+                s["model"]["b"] = torch.randn(3072, generator=torch.Generator().manual_seed(3))
+            ck.save(step, s)
+    (root / "validations").mkdir()
+    for step in (1, 2, 3):
+        (root / "validations" / f"{step}.json").write_text('{"passed": true, "failed": []}')
+    return root
+
+
+def test_a_damaged_latest_step_is_skipped_by_a_resume_and_named_by_a_restore(three_steps, caplog):
+    (three_steps / "manifests" / "3.json").write_bytes(b"{not json")
+    with Checkpointer(str(three_steps)) as ck:
+        assert ck.latest_step() == 3 and ck.steps() == [1, 2, 3]  # still committed: listed, not hidden
+        with caplog.at_level("WARNING", logger="ckptlib"):
+            assert ck.latest_step(healthy=True) == 2
+        assert any("skipping checkpoint step 3" in r.getMessage() and "damaged" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert_same_state(state(2), ck.restore(healthy=True))
+        with pytest.raises(CorruptCheckpoint) as err:
+            ck.restore()
+        text = str(err.value)
+        assert "step 3" in text and "manifests/3.json" in text and f"ckpt quarantine {ck.url} --step 3" in text, text
+        with pytest.raises(CheckpointError) as err:
+            ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        assert "manifests/3.json" in str(err.value) and "ckpt quarantine" in str(err.value), err.value
+        assert ck.steps() == [1, 2, 3]  # GC deleted nothing
+
+
+def test_quarantine_moves_a_damaged_step_aside_gc_keeps_its_objects_and_undo_puts_it_back(three_steps):
+    """A step whose chunk is damaged, moved aside: restores and GC go on without it, GC keeps every
+    object it names (its own keyframes included), and undo brings back exactly what was there."""
+    from ckptlib import quarantine as q
+
+    with Checkpointer(str(three_steps)) as ck:
+        frag = ck.fragment(3, "state")
+        own = {b.key for b in frag.blobs.values()} - {b.key for b in ck.fragment(2, "state").blobs.values()}
+        assert own  # keyframes only step 3 needs
+        victim = frag.blobs[leaf_of(frag, "/model/b").chunks[0]].key
+        data = bytearray((three_steps / victim).read_bytes())
+        data[len(data) // 2] ^= 1
+        (three_steps / victim).write_bytes(bytes(data))
+        before = [str(p) for p in ck.verify(3)]
+        manifest = (three_steps / "manifests" / "3.json").read_bytes()
+        q.quarantine_step(ck.store, 3, "chunk flipped")
+        assert ck.steps() == [1, 2] and ck.latest_step(healthy=True) == 2
+        assert_same_state(state(2), ck.restore())
+        assert sorted(q.quarantined(ck.store)) == [3] and q.quarantined(ck.store)[3].reason == "chunk flipped"
+        assert not (three_steps / "validations" / "3.json").exists()
+        report = ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        assert report.dropped_steps == [1] and ck.steps() == [2]
+        assert all((three_steps / key).exists() for key in own), "GC swept objects of a quarantined step"
+        with pytest.raises(NoCheckpoint, match="in quarantine already"):
+            q.quarantine_step(ck.store, 3, "again")
+        q.release_step(ck.store, 3)
+        assert ck.steps() == [2, 3] and (three_steps / "manifests" / "3.json").read_bytes() == manifest
+        assert (three_steps / "validations" / "3.json").exists() and q.quarantined(ck.store) == {}
+        assert [str(p) for p in ck.verify(3)] == before  # the same damage, nothing more
+
+
+def test_undo_never_replaces_a_step_committed_again(three_steps):
+    from ckptlib import quarantine as q
+
+    with Checkpointer(str(three_steps), chunk_bytes=CHUNK) as ck:
+        q.quarantine_step(ck.store, 3, "by hand")
+        ck.save(3, state(1))  # another state under the same step
+        with pytest.raises(CheckpointError, match="committed again"):
+            q.release_step(ck.store, 3)
+        assert_same_state(state(1), ck.restore(3))
+        assert sorted(q.quarantined(ck.store)) == [3]
+
+
+def test_a_quarantine_interrupted_after_its_record_finishes_when_run_again(three_steps):
+    """The record is the quarantine's commit point: run again after a crash that left the manifest
+    in place, it finishes the move (and never takes a different step for the quarantined one)."""
+    from ckptlib import quarantine as q
+    from ckptlib.testing import FaultyStore, SimulatedCrash
+
+    store = FaultyStore(Store.from_url(str(three_steps)))
+    store.crash_after("put_if_absent", "record.json")
+    with pytest.raises(SimulatedCrash):
+        q.quarantine_step(store, 3, "flipped")
+    plain = Store.from_url(str(three_steps))
+    assert plain.exists("manifests/3.json") and q.read_record(plain, 3) is not None
+    q.quarantine_step(plain, 3, "flipped")
+    assert not plain.exists("manifests/3.json") and plain.exists("quarantine/3/manifests/3.json")
+    q.release_step(plain, 3)
+    with Checkpointer(plain) as ck:
+        assert ck.steps() == [1, 2, 3] and ck.verify(3) == []
+
+
+def leaf_of(frag, path: str):
+    return next(x for x in frag.leaves if x.spec.path == path)
