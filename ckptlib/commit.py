@@ -292,13 +292,9 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
 
 def read_fragment(store: Store, key: str) -> tuple[Fragment, bytes]:
     """The fragment stored under ``key`` (read with the fragment cap, checked as it is parsed) and
-    its bytes; ObjectNotFound when there is none."""
-    where = f"{store.url}/{key}"
-    try:
-        data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
-    except ObjectTooLarge as e:
-        raise CorruptCheckpoint(str(e)) from None
-    return loads_fragment(data, where), data
+    its bytes; ObjectNotFound when there is none, CorruptCheckpoint when it is not a fragment."""
+    data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
+    return loads_fragment(data, f"{store.url}/{key}"), data
 
 
 def gather(store: Store, step: int, parts: list[str], *, timeout: float,

@@ -815,7 +815,9 @@ def test_fragment_object_replaced(cut_run, tmp_path, replacement):
 
 @pytest.fixture(scope="module")
 def zstd_bombs(tmp_path_factory) -> dict[str, bytes]:
-    """4 GiB of zeros in one zstd frame (about 130 KB), with and without a declared content size."""
+    """2 GiB of zeros in one zstd frame (about 65 KB, which an object of a 4 KiB chunk may be: see
+    ckptlib.manifest.max_stored_bytes), with and without a declared content size; twice the address
+    space the restore is given."""
     import zstandard
 
     zeros = bytes(1 << 20)
@@ -824,10 +826,10 @@ def zstd_bombs(tmp_path_factory) -> dict[str, bytes]:
         cctx = zstandard.ZstdCompressor(level=1, write_content_size=declared, write_checksum=True)
         chunks = []
         if declared:
-            comp = cctx.compressobj(size=4 << 30)
+            comp = cctx.compressobj(size=2 << 30)
         else:
             comp = cctx.compressobj()
-        for _ in range(4096):
+        for _ in range(2048):
             chunks.append(comp.compress(zeros))
         chunks.append(comp.flush())
         out[name] = b"".join(chunks)
@@ -1516,3 +1518,33 @@ def test_a_quarantine_interrupted_after_its_record_finishes_when_run_again(three
 
 def leaf_of(frag, path: str):
     return next(x for x in frag.leaves if x.spec.path == path)
+
+
+MALFORMED_DOCUMENTS = {  # key: bytes nobody's writer wrote
+    "verdict-not-json": ("validations/1.json", b"not json"),
+    "verdict-deep": ("validations/1.json", b'{"passed": true, "nested": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    "verdict-wrong-types": ("validations/1.json", b'{"passed": "yes", "failed": {"a": 1}}'),
+    "verdict-huge": ("validations/1.json", b'{"passed": true, "pad": "' + b"x" * (20 << 20) + b'"}'),
+    "beat-not-json": ("heartbeats/shard-0.json", b"\xff\xfe"),
+    "beat-wrong-format": ("heartbeats/shard-0.json", b'{"format": 9, "part": "shard-0"}'),
+    "beat-huge": ("heartbeats/shard-0.json", b'{"format": 1, "pad": "' + b"x" * (20 << 20) + b'"}'),
+    "lease-huge": ("leases/save-" + "0" * 32 + ".json", b"{" + b" " * (1 << 20) + b"}"),
+    "fence-junk": ("fences/shard-0/1", b"\x00" * 100),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_DOCUMENTS))
+def test_every_command_reads_a_malformed_small_document_as_unknown(run, name):
+    """A verdict, beat, lease or fence nobody wrote: every command goes on, reading it as unknown (a
+    verdict as not validated, a beat as no beat, a lease as protecting nothing)."""
+    key, data = MALFORMED_DOCUMENTS[name]
+    (run / key).parent.mkdir(parents=True, exist_ok=True)
+    (run / key).write_bytes(data)
+    url = str(run)
+    for args in (("ls", url), ("verify", url), ("show", url, "--step", "1"), ("report", url), ("status", url)):
+        result = _cli(*args)
+        assert_one_line(result, (0,), what=" ".join(args[:1]))
+    assert "passed" not in table_rows(_cli("ls", url).stdout)["1"]
+    with Checkpointer(url) as ck:
+        assert ck.latest_step(healthy=True) is None
+        assert_same_state(state(2), ck.restore(2))
