@@ -134,13 +134,17 @@ def ls(url: UrlArg,
     """List the committed checkpoints of a run, newest page first: step, kind, bytes written, ratio, digest, validation.
 
     One listing of the manifests, then only the shown steps' manifests and verdicts are read, so a
-    run with 10,000 checkpoints lists in about the time of its listing; ``--before`` pages back."""
+    run with 10,000 checkpoints lists in about the time of its listing; ``--before`` pages back. A
+    step whose manifest cannot be read is listed as DAMAGED, with its reason under the table (exit 0:
+    `ckpt verify` is the check); steps moved aside by `ckpt quarantine` are named too."""
     with command_errors(), open_checkpointer(url, storage_options) as ck:
         steps = ck.steps()
         if not steps:
             runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
             hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
             typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
+            for line in quarantine_lines(ck):
+                typer.echo(line)
             return
         shown = page_of(steps, limit, before)
         if not shown:
