@@ -19,12 +19,13 @@ ALLOWED = {
     "trainrun": {"ckptlib", "workloads"},
     "tasks": {"ckptlib", "workloads", "trainrun"},
     "flows": {"ckptlib", "workloads", "trainrun", "tasks"},
-    "ckpt": {"ckptlib", "workloads", "trainrun", "flows", "deployments"},  # never tasks: flows run them
+    "bench": {"ckptlib", "workloads", "trainrun", "deployments"},  # deployments: SeaweedFS for the S3 runs
+    "ckpt": {"ckptlib", "workloads", "trainrun", "flows", "deployments", "bench"},  # never tasks: flows run them
 }
 PROJECT = set(ALLOWED) | {"deployments"}
 # third-party packages a layer must never import
 FORBIDDEN = {"ckptlib": {"prefect", "prefect_dask", "typer", "rich"}, "trainrun": {"prefect", "prefect_dask", "typer"},
-             "workloads": {"prefect"}}
+             "workloads": {"prefect"}, "bench": {"prefect", "prefect_dask"}}
 
 
 def _imports(path: Path) -> set[str]:
