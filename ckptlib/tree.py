@@ -886,6 +886,38 @@ def leaf_indices(skeleton: Any) -> set[int]:
     return found
 
 
+def view_paths(skeleton: Any) -> list[tuple[str, View]]:
+    """Each distinct ``__view__`` of a skeleton with the path of its first place, spelled as leaf
+    paths are (``/model/w``), in walk order; malformed nodes are skipped (``unflatten`` reports them)."""
+    found: dict[View, str] = {}
+    stack: list[tuple[Any, str]] = [(skeleton, "")]
+    while stack:
+        node, path = stack.pop()
+        try:
+            n = parse(node)
+        except _Bad:
+            continue
+        children: list[tuple[Any, str]] = []
+        if n.kind == "view":
+            found.setdefault(n.value, path or "/")
+        elif n.kind in ("list", "tuple"):
+            children = [(x, f"{path}/{i}") for i, x in enumerate(n.items)]
+        elif n.kind == "dict":
+            children = [(v, f"{path}/{k}") for k, v in n.items]
+        elif n.kind in ("items", "map"):
+            for k, v in n.items:
+                try:
+                    children.append((v, f"{path}/{decode_key(k)}"))
+                except (CorruptCheckpoint, TypeError):
+                    continue
+        elif n.kind == "attrs":
+            children = [(n.inner, path)]
+        if n.kind in ("attrs", "map"):
+            children += [(v, f"{path}/.{name}") for name, v in n.attrs]
+        stack.extend(reversed(children))
+    return [(p, v) for v, p in found.items()]
+
+
 def decode_key(node: Any) -> Any:
     """A keyed container's key node as the Python value; raises CorruptCheckpoint if malformed."""
     key = _Decoder([], []).key(node, Path(), 0)

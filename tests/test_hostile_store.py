@@ -443,6 +443,120 @@ def test_a_forged_tree_is_refused_naming_where(run, tmp_path, name):
     assert "skeleton" in str(err) and "at '/" in str(err), err
 
 
+# --- forged views: a storage leaf is viewed only by __view__ nodes that fit inside it, and a
+# __view__ views only a storage leaf (save writes nothing else)
+
+def views_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(40, 40, generator=g)  # 6400 bytes: a storage of two chunks
+    if step >= 2:
+        base[:3] += 1.0
+    z = torch.randn(8, dtype=torch.complex64, generator=g)
+    return {"w": base, "rows": base[5:9], "flat": base.view(-1)[100:300], "z": z.conj(),
+            "plain": torch.arange(5.0), "step": step}
+
+
+@pytest.fixture(scope="module")
+def _views_template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile-views") / "run"
+    with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
+        ck.save(1, views_state(1))
+        ck.save(2, views_state(2))
+    for lease in (root / "leases").glob("*"):
+        lease.unlink()
+    return root
+
+
+@pytest.fixture
+def views_run(_views_template, tmp_path) -> Path:
+    shutil.copytree(_views_template, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
+
+
+def _index(frag: dict, path: str) -> int:
+    return next(i for i, x in enumerate(frag["leaves"]) if x["path"] == path)
+
+
+def _view(frag: dict, key: str) -> dict:
+    return frag["skeleton"][key]["__view__"]
+
+
+def _set_view(key: str, **fields):
+    def edit(frag):
+        _view(frag, key).update(fields)
+    return edit
+
+
+def _drop_view_field(frag):
+    del _view(frag, "rows")["stride"]
+
+
+def _view_of_a_tensor_leaf(frag):
+    frag["skeleton"]["rows"] = {"__view__": {**_view(frag, "rows"), "storage": _index(frag, "/plain")}}
+
+
+def _leaf_of_a_storage(frag):
+    frag["skeleton"]["plain"] = {"__leaf__": _view(frag, "w")["storage"]}
+
+
+def _ref_of_a_storage(frag):
+    frag["skeleton"]["plain"] = {"__ref__": _view(frag, "w")["storage"]}
+
+
+def _data_attribute_on_a_view(frag):
+    frag["skeleton"]["rows"] = {"__attrs__": [frag["skeleton"]["rows"], {"data": frag["skeleton"]["plain"]}]}
+
+
+def _view_not_an_object(frag):
+    frag["skeleton"]["rows"] = {"__view__": [0, 0]}
+
+
+FORGED_VIEWS = {
+    "view-of-a-tensor-leaf": _view_of_a_tensor_leaf,
+    "view-of-a-leaf-out-of-range": _set_view("rows", storage=999),
+    "view-past-its-storage": _set_view("rows", offset=1600 - 3),
+    "view-stride-past-its-storage": _set_view("rows", stride=[10**6, 1]),
+    "view-negative-offset": _set_view("rows", offset=-1),
+    "view-float-offset": _set_view("rows", offset=1.0),
+    "view-unknown-field": _set_view("rows", data=1),
+    "view-missing-field": _drop_view_field,
+    "view-shape-and-stride-lengths-differ": _set_view("rows", stride=[1]),
+    "view-unknown-dtype": _set_view("rows", dtype="float128"),
+    "view-flag-not-a-bool": _set_view("z", conj=1),
+    "view-conj-bit-on-floats": _set_view("rows", conj=True),
+    "view-int-requires-grad": _set_view("rows", dtype="int32", requires_grad=True),
+    "view-of-2^62-bytes": _set_view("rows", shape=[2**40, 2**20], stride=[0, 0]),
+    "view-not-an-object": _view_not_an_object,
+    "leaf-of-a-storage": _leaf_of_a_storage,
+    "ref-of-a-storage": _ref_of_a_storage,
+    "data-attribute-on-a-view": _data_attribute_on_a_view,
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED_VIEWS))
+def test_a_forged_view_is_refused_naming_where(views_run, tmp_path, name):
+    doc = load(views_run, 1)
+    FORGED_VIEWS[name](fragment_of(doc))
+    reseal(doc)
+    store_doc(views_run, 1, doc)
+    err = assert_refused(views_run, 1, tmp_path, intact={2: views_state(2)})
+    assert isinstance(err, CorruptCheckpoint), err
+    assert "skeleton" in str(err) and "at '/" in str(err), err
+
+
+@pytest.mark.parametrize("field,value", [("shape", [40, 40]), ("param", True), ("requires_grad", True),
+                                         ("stride", [1]), ("dtype", "int4"), ("kind", "torch")])
+def test_a_forged_storage_leaf_is_refused(views_run, tmp_path, field, value):
+    """A storage leaf is one-dimensional bytes of a stored dtype, never a parameter; relabelled a
+    tensor, its views are views of a tensor leaf (save never writes those)."""
+    doc = load(views_run, 1)
+    frag = fragment_of(doc)
+    leaf(frag, "/w#storage")[field] = value
+    reseal(doc)
+    store_doc(views_run, 1, doc)
+    assert isinstance(assert_refused(views_run, 1, tmp_path, intact={2: views_state(2)}), CorruptCheckpoint)
+
+
 EDITS = {
     # name: (edit, step, resealed)
     "nbytes-0": (_nbytes_zero, 1, False),

@@ -1104,6 +1104,55 @@ def test_restore_into_parameters_and_other_layouts(tmp_path):
     assert np.array_equal(got["a"], src["a"]) and got["a"].flags.f_contiguous
 
 
+def _views_of(base: torch.Tensor) -> dict:
+    return {"w": base, "rows": base[5:9], "flat": base.view(-1)[10:90], "ints": base.view(torch.int32)[2],
+            "z": base.view(torch.complex64)[1:3].conj(), "tied": [base[1], base[1]]}
+
+
+def test_restore_into_fills_destination_views_consistently(tmp_path):
+    """A destination that shares memory as the saved state did gets every view filled, and keeps
+    sharing it; a destination of separate tensors gets each its values; mismatched views are listed."""
+    saved = _views_of(rand_tensor(torch.float32, (12, 10), 0))
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, saved)
+    dest = _views_of(torch.zeros(12, 10))
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=dest)
+    assert got["w"] is dest["w"] and got["rows"] is dest["rows"] and got["z"] is dest["z"]
+    assert got["tied"][0] is dest["tied"][0] and got["tied"][1] is dest["tied"][1]
+    assert_same_state(saved, got)  # values, bits and the sharing itself
+    separate = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in _views_of(torch.zeros(12, 10)).items()}
+    separate["z"] = separate["z"].resolve_conj().conj()
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=separate)
+    for k in ("w", "rows", "flat", "ints", "z"):
+        assert got[k] is separate[k] and not differences(saved[k].resolve_conj(), got[k].resolve_conj(),
+                                                         exact_types=False), k
+    assert not differences(saved["tied"][1], got["tied"][1], exact_types=False)
+    bad = _views_of(torch.zeros(12, 10))
+    bad["rows"], bad["flat"] = torch.zeros(3, 10), np.zeros(80, np.float32)
+    with Checkpointer(str(tmp_path), threads=2) as ck, pytest.raises(ValueError) as err:
+        ck.restore(into=bad)
+    assert "/rows: shape [3, 10] in the destination, [4, 10] saved" in str(err.value)
+    assert "/flat: the checkpoint holds a torch tensor, the destination a ndarray" in str(err.value)
+    assert not bad["w"].any(), "a refused restore wrote into the destination"
+
+
+def test_storage_leaf_holds_only_the_bytes_its_views_span(tmp_path):
+    """Two slices of a tensor that is not in the state: the storage saved is their span (from an
+    aligned offset), not the whole storage (torch.save writes all of it)."""
+    big = rand_tensor(torch.float64, (50, 40), 0)
+    state = {"x": big[3:, 1:3], "y": big[3:, 2:5], "b": big.view(-1).view(torch.uint8)[3 * 320 + 9:3 * 320 + 20]}
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, state)
+        (storage,) = [leaf.spec for leaf in ck.fragment(1, "state").leaves if leaf.spec.kind == "storage"]
+        got = ck.restore(1)
+    start, end = 3 * 320 + 8, 49 * 320 + 5 * 8  # bytes: row 3 column 1 (aligned to 8), to row 49's column 5
+    assert storage.dtype == "uint8" and storage.nbytes == end - start < big.numel() * 8
+    assert got["x"].untyped_storage().nbytes() == end - start
+    assert_same_state(state, got)
+
+
 def test_restore_into_lists_every_mismatch_and_changes_nothing(tmp_path):
     saved = {"model": {"w": torch.ones(3, 4), "b": torch.ones(4), "h": torch.ones(2, dtype=torch.float64),
                        "i": torch.ones(2)},
@@ -1233,12 +1282,32 @@ def _export_state() -> dict:
     return st
 
 
+def test_export_pt_refuses_what_weights_only_would_change(tmp_path):
+    """A .pt export is exact or refused: each value torch.load(weights_only=True) would give back
+    as another type is named, with its path and type, unless convert=True."""
+    cases = {"np": np.arange(3.0), "np_scalar": np.float32(0.5), "frozenset": frozenset({1}),
+             "defaultdict": collections.defaultdict(list, {"k": [1]}), "np_key": {np.int64(3): 1},
+             "np_in_set": {np.int8(1)}}
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        for i, (name, value) in enumerate(cases.items()):
+            ck.save(i, {"ok": torch.ones(1), "z": {name: value}})
+            with pytest.raises(UnsupportedState) as err:
+                ck.export(i, str(tmp_path / "x.pt"))
+            assert f"/z/{name}" in str(err.value) and "--convert" in str(err.value), (name, str(err.value))
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "a refused export left a file"
+
+
 def test_export_pt_loads_with_weights_only(tmp_path):
     st = _export_state()
     with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
         ck.save(3, st)
-        size = ck.export(3, str(tmp_path / "x.pt"))
-    assert size == os.path.getsize(tmp_path / "x.pt")
+        with pytest.raises(UnsupportedState):
+            ck.export(3, str(tmp_path / "x.pt"))
+        done = ck.export(3, str(tmp_path / "x.pt"), convert=True)
+    assert done.size == os.path.getsize(tmp_path / "x.pt")
+    assert done.converted == ("/np: numpy.ndarray -> torch.Tensor", "/np_scalar: numpy.float32 -> float",
+                              "/defaultdict: collections.defaultdict -> dict", "/dt: numpy.ndarray -> torch.Tensor",
+                              "/dt: numpy.ndarray -> its int64 ticks (datetime64[s])")
     got = torch.load(tmp_path / "x.pt", weights_only=True)
     assert_same_state(st["model"], got["model"])  # OrderedDict with _metadata, exact tensors
     model = _small_model(9)
@@ -1248,9 +1317,39 @@ def test_export_pt_loads_with_weights_only(tmp_path):
     for k in ("bf16", "fp8", "u16"):
         assert got[k].dtype == st[k].dtype and torch.equal(got[k].view(torch.uint8), st[k].view(torch.uint8)), k
     assert torch.equal(got["np"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
-    assert got["np_scalar"] == 0.5 and sorted(got["set"]) == [1, 2] and got["defaultdict"] == {"k": [1]}
+    assert got["np_scalar"] == 0.5 and got["defaultdict"] == {"k": [1]}
+    # what weights_only keeps is kept as it is, not converted
+    assert got["set"] == {1, 2} and got["bytes"] == b"\x01\x02" and type(got["bytes"]) is bytes
     assert got["big_int"] == 2**100 and got["size"] == torch.Size([2, 3]) and got["dtype"] is torch.float16
-    assert bytes(got["bytes"].numpy()) == b"\x01\x02"
+    unconverted = {k: v for k, v in st.items() if k not in ("np", "np_scalar", "defaultdict", "dt", "nan")}
+    assert_same_state(unconverted, {k: got[k] for k in unconverted})
+
+
+def test_export_pt_keeps_views_bits_and_new_dtypes(tmp_path):
+    """torch.save holds storage sharing, conjugate/negative bits, tensor attributes, Counter, bytes
+    and the float4/bits dtypes: an export of them is exact, with no conversion."""
+    base = rand_tensor(torch.float32, (6, 4), 0)
+    st = {"views": _views_of(rand_tensor(torch.float32, (12, 10), 1)), "neg": torch._neg_view(base),
+          "tagged": _with_attrs(base[1:3]), "counter": collections.Counter(a=2), "raw": bytearray(b"ab"),
+          "fp4": rand_tensor(torch.float4_e2m1fn_x2, (3,), 0), "bits16": rand_tensor(torch.bits16, (2,), 0),
+          "p": torch.nn.Parameter(base)}
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        ck.save(1, st)
+        with pytest.raises(UnsupportedState) as err:  # torch.save saves a storage as one dtype
+            ck.export(1, str(tmp_path / "x.pt"))
+        assert "/views/ints" in str(err.value) and "torch.float32 tensor views" in str(err.value)
+        done = ck.export(1, str(tmp_path / "x.pt"), convert=True)
+        del st["views"]["ints"], st["views"]["z"]
+        ck.save(2, st)
+        exact = ck.export(2, str(tmp_path / "y.pt"))
+    assert done.converted == ("/views/ints: torch.Tensor -> its own copy (it views memory that a torch.float32 "
+                              "tensor views)", "/views/z: torch.Tensor -> its own copy (it views memory that a "
+                              "torch.float32 tensor views)")
+    got = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert got["views"]["ints"].untyped_storage().data_ptr() != got["views"]["w"].untyped_storage().data_ptr()
+    assert got["views"]["z"].is_conj() and torch.equal(got["views"]["ints"], st["views"]["w"].view(torch.int32)[2])
+    assert exact.converted == ()
+    assert_same_state(documented(st), torch.load(tmp_path / "y.pt", weights_only=True))
 
 
 def test_export_safetensors(tmp_path):
@@ -1259,7 +1358,12 @@ def test_export_safetensors(tmp_path):
     st = _export_state()
     with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
         ck.save(3, st)
-        ck.export(None, str(tmp_path / "x.safetensors"))
+        with pytest.raises(UnsupportedState) as err:
+            ck.export(None, str(tmp_path / "x.safetensors"))
+        assert "/optimizer/param_groups" in str(err.value) and "tuple" not in str(err.value)
+        done = ck.export(None, str(tmp_path / "x.safetensors"), convert=True)
+    assert "/optimizer/param_groups: list -> its nearest JSON in the metadata" in done.converted
+    assert "/set: set -> its nearest JSON in the metadata" in done.converted and "/epoch" not in str(done.converted)
     with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
         names = set(f.keys())
         meta = f.metadata()
@@ -1267,6 +1371,27 @@ def test_export_safetensors(tmp_path):
         assert torch.equal(f.get_tensor("model.0.weight"), st["model"]["0.weight"])
         assert torch.equal(f.get_tensor("optimizer.state.0.exp_avg"), st["optimizer"]["state"][0]["exp_avg"])
     assert json.loads(meta["epoch"]) == 2 and "__ckpt__" in meta
+
+
+def test_export_safetensors_writes_views_as_copies_and_resolves_bits(tmp_path):
+    """safetensors holds no storage sharing and no lazy bits: each view is written as its own
+    values (conjugates resolved), and what the installed safetensors stores is probed, not assumed."""
+    from safetensors.torch import load_file
+
+    from ckptlib.export import safetensors_keeps
+
+    st = _views_of(rand_tensor(torch.float32, (12, 10), 1))
+    st["neg"] = torch._neg_view(torch.arange(3.0))
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        ck.save(1, st)
+        assert ck.export(1, str(tmp_path / "x.safetensors")).converted == ()
+    got = load_file(str(tmp_path / "x.safetensors"))
+    for name in ("w", "rows", "flat", "ints", "z", "tied.0", "tied.1", "neg"):
+        want = st
+        for part in name.split("."):
+            want = want[int(part)] if isinstance(want, list) else want[part]
+        assert not differences(want.resolve_conj().resolve_neg(), got[name], exact_types=False), name
+    assert safetensors_keeps(torch.complex64) and not safetensors_keeps(torch.bits16)  # safetensors 0.8
 
 
 def test_export_safetensors_non_str_keys(tmp_path):
@@ -1300,7 +1425,8 @@ def test_export_safetensors_tied_weights(tmp_path):
 
 
 @pytest.mark.parametrize("suffix,value,words", [
-    (".safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, ["/z", "complex"]),
+    (".safetensors", {"z": torch.zeros(2, dtype=torch.complex128)}, ["/z", "complex128", "safetensors 0."]),
+    (".safetensors", {"z": rand_tensor(torch.bits8, (2,), 0)}, ["/z", "bits8"]),
     (".pt", {"z": np.zeros(2, dtype=np.longdouble)}, ["/z", "float128"]),
     (".safetensors", {"z": np.zeros(2, dtype=np.longdouble)}, ["/z", "float128"]),
     (".pt", {"z": np.longdouble(1.5)}, ["/z"]),
