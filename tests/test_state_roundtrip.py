@@ -55,6 +55,7 @@ import torch
 from ckptlib import Checkpointer, UnsupportedState
 from ckptlib.testing import compare as ckptlib_compare
 from ckptlib.testing.compare import assert_same_state, differences, tie_pattern
+from ckptlib.types import REFUSED_TORCH_DTYPES
 
 SMALL = 4096  # chunk_bytes that forces chunking and packing
 
@@ -1456,3 +1457,49 @@ def test_export_existing_file_needs_force(tmp_path):
             ck.export(1, str(tmp_path / "x.bin"))
         ck.export(1, str(out), force=True)
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(2))
+
+
+# --- the README's dtype table ------------------------------------------------------------------
+
+def _readme_dtype_table() -> dict[str, str]:
+    """{dtype name: "kept" | "refused"} from the README's torch dtype table."""
+    with open(os.path.join(_repo_root(), "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("**torch dtypes.**"):]
+    section = section[:section.index("\n\n", section.index("| torch dtype |"))]
+    table: dict[str, str] = {}
+    for row in section.splitlines():
+        if not row.startswith("| `"):
+            continue
+        names, verdict = row.strip("|").split("|")[:2]
+        for name in names.replace("`", " ").split():
+            assert name not in table, f"{name} is in the README's dtype table twice"
+            table[name] = verdict.strip().split()[0].rstrip(":,")
+    return table
+
+
+def test_readme_dtype_table_names_every_dtype_of_this_torch():
+    """Every torch.dtype of the installed torch is in the README's table, as kept or refused, and
+    the table says what ckptlib does: a torch with a new dtype fails here until the table (and
+    ckptlib's dtype tables) say what happens to it."""
+    from ckptlib.types import TORCH_DTYPES as STORED
+
+    every = {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    table = _readme_dtype_table()
+    assert set(table) == every, f"not in the README: {sorted(every - set(table))}; not torch's: {sorted(set(table) - every)}"
+    assert {n for n, v in table.items() if v == "kept"} == set(STORED)
+    assert {n for n, v in table.items() if v == "refused"} == set(REFUSED_TORCH_DTYPES)
+    assert {_name(d) for d in TORCH_DTYPES} == set(STORED), "every stored dtype has its round-trip case"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_TORCH_DTYPES))
+def test_every_refused_dtype_is_refused_with_its_reason(tmp_path, name):
+    dtype = getattr(torch, name)
+    t = torch.quantize_per_tensor(torch.rand(2), 0.1, 0, dtype) if name in ("qint8", "qint32", "quint8") else \
+        torch.empty(2, dtype=dtype)
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        with pytest.raises(UnsupportedState) as err:
+            ck.save(1, {"t": t})
+        ck.save(2, {"dtype": dtype})  # the dtype itself is a name: stored
+        assert ck.restore(2)["dtype"] is dtype
+    assert "/t" in str(err.value) and (REFUSED_TORCH_DTYPES[name] in str(err.value) or "quantized" in str(err.value))
