@@ -91,14 +91,16 @@ class LeafSpec:
     def group(self) -> tuple[str, int, bool]:
         """Small leaves of one group share packed objects: the top-level key (so a partial restore
         of one key reads only its own objects), the element size (byte planes line up) and whether
-        the elements are floats (deltas treat them alike). A leaf that is itself a top-level value
-        (a flat ``state_dict()`` of names) groups by the key's first dotted component: the leaves
+        the elements are floats (deltas treat them alike). A leaf that is itself the value of a
+        dotted top-level key (a flat ``state_dict()`` of names) groups by the key's first dotted
+        component, numbered ones together (the layers of a top-level ``nn.Sequential``): the leaves
         of "layer1.0.conv1.weight", "layer1.0.bn1.bias", ... share packs, so a flat state is about
         ``bytes / chunk`` objects too, and a restore of one key still reads one pack."""
         parts = self.path.split("/", 2)
         top = parts[1] if len(parts) > 1 else ""
-        if len(parts) == 2:
-            top = top.split(".", 1)[0]
+        if len(parts) == 2 and "." in top:
+            head = top.split(".", 1)[0]
+            top = "." if head.isdigit() else f"{head}."
         return top, self.itemsize, self.is_float
 
     def logical_json(self) -> dict[str, Any]:
