@@ -68,10 +68,14 @@ def _run_template(tmp_path_factory) -> Path:
     return root
 
 
+def _copy_of(template: Path, tmp_path: Path, name: str) -> Path:
+    shutil.copytree(template, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
 @pytest.fixture
 def run(_run_template, tmp_path) -> Path:
-    shutil.copytree(_run_template, tmp_path / "run", symlinks=True)
-    return tmp_path / "run"
+    return _copy_of(_run_template, tmp_path, "run")
 
 
 PARTS = ("shard-0", "shard-1")
@@ -94,8 +98,7 @@ def _cut_template(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cut_run(_cut_template, tmp_path) -> Path:
-    shutil.copytree(_cut_template, tmp_path / "cut", symlinks=True)
-    return tmp_path / "cut"
+    return _copy_of(_cut_template, tmp_path, "cut")
 
 
 # ----------------------------------------------------------------------------- manifest surgery
@@ -430,17 +433,22 @@ FORGED_TREES = {
 }
 
 
+def assert_forgery_refused(run: Path, tmp_path: Path, edit, intact: dict) -> None:
+    """Step 1 with ``edit`` applied and its digests recomputed is refused by the decoder, naming where."""
+    doc = load(run, 1)
+    edit(doc, fragment_of(doc))
+    reseal(doc)
+    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
+    err = assert_refused(run, 1, tmp_path, intact=intact)
+    assert isinstance(err, CorruptCheckpoint), err
+    assert "skeleton" in str(err) and "at '/" in str(err), err
+
+
 @pytest.mark.parametrize("name", list(FORGED_TREES))
 def test_a_forged_tree_is_refused_naming_where(run, tmp_path, name):
     """The decoder builds only what save writes: restore, verify and export refuse with a
     CorruptCheckpoint that names the path, whatever the digests say."""
-    doc = load(run, 1)
-    FORGED_TREES[name](doc, fragment_of(doc))
-    reseal(doc)
-    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
-    err = assert_refused(run, 1, tmp_path, intact={2: state(2)})
-    assert isinstance(err, CorruptCheckpoint), err
-    assert "skeleton" in str(err) and "at '/" in str(err), err
+    assert_forgery_refused(run, tmp_path, FORGED_TREES[name], {2: state(2)})
 
 
 # --- forged views: a storage leaf is viewed only by __view__ nodes that fit inside it, and a
@@ -460,17 +468,14 @@ def views_state(step: int) -> dict:
 def _views_template(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile-views") / "run"
     with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
-        ck.save(1, views_state(1))
-        ck.save(2, views_state(2))
-    for lease in (root / "leases").glob("*"):
-        lease.unlink()
+        for step in (1, 2):
+            ck.save(step, views_state(step))
     return root
 
 
 @pytest.fixture
 def views_run(_views_template, tmp_path) -> Path:
-    shutil.copytree(_views_template, tmp_path / "run", symlinks=True)
-    return tmp_path / "run"
+    return _copy_of(_views_template, tmp_path, "run")
 
 
 def _index(frag: dict, path: str) -> int:
@@ -482,32 +487,32 @@ def _view(frag: dict, key: str) -> dict:
 
 
 def _set_view(key: str, **fields):
-    def edit(frag):
+    def edit(doc, frag):
         _view(frag, key).update(fields)
     return edit
 
 
-def _drop_view_field(frag):
+def _drop_view_field(doc, frag):
     del _view(frag, "rows")["stride"]
 
 
-def _view_of_a_tensor_leaf(frag):
+def _view_of_a_tensor_leaf(doc, frag):
     frag["skeleton"]["rows"] = {"__view__": {**_view(frag, "rows"), "storage": _index(frag, "/plain")}}
 
 
-def _leaf_of_a_storage(frag):
+def _leaf_of_a_storage(doc, frag):
     frag["skeleton"]["plain"] = {"__leaf__": _view(frag, "w")["storage"]}
 
 
-def _ref_of_a_storage(frag):
+def _ref_of_a_storage(doc, frag):
     frag["skeleton"]["plain"] = {"__ref__": _view(frag, "w")["storage"]}
 
 
-def _data_attribute_on_a_view(frag):
+def _data_attribute_on_a_view(doc, frag):
     frag["skeleton"]["rows"] = {"__attrs__": [frag["skeleton"]["rows"], {"data": frag["skeleton"]["plain"]}]}
 
 
-def _view_not_an_object(frag):
+def _view_not_an_object(doc, frag):
     frag["skeleton"]["rows"] = {"__view__": [0, 0]}
 
 
@@ -535,13 +540,7 @@ FORGED_VIEWS = {
 
 @pytest.mark.parametrize("name", list(FORGED_VIEWS))
 def test_a_forged_view_is_refused_naming_where(views_run, tmp_path, name):
-    doc = load(views_run, 1)
-    FORGED_VIEWS[name](fragment_of(doc))
-    reseal(doc)
-    store_doc(views_run, 1, doc)
-    err = assert_refused(views_run, 1, tmp_path, intact={2: views_state(2)})
-    assert isinstance(err, CorruptCheckpoint), err
-    assert "skeleton" in str(err) and "at '/" in str(err), err
+    assert_forgery_refused(views_run, tmp_path, FORGED_VIEWS[name], {2: views_state(2)})
 
 
 @pytest.mark.parametrize("field,value", [("shape", [40, 40]), ("param", True), ("requires_grad", True),

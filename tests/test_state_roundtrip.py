@@ -1130,6 +1130,11 @@ def test_restore_into_fills_destination_views_consistently(tmp_path):
         assert got[k] is separate[k] and not differences(saved[k].resolve_conj(), got[k].resolve_conj(),
                                                          exact_types=False), k
     assert not differences(saved["tied"][1], got["tied"][1], exact_types=False)
+    with Checkpointer(str(tmp_path), threads=2) as ck:  # a partial restore of views reads their storage
+        part = ck.restore(select=["rows", "z"])
+    assert list(part) == ["rows", "z"] and part["z"].is_conj()
+    assert part["rows"].untyped_storage().data_ptr() == part["z"].untyped_storage().data_ptr()
+    assert_same_state({"rows": saved["rows"], "z": saved["z"]}, part)
     bad = _views_of(torch.zeros(12, 10))
     bad["rows"], bad["flat"] = torch.zeros(3, 10), np.zeros(80, np.float32)
     with Checkpointer(str(tmp_path), threads=2) as ck, pytest.raises(ValueError) as err:
