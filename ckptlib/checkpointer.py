@@ -36,6 +36,7 @@ from .bases import Base, DeltaBases, base_of
 from .chunking import auto_chunk_bytes
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
 from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
+from .export import Exported
 from .gc import GcReport, collect_garbage
 from .leases import Lease
 from .manifest import Fragment, Manifest, loads_fragment
@@ -370,15 +371,19 @@ class Checkpointer:
             problems += inspect_part(frag, self.store, self._pool)[1]
         return problems
 
-    def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False) -> int:
-        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export);
-        returns its size. Refuses to overwrite ``path`` without ``force``."""
+    def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False,
+               convert: bool = False) -> Exported:
+        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export):
+        its size and the conversions made. A value the format cannot hold exactly is refused, or
+        with ``convert`` written as the nearest one it holds. Refuses to overwrite ``path`` without
+        ``force``."""
         from .export import format_of, write_export
 
         format_of(path)
         m = self.manifest(step)
         state = self.restore(m.step, part=part)
-        return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force)
+        return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force,
+                            convert=convert)
 
     def _read_manifest(self, step: int) -> Manifest:
         """The committed manifest of ``step``, as the store has it now."""
