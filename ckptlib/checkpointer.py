@@ -36,6 +36,7 @@ from .bases import Base, DeltaBases, base_of
 from .chunking import auto_chunk_bytes
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
 from .errors import CheckpointError, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
+from .export import Exported
 from .gc import GcReport, collect_garbage
 from .leases import Lease
 from .manifest import Fragment, Manifest
@@ -372,9 +373,11 @@ class Checkpointer:
         return problems
 
     def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False,
-               select: list[str] | None = None) -> int:
-        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export);
-        returns its size. Refuses to overwrite ``path`` without ``force``.
+               convert: bool = False, select: list[str] | None = None) -> Exported:
+        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export):
+        its size and the conversions made. A value the format cannot hold exactly is refused, or
+        with ``convert`` written as the nearest one it holds. Refuses to overwrite ``path`` without
+        ``force``.
 
         ``select``: only these '/'-paths (as ``restore(select=)`` takes them; in a multi-part
         checkpoint each starts with its part's name, e.g. ``coordinator/model``). With one path the
@@ -387,7 +390,7 @@ class Checkpointer:
         m = self.manifest(step)
         state = self.restore(m.step, part=part) if not select else self._selected(m, part, list(select))
         info = {"url": self.url, "step": m.step, "digest": m.digest, **({"select": list(select)} if select else {})}
-        return write_export(state, path, info=info, force=force)
+        return write_export(state, path, info=info, force=force, convert=convert)
 
     def _selected(self, m: Manifest, part: str | None, select: list[str]) -> Any:
         """The values at ``select`` of step ``m`` (see ``export``)."""

@@ -39,12 +39,14 @@ import types
 import typing
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
+from .errors import CorruptCheckpoint
+
 D = TypeVar("D", bound="Document")
 
 __all__ = ["Document", "DocumentError"]
 
 
-class DocumentError(ValueError):
+class DocumentError(CorruptCheckpoint, ValueError):
     """A JSON document is malformed: not JSON, a field missing, a value of the wrong type, another format."""
 
 

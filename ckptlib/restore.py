@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import codecs
-from .bind import bind_into
+from .bind import Alias, bind_into, fill_aliases
 from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound, ObjectTooLarge
 from .leaves import empty_leaf, finish_leaf, raw_view
 from .manifest import Blob, Fragment, Leaf
@@ -383,7 +383,7 @@ def restore_part(
             raise KeyError(f"step {fragment.step}, part '{fragment.part}': {e.args[0]}") from None
     wanted = sorted(i for i in leaf_indices(skeleton) if 0 <= i < len(specs))
     dests: dict[int, Any] = {}
-    aliases: list[tuple[int, int, Any]] = []
+    aliases: list[Alias] = []
     if into is not None:
         skeleton, dests, aliases, mismatches = bind_into(skeleton, specs, into)
         if mismatches:
@@ -395,13 +395,7 @@ def restore_part(
     leaves: list[Any] = [MISSING] * (len(specs) + len(aliases))
     for i, obj in objects.items():
         leaves[i] = obj if i in dests else finish_leaf(obj, specs[i], device)
-    for j, source, obj in aliases:
-        src = objects[source]
-        if fragment.leaves[source].spec.kind == "torch":
-            obj.detach().copy_(src.detach().to(obj.device))
-        else:
-            obj[...] = src
-        leaves[j] = obj
+    fill_aliases(aliases, objects, specs, leaves)
     return unflatten(skeleton, leaves, specs), kept
 
 

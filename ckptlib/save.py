@@ -40,7 +40,7 @@ from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
 from .store import Store
 from .throttle import RateLimiter
 from .tree import flatten
-from .types import LeafSpec
+from .types import TORCH_KINDS, LeafSpec
 
 __all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Snapshot", "WriteOptions",
            "encode_part", "take_snapshot"]
@@ -118,7 +118,7 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int],
     if callable(chunk_bytes):
         chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
     units = plan_units(specs, chunk_bytes)
-    on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
+    on_gpu = any(spec.kind in TORCH_KINDS and obj.is_cuda for spec, obj in leaves)
     spare = spare if spare is not None else {}
 
     def buffer(nbytes: int) -> np.ndarray:

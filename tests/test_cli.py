@@ -7,6 +7,7 @@ and no traceback.
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -275,14 +276,29 @@ def test_gc_rejects_a_bad_policy(store):
 
 # --- export --------------------------------------------------------------------------------------
 
+def test_export_refuses_what_the_format_would_change_naming_it(store, tmp_path):
+    """numpy arrays (an RNG state's), numpy scalars: weights_only gives them back as other types,
+    so an export without --convert refuses, naming the first, and writes nothing."""
+    out = tmp_path / "state.pt"
+    assert_clean_error(ckpt("export", store, "--out", str(out)), 2, "/rng/numpy/1", "numpy.ndarray", "--convert")
+    assert_clean_error(ckpt("export", store, "--out", str(tmp_path / "s.safetensors")), 2,
+                       "/optimizer/param_groups", "--convert")
+    assert os.listdir(tmp_path) == ["run"]
+
+
 def test_export_pt_loads_with_weights_only_and_equals_the_restore(store, tmp_path):
     out = tmp_path / "state.pt"
-    result = ckpt("export", store, "--out", str(out))
+    result = ckpt("export", store, "--out", str(out), "--convert")
     assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["converted /rng/numpy/1: numpy.ndarray -> torch.Tensor",
+                         "converted /np_scalar: numpy.float32 -> float", "converted /array: numpy.ndarray -> torch.Tensor"]
+    assert lines[-1].endswith(", 3 values converted"), lines
     loaded = torch.load(out, weights_only=True)
     with Checkpointer(store) as ck:
         restored = ck.restore()
-    assert first_difference(to_weights_only(restored), loaded) is None
+    expected, converted = to_weights_only(restored, convert=True)
+    assert len(converted) == 3 and first_difference(expected, loaded) is None
     assert loaded["rng"]["numpy"][1].dtype == torch.uint32  # numpy arrays became tensors
     assert isinstance(loaded["rng"]["python"], tuple) and loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert torch.equal(loaded["model"]["w"], make_state(3)["model"]["w"])
@@ -293,8 +309,10 @@ def test_export_safetensors_flattens_to_dotted_names(store, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "state.safetensors"
-    result = ckpt("export", store, "--step", "2", "--out", str(out))
+    result = ckpt("export", store, "--step", "2", "--out", str(out), "--convert")
     assert result.exit_code == 0, result.output
+    assert "converted /optimizer/param_groups: list -> its nearest JSON in the metadata" in result.stdout
+    assert "converted /note" not in result.stdout and "converted /data_position" not in result.stdout
     tensors = load_file(str(out))
     expected = make_state(2)
     assert torch.equal(tensors["model.w"], expected["model"]["w"])
@@ -428,7 +446,7 @@ def test_s3_store_with_storage_options(s3_url, tmp_path):
     assert f"digest: {digest}" in ckpt("show", s3_url.url, "--storage-options", options).stdout.splitlines()
     assert ckpt("verify", s3_url.url, "--storage-options", options).exit_code == 0
     out = tmp_path / "s3.pt"
-    assert ckpt("export", s3_url.url, "--storage-options", options, "--out", str(out)).exit_code == 0
+    assert ckpt("export", s3_url.url, "--storage-options", options, "--out", str(out), "--convert").exit_code == 0
     assert torch.load(out, weights_only=True)["data_position"] == 7
     wrong = json.dumps({**s3_url.storage_options, "secret": "wrong-secret"})
     assert_clean_error(ckpt("ls", s3_url.url, "--storage-options", wrong), 2, "credentials")

@@ -68,10 +68,14 @@ def _run_template(tmp_path_factory) -> Path:
     return root
 
 
+def _copy_of(template: Path, tmp_path: Path, name: str) -> Path:
+    shutil.copytree(template, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
 @pytest.fixture
 def run(_run_template, tmp_path) -> Path:
-    shutil.copytree(_run_template, tmp_path / "run", symlinks=True)
-    return tmp_path / "run"
+    return _copy_of(_run_template, tmp_path, "run")
 
 
 PARTS = ("shard-0", "shard-1")
@@ -94,8 +98,7 @@ def _cut_template(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cut_run(_cut_template, tmp_path) -> Path:
-    shutil.copytree(_cut_template, tmp_path / "cut", symlinks=True)
-    return tmp_path / "cut"
+    return _copy_of(_cut_template, tmp_path, "cut")
 
 
 # ----------------------------------------------------------------------------- manifest surgery
@@ -430,17 +433,127 @@ FORGED_TREES = {
 }
 
 
+def assert_forgery_refused(run: Path, tmp_path: Path, edit, intact: dict) -> None:
+    """Step 1 with ``edit`` applied and its digests recomputed is refused by the decoder, naming where."""
+    doc = load(run, 1)
+    edit(doc, fragment_of(doc))
+    reseal(doc)
+    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
+    err = assert_refused(run, 1, tmp_path, intact=intact)
+    assert isinstance(err, CorruptCheckpoint), err
+    assert "skeleton" in str(err) and "at '/" in str(err), err
+
+
 @pytest.mark.parametrize("name", list(FORGED_TREES))
 def test_a_forged_tree_is_refused_naming_where(run, tmp_path, name):
     """The decoder builds only what save writes: restore, verify and export refuse with a
     CorruptCheckpoint that names the path, whatever the digests say."""
-    doc = load(run, 1)
-    FORGED_TREES[name](doc, fragment_of(doc))
+    assert_forgery_refused(run, tmp_path, FORGED_TREES[name], {2: state(2)})
+
+
+# --- forged views: a storage leaf is viewed only by __view__ nodes that fit inside it, and a
+# __view__ views only a storage leaf (save writes nothing else)
+
+def views_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(40, 40, generator=g)  # 6400 bytes: a storage of two chunks
+    if step >= 2:
+        base[:3] += 1.0
+    z = torch.randn(8, dtype=torch.complex64, generator=g)
+    return {"w": base, "rows": base[5:9], "flat": base.view(-1)[100:300], "z": z.conj(),
+            "plain": torch.arange(5.0), "step": step}
+
+
+@pytest.fixture(scope="module")
+def _views_template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile-views") / "run"
+    with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
+        for step in (1, 2):
+            ck.save(step, views_state(step))
+    return root
+
+
+@pytest.fixture
+def views_run(_views_template, tmp_path) -> Path:
+    return _copy_of(_views_template, tmp_path, "run")
+
+
+def _index(frag: dict, path: str) -> int:
+    return next(i for i, x in enumerate(frag["leaves"]) if x["path"] == path)
+
+
+def _view(frag: dict, key: str) -> dict:
+    return frag["skeleton"][key]["__view__"]
+
+
+def _set_view(key: str, **fields):
+    def edit(doc, frag):
+        _view(frag, key).update(fields)
+    return edit
+
+
+def _drop_view_field(doc, frag):
+    del _view(frag, "rows")["stride"]
+
+
+def _view_of_a_tensor_leaf(doc, frag):
+    frag["skeleton"]["rows"] = {"__view__": {**_view(frag, "rows"), "storage": _index(frag, "/plain")}}
+
+
+def _leaf_of_a_storage(doc, frag):
+    frag["skeleton"]["plain"] = {"__leaf__": _view(frag, "w")["storage"]}
+
+
+def _ref_of_a_storage(doc, frag):
+    frag["skeleton"]["plain"] = {"__ref__": _view(frag, "w")["storage"]}
+
+
+def _data_attribute_on_a_view(doc, frag):
+    frag["skeleton"]["rows"] = {"__attrs__": [frag["skeleton"]["rows"], {"data": frag["skeleton"]["plain"]}]}
+
+
+def _view_not_an_object(doc, frag):
+    frag["skeleton"]["rows"] = {"__view__": [0, 0]}
+
+
+FORGED_VIEWS = {
+    "view-of-a-tensor-leaf": _view_of_a_tensor_leaf,
+    "view-of-a-leaf-out-of-range": _set_view("rows", storage=999),
+    "view-past-its-storage": _set_view("rows", offset=1600 - 3),
+    "view-stride-past-its-storage": _set_view("rows", stride=[10**6, 1]),
+    "view-negative-offset": _set_view("rows", offset=-1),
+    "view-float-offset": _set_view("rows", offset=1.0),
+    "view-unknown-field": _set_view("rows", data=1),
+    "view-missing-field": _drop_view_field,
+    "view-shape-and-stride-lengths-differ": _set_view("rows", stride=[1]),
+    "view-unknown-dtype": _set_view("rows", dtype="float128"),
+    "view-flag-not-a-bool": _set_view("z", conj=1),
+    "view-conj-bit-on-floats": _set_view("rows", conj=True),
+    "view-int-requires-grad": _set_view("rows", dtype="int32", requires_grad=True),
+    "view-of-2^62-bytes": _set_view("rows", shape=[2**40, 2**20], stride=[0, 0]),
+    "view-not-an-object": _view_not_an_object,
+    "leaf-of-a-storage": _leaf_of_a_storage,
+    "ref-of-a-storage": _ref_of_a_storage,
+    "data-attribute-on-a-view": _data_attribute_on_a_view,
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED_VIEWS))
+def test_a_forged_view_is_refused_naming_where(views_run, tmp_path, name):
+    assert_forgery_refused(views_run, tmp_path, FORGED_VIEWS[name], {2: views_state(2)})
+
+
+@pytest.mark.parametrize("field,value", [("shape", [40, 40]), ("param", True), ("requires_grad", True),
+                                         ("stride", [1]), ("dtype", "int4"), ("kind", "torch")])
+def test_a_forged_storage_leaf_is_refused(views_run, tmp_path, field, value):
+    """A storage leaf is one-dimensional bytes of a stored dtype, never a parameter; relabelled a
+    tensor, its views are views of a tensor leaf (save never writes those)."""
+    doc = load(views_run, 1)
+    frag = fragment_of(doc)
+    leaf(frag, "/w#storage")[field] = value
     reseal(doc)
-    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
-    err = assert_refused(run, 1, tmp_path, intact={2: state(2)})
-    assert isinstance(err, CorruptCheckpoint), err
-    assert "skeleton" in str(err) and "at '/" in str(err), err
+    store_doc(views_run, 1, doc)
+    assert isinstance(assert_refused(views_run, 1, tmp_path, intact={2: views_state(2)}), CorruptCheckpoint)
 
 
 EDITS = {

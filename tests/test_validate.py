@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor as ThreadPool
 
 import numpy as np
 import pytest
@@ -394,6 +395,43 @@ def test_single_part_checkpoints_get_the_generic_checks(tmp_path):
     assert validate_checkpoint(url, 2).summary["loss"] is not None
     # the run's checks add nothing to a single-part checkpoint (their columns are null: not judged)
     assert validate_run_checkpoint(url, 2).passed
+
+
+def test_views_of_a_storage_are_measured_and_the_storage_is_not(tmp_path):
+    """Tensors sharing a storage are stored as one storage leaf: its bytes (a NaN in a gap no view
+    covers, here) are not a tensor of the model and fail no check; each view is measured as the
+    tensor it is, and a NaN inside one is found naming the view."""
+    from ckptlib.validate.measure import measure
+
+    url = str(tmp_path / "views")
+    buffer = torch.zeros(64)
+    buffer[30] = float("nan")  # in no view
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    z = torch.randn(5, dtype=torch.complex64)
+
+    def state(step: int) -> dict:
+        with torch.no_grad():
+            w.add_(0.01)
+        return {"model": {"w": w, "w_rows": w.detach()[1:3], "conj": z.conj()},
+                "buffers": {"head": buffer[:20], "tail": buffer[40:]}, "step": step}
+
+    with Checkpointer(url) as ck:
+        for step in range(2):
+            ck.save(step, state(step))
+        for step in range(2):
+            v = validate_checkpoint(url, step)
+            assert v.passed, v.failures
+        with ThreadPool() as pool:
+            rows = {r["tensor"]: r for r in measure(ck.store, 1, Thresholds(), pool, []).tensor_rows}
+        assert rows["model/w#storage"]["role"] == "storage" and rows["model/w#storage"].get("nan_count") is None
+        assert rows["buffers/head#storage"]["intact"] and rows["buffers/head#storage"].get("nan_count") is None
+        assert rows["model/w_rows"]["role"] == "param" and rows["model/w_rows"]["shape"] == "2x4"
+        assert rows["model/w_rows"]["rel_change"] is not None and rows["model/conj"]["nan_count"] == 0
+        assert rows["buffers/tail"]["nan_count"] == 0 and rows["model/w"]["spec_ok"]
+        buffer[45] = float("nan")  # inside /buffers/tail
+        ck.save(2, state(2))
+    v = validate_checkpoint(url, 2)
+    assert v.failed == ("no_nan",) and _where(v, "no_nan") == ["part 'state', tensor 'buffers/tail' (nan_count=1)"]
 
 
 # --- Prefect, CLI, S3 ----------------------------------------------------------------------------
