@@ -35,11 +35,11 @@ from . import commit
 from .bases import Base, DeltaBases, base_of
 from .chunking import auto_chunk_bytes
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
+from .errors import CheckpointError, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
 from .export import Exported
 from .gc import GcReport, collect_garbage
 from .leases import Lease
-from .manifest import Fragment, Manifest, loads_fragment
+from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_snapshot
@@ -288,13 +288,14 @@ class Checkpointer:
         return commit.committed_steps(self.store)
 
     def latest_step(self, *, healthy: bool = False) -> int | None:
-        """The newest committed step (``healthy``: the newest whose validation passed), or None.
-        One listing of the manifests; ``healthy`` then reads verdicts from the newest step back
-        until one passed (not every step's, as ``healthy_steps`` does)."""
+        """The newest committed step (``healthy``: the newest whose validation passed and whose
+        manifest reads: what a resume restores), or None. One listing of the manifests; ``healthy``
+        then reads verdicts from the newest step back until one passed (not every step's, as
+        ``healthy_steps`` does), and that step's manifest: a damaged one is skipped with a warning."""
         steps = self.steps()
         if not healthy:
             return steps[-1] if steps else None
-        return next((step for step in reversed(steps) if self._healthy(step)), None)
+        return next((step for step in reversed(steps) if self._healthy(step) and self._readable(step)), None)
 
     def manifest(self, step: int | None = None) -> Manifest:
         return self._read_manifest(self._resolve(step, healthy=False))
@@ -372,18 +373,40 @@ class Checkpointer:
         return problems
 
     def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False,
-               convert: bool = False) -> Exported:
+               convert: bool = False, select: list[str] | None = None) -> Exported:
         """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export):
         its size and the conversions made. A value the format cannot hold exactly is refused, or
         with ``convert`` written as the nearest one it holds. Refuses to overwrite ``path`` without
-        ``force``."""
+        ``force``.
+
+        ``select``: only these '/'-paths (as ``restore(select=)`` takes them; in a multi-part
+        checkpoint each starts with its part's name, e.g. ``coordinator/model``). With one path the
+        file holds that value itself, its names relative to it: ``["coordinator/model"]`` gives a
+        model's own ``state_dict`` names (``fc.weight``), what ``load_state_dict`` takes. With several,
+        names keep their whole path (``coordinator.model.fc.weight``). KeyError names a missing path."""
         from .export import format_of, write_export
 
         format_of(path)
         m = self.manifest(step)
-        state = self.restore(m.step, part=part)
-        return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force,
-                            convert=convert)
+        state = self.restore(m.step, part=part) if not select else self._selected(m, part, list(select))
+        info = {"url": self.url, "step": m.step, "digest": m.digest, **({"select": list(select)} if select else {})}
+        return write_export(state, path, info=info, force=force, convert=convert)
+
+    def _selected(self, m: Manifest, part: str | None, select: list[str]) -> Any:
+        """The values at ``select`` of step ``m`` (see ``export``)."""
+        if part is not None or m.single:
+            state = self.restore(m.step, part=part, select=select)
+        else:
+            by_part: dict[str, list[str]] = {}
+            for path in select:
+                name, _, rest = path.strip("/").partition("/")
+                if name not in m.parts:
+                    raise KeyError(f"'{path}' names no part of step {m.step}: its parts are {sorted(m.parts)}, and a "
+                                   "path of a multi-part checkpoint starts with its part (e.g. 'coordinator/model')")
+                by_part.setdefault(name, []).append(rest)
+            state = {name: self.restore(m.step, part=name, select=None if "" in rest else rest)
+                     for name, rest in by_part.items()}
+        return _value_at(state, select[0]) if len(select) == 1 else state
 
     def _read_manifest(self, step: int) -> Manifest:
         """The committed manifest of ``step``, as the store has it now."""
@@ -417,10 +440,10 @@ class Checkpointer:
         """The validation verdict of ``step``; None if there is none or it is not a valid verdict
         document (then the step counts as not validated, and a warning names the object)."""
         try:
-            doc = json.loads(self.store.get(commit.validation_key(step)))
+            doc = json.loads(self.store.get(commit.validation_key(step), max_bytes=commit.VERDICT_MAX_BYTES))
         except ObjectNotFound:
             return None
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, CorruptCheckpoint):  # not JSON, or larger than any verdict
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("passed"), bool):
             log.warning("%s/%s is not a valid verdict: step %d counts as not validated", self.url,
@@ -431,6 +454,17 @@ class Checkpointer:
     def healthy_steps(self) -> list[int]:
         """Committed steps whose validation passed, ascending. Failed ones are skipped (logged)."""
         return [step for step in self.steps() if self._healthy(step)]
+
+    def _readable(self, step: int) -> bool:
+        """Whether ``step``'s manifest reads; a damaged one is logged: it is being skipped."""
+        try:
+            self._read_manifest(step)
+        except NoCheckpoint:
+            return False  # dropped since the listing
+        except (CorruptCheckpoint, FormatVersionError) as e:
+            log.warning("skipping checkpoint step %d: %s", step, e)
+            return False
+        return True
 
     def _healthy(self, step: int) -> bool:
         """Whether ``step``'s validation passed. A failed one is logged: it is being skipped."""
@@ -477,11 +511,10 @@ class Checkpointer:
         frag = fragment
         if frag is None:
             try:
-                data = self.store.get(key)
+                frag, _ = commit.read_fragment(self.store, key)
             except ObjectNotFound:
                 raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                    f"written step {step} yet") from None
-            frag = loads_fragment(data, f"{self.url}/{key}")
         if (frag.step, frag.part, frag.generation) != (step, part, gen):
             raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
                                     f"{frag.generation}")
@@ -559,6 +592,17 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _value_at(state: Any, path: str) -> Any:
+    """The value at '/'-path ``path`` of a (pruned) restored state: keys named as ``tree.key_name``
+    names them, a str key before an int's digits (as ``restore(select=)`` chose them)."""
+    from .tree import key_name
+
+    for name in (p for p in path.split("/") if p):
+        keys = [k for k in state if key_name(k) == name]
+        state = state[next((k for k in keys if isinstance(k, str)), keys[0])]
+    return state
 
 
 def _pinned(snap: Snapshot) -> bool:

@@ -28,8 +28,20 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
+from .errors import (
+    CommitConflict,
+    CorruptCheckpoint,
+    DamagedStep,
+    FencedError,
+    FormatVersionError,
+    NoCheckpoint,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StoreError,
+)
 from .manifest import (
+    MAX_FRAGMENT_BYTES,
+    MAX_MANIFEST_BYTES,
     Fragment,
     Manifest,
     PartRef,
@@ -47,6 +59,11 @@ _MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
 
 
 STORE_MARKER = "ckptlib.json"  # written by the first save: what tells a store from any other folder
+
+# Caps of the small documents of a run (docs/format.md, "Caps"); manifests and fragments have theirs
+# in ckptlib.manifest. A verdict lists every integrity problem of its step (one line each).
+VERDICT_MAX_BYTES = 16 << 20
+FENCE_MAX_BYTES = 1 << 20
 
 
 def ensure_marker(store: Store) -> None:
@@ -92,32 +109,57 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
+def damaged_step(store: Store, step: int, error: BaseException | str) -> DamagedStep:
+    """The one error of a committed step that cannot be read: what is wrong and what to do."""
+    reason = error.reason if isinstance(error, DamagedStep) else " ".join(str(error).split())
+    return DamagedStep(
+        f"step {step} of {store.url} is damaged: {reason}. Restore another step (`ckpt ls {store.url}` marks the "
+        f"damaged ones; a resume takes the newest healthy one), or move this one aside: "
+        f"`ckpt quarantine {store.url} --step {step}`", step, reason)
+
+
 def read_manifest(store: Store, step: int) -> Manifest:
+    """The committed manifest of ``step``: NoCheckpoint when it is not committed, CorruptCheckpoint
+    (``damaged_step``) when its manifest cannot be read."""
     key = manifest_key(step)
     try:
-        data = store.get(key)
+        data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+        m = loads_manifest(data, f"{store.url}/{key}")
     except ObjectNotFound:
         raise NoCheckpoint(f"step {step} is not committed in {store.url} (no {key}); `ckpt ls {store.url}` lists the committed steps") from None
-    m = loads_manifest(data, f"{store.url}/{key}")
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, step, e) from None
+    except FormatVersionError as e:
+        raise FormatVersionError(f"step {step} of {store.url}: {e}") from None
     if m.step != step:
-        raise CorruptCheckpoint(f"{store.url}/{key} describes step {m.step}, not {step}")
+        raise damaged_step(store, step, f"{store.url}/{key} describes step {m.step}")
     return m
 
 
 def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
     """The fragment of part ``name`` of a committed manifest: embedded, or read from its object and
-    checked against the manifest (its bytes' checksum, step, part, generation and digest)."""
+    checked against the manifest (its bytes' checksum, step, part, generation and digest);
+    CorruptCheckpoint (``damaged_step``) when it cannot be."""
     ref = manifest.parts.get(name)
     if ref is None:
         raise NoCheckpoint(f"step {manifest.step} has no part '{name}'; it has {sorted(manifest.parts)}")
     if ref.fragment is not None:
         return ref.fragment
-    where = f"{store.url}/{ref.key}"
     try:
-        data = store.get(ref.key)  # type: ignore[arg-type]
+        return _read_part(store, manifest, name, ref)
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, manifest.step, e) from None
+
+
+def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> Fragment:
+    where = f"{store.url}/{ref.key}"
+    try:  # the size the manifest recorded (older manifests: what any fragment may hold)
+        data = store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES if ref.size is None else ref.size)  # type: ignore[arg-type]
     except ObjectNotFound:
         raise CorruptCheckpoint(f"{where}, part '{name}' of committed step {manifest.step}, is missing from the "
-                                "store (deleted?); restore another step") from None
+                                "store (deleted?)") from None
+    except ObjectTooLarge as e:
+        raise CorruptCheckpoint(f"part '{name}' of committed step {manifest.step}: {e}") from None
     if document_checksum(data) != ref.checksum:
         raise CorruptCheckpoint(f"{where} does not match the checksum committed for part '{name}' of step "
                                 f"{manifest.step}: it was replaced or damaged")
@@ -214,10 +256,10 @@ def fence(store: Store, part: str, generation: int, reason: str = "", by: str = 
 def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | None:
     """The fence document of ``part``'s generation ``generation`` (None if absent or not JSON)."""
     try:
-        doc = json.loads(store.get(fence_key(part, generation)))
+        doc = json.loads(store.get(fence_key(part, generation), max_bytes=FENCE_MAX_BYTES))
     except ObjectNotFound:
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, ObjectTooLarge):
         return {"part": part, "generation": generation}
     return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 
@@ -238,8 +280,7 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
     data = dumps(fragment)
     if store.put_if_absent(key, data):
         return document_checksum(data)
-    stored = store.get(key)
-    existing = loads_fragment(stored, f"{store.url}/{key}")
+    existing, stored = read_fragment(store, key)
     if existing.digest != fragment.digest:
         raise CommitConflict(
             f"{store.url}/{key} already holds a different state (digest {existing.digest} != "
@@ -247,6 +288,13 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
             "or two attempts share a generation; fence the part to start a new generation."
         )
     return document_checksum(stored)
+
+
+def read_fragment(store: Store, key: str) -> tuple[Fragment, bytes]:
+    """The fragment stored under ``key`` (read with the fragment cap, checked as it is parsed) and
+    its bytes; ObjectNotFound when there is none, CorruptCheckpoint when it is not a fragment."""
+    data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
+    return loads_fragment(data, f"{store.url}/{key}"), data
 
 
 def gather(store: Store, step: int, parts: list[str], *, timeout: float,
@@ -266,13 +314,12 @@ def gather(store: Store, step: int, parts: list[str], *, timeout: float,
             gen = live.get(part, 0)
             if part in found and found[part][0].generation == gen:
                 continue
-            key = fragment_key(step, part, gen)
             try:
-                data = store.get(key)
+                frag, data = read_fragment(store, fragment_key(step, part, gen))
             except ObjectNotFound:
                 found.pop(part, None)
                 continue
-            found[part] = (loads_fragment(data, f"{store.url}/{key}"), document_checksum(data))
+            found[part] = (frag, document_checksum(data))
         if len(found) == len(parts):
             live = live_generations(store)  # fenced while we read? then look again
             if all(found[p][0].generation == live.get(p, 0) for p in parts):

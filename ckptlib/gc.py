@@ -7,8 +7,9 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
    time); read the live leases, THEN list the committed steps. Steps a lease names (a save's delta
    base, a step being read) and the newest committed step are kept whatever the policy says.
 1. Plan without deleting anything: read every committed manifest (a damaged one aborts the GC
-   before any delete) and mark every object any of them needs, delta chains included, and every
-   object a pending fragment (of a step after the newest commit) needs.
+   before any delete, naming ``ckpt quarantine``) and mark every object any of them needs, delta
+   chains included, every object a pending fragment (of a step after the newest commit) needs, and
+   every object a quarantined step names (``ckptlib.quarantine``).
 2. Sweep garbage: unmarked objects under ``chunks/`` and ``fragments/`` older than ``grace_s``,
    temp files of killed writes, expired leases. Only while no save holds a lease (a save that
    re-uses an unreferenced object would otherwise lose it); the leases are read again before each
@@ -33,11 +34,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, is_store, load_part, manifest_key, read_manifest, validation_key
+from .commit import committed_steps, is_store, load_part, manifest_key, read_fragment, read_manifest, validation_key
 from .concurrency import map_ahead
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
-from .manifest import loads_fragment
+from .quarantine import quarantined_objects
 from .retention import RetentionPolicy
 from .store import Store
 from .store.base import is_clean_key
@@ -142,7 +143,7 @@ class _Marks:
                     raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
                                           "nothing was deleted: run it again")
         marks = cls(kept, dropped - kept, set(steps))
-        marks.kept |= _pending_fragment_marks(store, marks.newest)
+        marks.kept |= _pending_fragment_marks(store, marks.newest) | quarantined_objects(store)
         return marks
 
     def catch_up(self, store: Store) -> list[int]:
@@ -286,8 +287,10 @@ def _needed(store: Store, step: int) -> set[str]:
             keys.update(b.key for b in load_part(store, m, name).blobs.values())
         return keys
     except CorruptCheckpoint as e:
-        raise CheckpointError(f"garbage collection stopped before deleting anything: committed step {step} cannot "
-                              f"be read ({e}). Repair or remove that manifest first.") from None
+        raise CheckpointError(
+            f"garbage collection stopped before deleting anything (it must know what every committed step needs): "
+            f"{e}; then run GC again (a quarantine deletes nothing, and GC keeps what a quarantined step names)"
+        ) from None
 
 
 def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
@@ -301,7 +304,7 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
                 continue  # not a fragment (the sweep reports it)
             keys.add(info.key)
             try:
-                frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")
+                frag, _ = read_fragment(store, info.key)
             except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
                 continue  # unreadable: it can never be committed; its chunks are not protected by it
             keys.update(b.key for b in frag.blobs.values())

@@ -10,7 +10,9 @@ Called by ``Checkpointer`` (restore, verify) and validation. Contract:
   manifest are caught, not returned). A missing, truncated or altered object raises
   ``CorruptCheckpoint`` naming the step, part, tensor, chunk and object key.
 * Declared sizes are checked before anything is allocated: a manifest cannot make a restore
-  allocate more than its leaves' (checked) sizes, nor more than this machine's memory.
+  allocate more than its leaves' (checked) sizes and the chunks that serve them (``restore_bytes``;
+  the fragment's parse checked every chunk against its leaves and every pack against the chunk
+  size), nor more than this machine's memory; no object is read past the size the manifest records.
 * Nothing is ever written to the store.
 """
 
@@ -29,7 +31,7 @@ import numpy as np
 
 from . import codecs
 from .bind import Alias, bind_into, fill_aliases
-from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound
+from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound, ObjectTooLarge
 from .leaves import empty_leaf, finish_leaf, raw_view
 from .manifest import Blob, Fragment, Leaf
 from .store import Store
@@ -59,6 +61,21 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def restore_bytes(fragment: Fragment, wanted: list[int], dests: Mapping[int, Any], tops: Mapping[str, list],
+                  shared: set[str], keep: bool) -> int:
+    """The most memory a restore of leaves ``wanted`` allocates, from the sizes the fragment declares
+    (checked against memory before anything is allocated): the leaves it builds, a buffer per chunk
+    not decoded in place (packs, chunks several leaves share), the chunks several chains share
+    (kept while it runs), every chunk once more with ``keep``, and a chunk's worth per decoding core."""
+    blobs = fragment.blobs
+    leaves = sum(fragment.leaves[i].spec.nbytes for i in wanted if i not in dests)
+    buffered = sum(blobs[d].nbytes for d, places in tops.items()
+                   if len(places) > 1 or places[0][2] != 0 or places[0][3] != blobs[d].nbytes)
+    largest = max((blobs[d].nbytes for d in tops), default=0)
+    return (leaves + buffered + sum(blobs[d].nbytes for d in shared if d in blobs)
+            + (sum(blobs[d].nbytes for d in tops) if keep else 0) + min(len(tops), os.cpu_count() or 2) * largest)
 
 
 def check_fits(nbytes: int, what: str) -> None:
@@ -106,10 +123,12 @@ class _ChainDecoder:
         return blob
 
     def _payload(self, blob: Blob) -> np.ndarray:
-        try:
-            payload = np.frombuffer(self.store.get(blob.key), dtype=np.uint8)
+        try:  # never more than the manifest says: an object replaced by a huge one is refused unread
+            payload = np.frombuffer(self.store.get(blob.key, max_bytes=blob.size), dtype=np.uint8)
         except ObjectNotFound:
             raise Damaged(blob.key, "is missing from the store (deleted, or never uploaded)") from None
+        except ObjectTooLarge as e:
+            raise Damaged(blob.key, f"has {e.size or 'more'} bytes, the manifest says {blob.size} (replaced?)") from None
         if payload.nbytes != blob.size:
             raise Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
         return payload
@@ -267,8 +286,6 @@ def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list
     ``known``: raw chunks the caller already holds, by checksum (a chain stops there)."""
     dests = dests or {}
     leaves = fragment.leaves
-    check_fits(sum(leaves[i].spec.nbytes for i in wanted if i not in dests), f"step {fragment.step}, part '{fragment.part}'")
-    targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
     # chunk checksum -> [(leaf, start in leaf, start in chunk, length)]
     placements: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     index_of: dict[tuple[int, str], int] = {}
@@ -277,6 +294,9 @@ def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list
             placements[digest].append((i, start, at, length))
             index_of[(i, digest)] = n
     decoder = _ChainDecoder(fragment, store, list(placements), known)
+    check_fits(restore_bytes(fragment, wanted, dests, placements, decoder._shared, keep),
+               f"step {fragment.step}, part '{fragment.part}'")
+    targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
     kept: dict[str, np.ndarray] | None = {} if keep else None
     kept_lock = threading.Lock()
     problems: list[Problem] = []

@@ -505,6 +505,35 @@ def test_cli_validate_and_report(run):
     assert f"{ROUNDS + 1}/index.html" in index
 
 
+def test_report_lists_a_damaged_step_and_goes_on(run):
+    """Two committed steps nobody validated, one whose manifest is not JSON, one whose fragment is
+    garbage: `ckpt report` lists every step, the damaged ones as damaged with the reason (in its
+    table and in reports/index.html), and the others as they are (before: one bad step broke it)."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    commit_variant(str(run), ROUNDS + 1)
+    commit_variant(str(run), ROUNDS + 2)
+    (run / "manifests" / f"{ROUNDS + 1}.json").write_bytes(b"{truncated")
+    (run / "fragments" / str(ROUNDS + 2) / "shard-1.g0.json").write_bytes(b"garbage")
+    rep = CliRunner().invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0 and "Traceback" not in rep.output, rep.output
+    rows = {}
+    for line in rep.stdout.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[1].isdigit():
+            rows[int(cells[1])] = cells
+    assert sorted(rows) == list(range(ROUNDS + 3)), rep.stdout
+    assert all(rows[s][2] == "passed" for s in range(ROUNDS + 1)), rep.stdout
+    assert rows[ROUNDS + 1][2] == "damaged" and rows[ROUNDS + 2][2] == "damaged", rep.stdout
+    assert f"damaged: step {ROUNDS + 1}: " in rep.stdout and "not a valid manifest" in rep.stdout
+    assert f"damaged: step {ROUNDS + 2}: " in rep.stdout and "shard-1" in rep.stdout
+    index = (run / "reports" / "index.html").read_text()
+    assert "2 damaged" in index and "not a valid manifest" in index and "shard-1.g0.json" in index
+    assert index.count("<td class='pass'>passed</td>") == ROUNDS + 1
+
+
 def test_validation_on_s3(s3_url):
     url, opts = s3_url
     make_run(url, opts, rounds=1)

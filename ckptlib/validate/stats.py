@@ -239,19 +239,25 @@ def loss_of(state: Any, frag: Fragment) -> tuple[float | None, float | None]:
     return loss, ev
 
 
-def manifest_loss(store: Store, m: Manifest) -> tuple[float | None, float | None]:
+def manifest_loss(store: Store, m: Manifest, *, strict: bool = False) -> tuple[float | None, float | None]:
     """The loss of a checkpoint without reading a chunk: the manifest's ``meta``, else the mean of
-    what its parts record (``loss_of``; one read per part whose fragment is not embedded)."""
+    what its parts record (``loss_of``; one read per part whose fragment is not embedded). A part
+    that cannot be read (or whose skeleton is not one save writes) records no loss; ``strict``: it
+    raises (CorruptCheckpoint)."""
     loss, ev = scalar(m.meta.get("loss")), scalar(m.meta.get("eval_loss"))
-    if loss is not None:
+    if loss is not None and not strict:
         return loss, ev
     found = []
     for name in m.parts:
         try:
             frag = commit.load_part(store, m, name)
+            found.append(loss_of(skeleton_state(frag), frag))
         except CheckpointError:
-            continue  # a damaged part records no loss; integrity checks report it
-        found.append(loss_of(skeleton_state(frag), frag))
+            if strict:
+                raise
+            continue  # integrity checks report it
+    if loss is not None:
+        return loss, ev
     losses = [x for x, _ in found if x is not None]
     evals = [e for _, e in found if e is not None]
     if ev is None and evals:
