@@ -35,12 +35,15 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from .errors import CorruptCheckpoint, FormatVersionError
 from .types import MAX_LEAF_BYTES, LeafSpec
+
+if TYPE_CHECKING:
+    from .distributed.documents import AnyFragment, GroupFragment
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -228,12 +231,12 @@ class PartRef:
     stored_bytes: int
     stats: dict[str, int]
     config_hash: str | None = None
-    fragment: Fragment | None = None  # embedded (single-writer manifests, and every format 1 one)
+    fragment: Fragment | GroupFragment | None = None  # embedded (single-writer manifests, and every format 1 one)
     key: str | None = None
     checksum: str | None = None
 
     @classmethod
-    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> PartRef:
+    def of(cls, name: str, frag: AnyFragment, *, embed: bool, checksum: str | None = None) -> PartRef:
         return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
                    dict(frag.stats), frag.config_hash, frag if embed else None,
                    None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum)
@@ -250,7 +253,9 @@ class PartRef:
 
     @classmethod
     def from_json(cls, name: str, d: dict[str, Any]) -> PartRef:
-        frag = Fragment.from_json(d["fragment"]) if "fragment" in d else None
+        from .distributed.documents import parse_any_fragment  # a group's part (docs/format.md, "Group fragments")
+
+        frag = parse_any_fragment(d["fragment"]) if "fragment" in d else None
         key = checksum = None
         if frag is None:
             key, checksum = d["key"], _checksum(d["checksum"], "fragment checksum")
@@ -372,7 +377,7 @@ def combined_digest(part_digests: dict[str, str], single: bool) -> str:
     return h.hexdigest()
 
 
-def dumps(doc: Fragment | Manifest) -> bytes:
+def dumps(doc: AnyFragment | Manifest) -> bytes:
     # key order is part of a state; NaN cannot appear (non-finite floats are tagged in the skeleton)
     return json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
 

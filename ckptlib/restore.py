@@ -399,3 +399,64 @@ def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list
         except CorruptCheckpoint as e:
             problems.append(Problem(fragment.step, fragment.part, "/", None, None, str(e)))
     return leaves, problems
+
+
+# --- byte ranges of leaves (a rank's shard of a saved piece: ckptlib.distributed) -------------------
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes ``start``..``stop`` of leaf ``leaf`` of a fragment, to be written into ``out`` (uint8,
+    ``stop - start`` bytes)."""
+
+    leaf: int
+    start: int
+    stop: int
+    out: np.ndarray
+
+
+def decode_ranges(fragment: Fragment, store: Store, pool: Executor, ranges: list[ByteRange], *,
+                  known: Mapping[str, np.ndarray] | None = None) -> list[Problem]:
+    """Fill each range's ``out`` with those bytes of its leaf, reading only the chunks that cover
+    them: a chunk inside a range is decoded in place, one at a range's edge is decoded whole and the
+    part needed copied (rows of a dim-0 shard are contiguous: the chunks of those rows only). A chunk
+    several ranges need is fetched and decoded once. Every chunk is checked against its raw checksum,
+    and a range that is its whole leaf against the leaf's digest; problems are returned, not raised."""
+    leaves = fragment.leaves
+    # chunk checksum -> [(range, start in chunk, length, start in out)]
+    placements: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, rng in enumerate(ranges):
+        if rng.out.nbytes != rng.stop - rng.start or not 0 <= rng.start <= rng.stop <= leaves[rng.leaf].spec.nbytes:
+            raise ValueError(f"byte range {rng.start}..{rng.stop} of '{leaves[rng.leaf].spec.path}' is not in the leaf "
+                             f"or does not fit its buffer of {rng.out.nbytes} bytes")
+        for digest, leaf_start, at, length in leaves[rng.leaf].segments():
+            lo, hi = max(rng.start, leaf_start), min(rng.stop, leaf_start + length)
+            if lo < hi:
+                placements[digest].append((r, at + lo - leaf_start, hi - lo, lo - rng.start))
+    decoder = _ChainDecoder(fragment, store, list(placements), known)
+
+    def fill(digest: str) -> list[Problem]:
+        places = placements[digest]
+        blob = fragment.blobs[digest]
+        r0, at0, length0, pos0 = places[0]
+        in_place = len(places) == 1 and at0 == 0 and length0 == blob.nbytes
+        buf = ranges[r0].out[pos0:pos0 + length0] if in_place else np.empty(blob.nbytes, dtype=np.uint8)
+        try:
+            decoder.fill(digest, buf)
+        except CorruptCheckpoint as e:
+            key = e.key if isinstance(e, Damaged) else None
+            return [Problem(fragment.step, fragment.part, leaves[ranges[r].leaf].spec.path, None, key or blob.key,
+                            e.reason if isinstance(e, Damaged) else str(e)) for r, *_ in places]
+        if not in_place:
+            for r, at, length, pos in places:
+                ranges[r].out[pos:pos + length] = buf[at:at + length]
+        return []
+
+    problems = [p for found in pool.map(fill, list(placements)) for p in found]
+    bad = {p.tensor for p in problems}
+    for rng in ranges:
+        leaf = leaves[rng.leaf]
+        whole = rng.start == 0 and rng.stop == leaf.spec.nbytes
+        if whole and leaf.spec.path not in bad and codecs.checksum(rng.out) != leaf.digest:
+            problems.append(Problem(fragment.step, fragment.part, leaf.spec.path, None, None,
+                                    "tensor digest does not match the manifest (chunks reordered, swapped or relabelled)"))
+    return problems
