@@ -14,10 +14,10 @@ and by every reader after it read the rank fragments):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ..manifest import Fragment
+from ..manifest import Fragment, part_digest
 from ..tree import leaf_indices, prune
 from . import pieces as geometry
 from .documents import GroupFragment, LocalLeaf, RankFragment, RankLayout, rank_digest
@@ -188,3 +188,31 @@ class Group:
             if why:
                 out.append(f"'{path}' {list(leaf.spec.shape)}: {why} (were all of its ranks in the group?)")
         return out
+
+
+def local_view(group: Group, rank: int) -> Fragment:
+    """Saved rank ``rank``'s state as a plain fragment (in memory): its skeleton, and each leaf with
+    its local shape and the chunks of whichever rank stored it. What reads a part leaf by leaf
+    (validation) reads of a group's part: each rank's state as it held it, its shards as plain tensors."""
+    layout = group.layout(rank)
+    skeleton = group.skeleton(rank)
+    leaves = []
+    blobs: dict[str, Any] = {}
+    for i, leaf in enumerate(layout.leaves):
+        w = group.where(rank, i)
+        frag = group.fragments[w.rank]
+        stored = frag.leaves[w.index]
+        shape = leaf.local_shape
+        spec = replace(leaf.spec, shape=shape, nbytes=stored.spec.nbytes)
+        leaves.append(replace(stored, spec=spec))
+        for digest, *_ in stored.segments():
+            d: str | None = digest
+            while d is not None and d not in blobs:
+                blobs[d] = frag.blobs[d]
+                d = blobs[d].base
+    first = group.fragments[0]
+    g = group.group
+    return Fragment(first.step, first.part, first.generation, g.config_hash if g else first.config_hash, skeleton,
+                    tuple(leaves), blobs, part_digest(skeleton, leaves), sum(leaf.spec.nbytes for leaf in leaves),
+                    group.fragments[rank].bytes_written, dict(group.fragments[rank].stats),
+                    dict(g.meta if g else first.meta), chunk_bytes=first.chunk_bytes)

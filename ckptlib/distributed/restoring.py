@@ -28,20 +28,21 @@ import numpy as np
 
 from ..bases import Base, base_of
 from ..bind import bind_into
+from ..commit import load_any_part
 from ..errors import CheckpointError, CorruptCheckpoint
 from ..leaves import empty_leaf, finish_leaf
-from ..manifest import Fragment
+from ..manifest import Fragment, Manifest
 from ..restore import ByteRange, Problem, decode_leaves, decode_ranges, inspect_part
 from ..store import Store
 from ..tree import MISSING, leaf_indices, prune, unflatten
 from ..types import LeafSpec
 from . import pieces as geometry
 from .documents import AnyFragment, GroupFragment, RankFragment
-from .group import Group
+from .group import Group, local_view
 from .local import ShardInfo, region
 from .saving import read_rank_fragments
 
-__all__ = ["RankState", "check_restore", "load_group", "rank_base", "read_rank_state", "restore_group", "source_rank", "verify_group"]
+__all__ = ["RankState", "check_restore", "load_group", "part_views", "rank_base", "read_rank_state", "restore_group", "source_rank", "verify_group"]
 
 
 @dataclass(frozen=True)
@@ -296,3 +297,13 @@ def rank_base(frag: AnyFragment, store: Store, pool: Executor, rank: int, chunk_
     else:
         return None
     return base_of(mine, chunk_bytes, dict(raw or {}))
+
+
+def part_views(store: Store, pool: Executor, manifest: Manifest, name: str) -> dict[str, Fragment]:
+    """Part ``name`` of a committed manifest as plain fragments: the part's own, or, for a group's
+    part, each rank's state as it held it (``<name>/r<rank>``, ``group.local_view``)."""
+    frag = load_any_part(store, manifest, name)
+    if not isinstance(frag, GroupFragment):
+        return {name: frag}
+    group = load_group(store, pool, frag)
+    return {f"{name}/r{r}": local_view(group, r) for r in range(group.world)}
