@@ -685,14 +685,17 @@ class Checkpointer:
 
         coll = self._collective
         assert coll is not None
-        chosen = None
-        if coll.leader:
-            try:
-                chosen = Outcome(self._resolve(step, healthy=healthy))
-            except Exception as e:  # noqa: BLE001 - delivered to every rank
-                chosen = Outcome(error=RemoteError.of(coll.rank, e))
-        resolved = coll.broadcast(chosen, "choosing the step to restore").result()
-        lease = Lease(self.store, "read", resolved).try_acquire() if resolved != self.latest_step() else None
+        if step is None:  # the latest (healthy) step: the leader's choice, so that every rank restores the same
+            chosen = None
+            if coll.leader:
+                try:
+                    chosen = Outcome(self._resolve(None, healthy=healthy))
+                except Exception as e:  # noqa: BLE001 - delivered to every rank
+                    chosen = Outcome(error=RemoteError.of(coll.rank, e))
+            resolved, lease = coll.broadcast(chosen, "choosing the step to restore").result(), None
+        else:
+            resolved = commit.check_step(step)
+            lease = Lease(self.store, "read", resolved).try_acquire() if resolved != self.latest_step() else None
         try:
             error: BaseException | None = None
             try:

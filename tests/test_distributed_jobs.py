@@ -157,3 +157,26 @@ def test_2d_mesh_resharding_matrix_and_hsdp_into_fsdp2(tmp_path):
             assert ck.verify(step) == []
         assert torch.equal(ck.restore(3, select=["model"])["model"]["uneven"],
                            torch.arange(35, dtype=torch.float64).view(5, 7) / 3)
+
+
+def test_ckpt_bench_distributed_runs_both_systems_and_restores_bit_exactly(tmp_path):
+    """`ckpt bench --distributed`: a 2-rank and a 1-rank FSDP2 job; every record complete and every
+    restore (same world size, and 2 -> 1 ranks) bit-exact. No timing is asserted."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    out = tmp_path / "records.json"
+    result = CliRunner().invoke(app, ["bench", "--distributed", "--workloads", "finetune", "--ranks", "2,1",
+                                      "--saves", "2", "--steps-between", "1", "--store", str(tmp_path),
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert [(r["world"], r["system"]) for r in records] == [(2, "ckptlib"), (2, "dcp"), (1, "ckptlib"), (1, "dcp")]
+    for r in records:
+        assert r["exact_same"] and r.get("exact_other", True), r
+        assert r["bytes_per_save"] > 0 and r["durable_s"] >= r["blocked_s"] > 0 and r["restore_same_s"] > 0
+    assert records[2]["restore_other_from"] == 2 and "restore_other_s" in records[3]
+    # the frozen backbone is referenced, not written again: far fewer bytes per save than DCP's full copy
+    assert records[0]["bytes_per_save"] * 5 < records[1]["bytes_per_save"]
+    assert "DCP writes" in result.output
