@@ -34,6 +34,7 @@ from .leaves import empty_leaf, finish_leaf, raw_view
 from .manifest import Blob, Fragment, Leaf
 from .store import Store
 from .tree import MISSING, leaf_indices, prune, unflatten
+from .types import LeafSpec
 
 
 @dataclass(frozen=True)
@@ -354,13 +355,35 @@ def restore_part(
     ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
     restored): a chain stops there, so following a stream of checkpoints decodes one link per
     changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
-    specs = [leaf.spec for leaf in fragment.leaves]
-    skeleton = fragment.skeleton
+    b = bind_selection(fragment.skeleton, [leaf.spec for leaf in fragment.leaves], fragment.step, fragment.part,
+                       into=into, select=select)
+    objects, problems, kept = decode_leaves(fragment, store, pool, b.wanted, dests=b.dests, known=known, keep=keep)
+    _raise(problems)
+    return assemble(b, objects, device), kept
+
+
+@dataclass
+class Binding:
+    """What a restore reads and where it goes: the (pruned, bound) skeleton, the leaves' specs, the
+    leaves wanted, their destinations in ``into`` and the tied leaves whose destinations are distinct
+    objects (``bind.bind_into``)."""
+
+    skeleton: Any
+    specs: list[LeafSpec]
+    wanted: list[int]
+    dests: dict[int, Any]
+    aliases: list[tuple[int, int, Any]]
+
+
+def bind_selection(skeleton: Any, specs: list[LeafSpec], step: int, part: str, *, into: Any = None,
+                   select: list[str] | None = None, detail: str = "") -> Binding:
+    """``skeleton`` pruned to ``select`` (KeyError naming a path the state lacks) and bound to ``into``
+    (ValueError listing every mismatch, before anything is read). ``detail``: said after the part."""
     if select is not None:
         try:
             skeleton = prune(skeleton, list(select))
         except KeyError as e:
-            raise KeyError(f"step {fragment.step}, part '{fragment.part}': {e.args[0]}") from None
+            raise KeyError(f"step {step}, part '{part}': {e.args[0]}") from None
     wanted = sorted(i for i in leaf_indices(skeleton) if 0 <= i < len(specs))
     dests: dict[int, Any] = {}
     aliases: list[tuple[int, int, Any]] = []
@@ -368,21 +391,25 @@ def restore_part(
         skeleton, dests, aliases, mismatches = bind_into(skeleton, specs, into)
         if mismatches:
             listing = "\n  ".join(mismatches[:50]) + (f"\n  ... and {len(mismatches) - 50} more" if len(mismatches) > 50 else "")
-            raise ValueError(f"cannot restore step {fragment.step} (part '{fragment.part}') into the given state: "
+            raise ValueError(f"cannot restore step {step} (part '{part}'{detail}) into the given state: "
                              f"{len(mismatches)} mismatch(es); nothing was changed:\n  {listing}")
-    objects, problems, kept = decode_leaves(fragment, store, pool, wanted, dests=dests, known=known, keep=keep)
-    _raise(problems)
-    leaves: list[Any] = [MISSING] * (len(specs) + len(aliases))
+    return Binding(skeleton, specs, wanted, dests, aliases)
+
+
+def assemble(b: Binding, objects: Mapping[int, Any], device: Any = "cpu") -> Any:
+    """The restored state: the filled destinations as they are, new leaves finished (on ``device``, a
+    Parameter again, ...), tied leaves copied into their distinct destinations."""
+    leaves: list[Any] = [MISSING] * (len(b.specs) + len(b.aliases))
     for i, obj in objects.items():
-        leaves[i] = obj if i in dests else finish_leaf(obj, specs[i], device)
-    for j, source, obj in aliases:
+        leaves[i] = obj if i in b.dests else finish_leaf(obj, b.specs[i], device)
+    for j, source, obj in b.aliases:
         src = objects[source]
-        if fragment.leaves[source].spec.kind == "torch":
+        if b.specs[source].kind == "torch":
             obj.detach().copy_(src.detach().to(obj.device))
         else:
             obj[...] = src
         leaves[j] = obj
-    return unflatten(skeleton, leaves, specs), kept
+    return unflatten(b.skeleton, leaves, b.specs)
 
 
 def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[Problem]]:
@@ -414,6 +441,13 @@ class ByteRange:
     out: np.ndarray
 
 
+def _damage(fragment: Fragment, digest: str, e: CorruptCheckpoint, tensors: list[str]) -> list[Problem]:
+    """The problems of chunk ``digest``, which did not decode, for each tensor it was read for."""
+    key = (e.key if isinstance(e, Damaged) else None) or fragment.blobs[digest].key
+    return [Problem(fragment.step, fragment.part, t, None, key, e.reason if isinstance(e, Damaged) else str(e))
+            for t in tensors]
+
+
 def decode_ranges(fragment: Fragment, store: Store, pool: Executor, ranges: list[ByteRange], *,
                   known: Mapping[str, np.ndarray] | None = None) -> list[Problem]:
     """Fill each range's ``out`` with those bytes of its leaf, reading only the chunks that cover
@@ -436,19 +470,16 @@ def decode_ranges(fragment: Fragment, store: Store, pool: Executor, ranges: list
 
     def fill(digest: str) -> list[Problem]:
         places = placements[digest]
-        blob = fragment.blobs[digest]
-        r0, at0, length0, pos0 = places[0]
-        in_place = len(places) == 1 and at0 == 0 and length0 == blob.nbytes
-        buf = ranges[r0].out[pos0:pos0 + length0] if in_place else np.empty(blob.nbytes, dtype=np.uint8)
+        size = fragment.blobs[digest].nbytes
+        whole = places[0] if len(places) == 1 and places[0][1] == 0 and places[0][2] == size else None
+        # a chunk inside one range is decoded into it; any other into a buffer, then the parts copied
+        buf = ranges[whole[0]].out[whole[3]:whole[3] + size] if whole else np.empty(size, dtype=np.uint8)
         try:
             decoder.fill(digest, buf)
         except CorruptCheckpoint as e:
-            key = e.key if isinstance(e, Damaged) else None
-            return [Problem(fragment.step, fragment.part, leaves[ranges[r].leaf].spec.path, None, key or blob.key,
-                            e.reason if isinstance(e, Damaged) else str(e)) for r, *_ in places]
-        if not in_place:
-            for r, at, length, pos in places:
-                ranges[r].out[pos:pos + length] = buf[at:at + length]
+            return _damage(fragment, digest, e, [leaves[ranges[r].leaf].spec.path for r, *_ in places])
+        for r, at, length, pos in places if whole is None else ():
+            ranges[r].out[pos:pos + length] = buf[at:at + length]
         return []
 
     problems = [p for found in pool.map(fill, list(placements)) for p in found]

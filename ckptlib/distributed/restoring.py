@@ -27,14 +27,13 @@ from typing import Any
 import numpy as np
 
 from ..bases import Base, base_of
-from ..bind import bind_into
 from ..commit import load_any_part
 from ..errors import CheckpointError, CorruptCheckpoint
-from ..leaves import empty_leaf, finish_leaf
+from ..leaves import empty_leaf
 from ..manifest import Fragment, Manifest
-from ..restore import ByteRange, Problem, decode_leaves, decode_ranges, inspect_part
+from ..restore import Binding, ByteRange, Problem, assemble, bind_selection, decode_leaves, decode_ranges, inspect_part
 from ..store import Store
-from ..tree import MISSING, leaf_indices, prune, unflatten
+from ..tree import MISSING, unflatten
 from ..types import LeafSpec
 from . import pieces as geometry
 from .documents import AnyFragment, GroupFragment, RankFragment
@@ -95,26 +94,9 @@ def check_restore(group: Group, rank: int, into: Any, select: list[str] | None) 
     _bind(group, rank, into, select)
 
 
-def _bind(group: Group, rank: int, into: Any, select: list[str] | None) -> tuple[Any, list[LeafSpec], list[int],
-                                                                              dict[int, Any], list]:
-    skeleton = group.skeleton(rank)
-    specs = [leaf.spec for leaf in group.layout(rank).leaves]
-    if select is not None:
-        try:
-            skeleton = prune(skeleton, list(select))
-        except KeyError as e:
-            raise KeyError(f"step {group.step}, part '{group.part}': {e.args[0]}") from None
-    wanted = sorted(i for i in leaf_indices(skeleton) if 0 <= i < len(specs))
-    dests: dict[int, Any] = {}
-    aliases: list = []
-    if into is not None:
-        skeleton, dests, aliases, mismatches = bind_into(skeleton, specs, into)
-        if mismatches:
-            listing = "\n  ".join(mismatches[:50]) + (f"\n  ... and {len(mismatches) - 50} more"
-                                                     if len(mismatches) > 50 else "")
-            raise ValueError(f"cannot restore step {group.step} (part '{group.part}', saved by {group.world} ranks) "
-                             f"into the given state: {len(mismatches)} mismatch(es); nothing was changed:\n  {listing}")
-    return skeleton, specs, wanted, dests, aliases
+def _bind(group: Group, rank: int, into: Any, select: list[str] | None) -> Binding:
+    return bind_selection(group.skeleton(rank), [leaf.spec for leaf in group.layout(rank).leaves], group.step,
+                          group.part, into=into, select=select, detail=f", saved by {group.world} ranks")
 
 
 @dataclass
@@ -231,46 +213,33 @@ def restore_group(group: Group, store: Store, pool: Executor, *, rank: int, into
     """(saved rank ``rank``'s state, filled into ``into`` where it holds tensors; with ``keep`` the raw
     chunks decoded from that rank's own fragment). Sharded tensors the destination lacks come back
     whole (full tensors)."""
-    skeleton, specs, wanted, dests, aliases = _bind(group, rank, into, select)
-    objects, kept = _fill(group, store, pool, rank, wanted, dests, keep)
-    leaves: list[Any] = [MISSING] * (len(specs) + len(aliases))
-    for i, obj in objects.items():
-        leaves[i] = obj if i in dests else finish_leaf(obj, specs[i], device)
-    for j, source, obj in aliases:
-        src = objects[source]
-        if specs[source].kind == "torch":
-            obj.detach().copy_(src.detach().to(obj.device))
-        else:
-            obj[...] = src
-        leaves[j] = obj
-    return unflatten(skeleton, leaves, specs), kept
+    b = _bind(group, rank, into, select)
+    objects, kept = _fill(group, store, pool, rank, b.wanted, b.dests, keep)
+    return assemble(b, objects, device), kept
 
 
 def read_rank_state(group: Group, store: Store, pool: Executor, rank: int,
                     select: list[str] | None = None) -> RankState:
     """Saved rank ``rank``'s state as plain values: its DTensors as the local tensors it held (with
     where they sit), everything else as it saved it."""
-    skeleton, specs, wanted, _, _ = _bind(group, rank, None, select)
+    b = _bind(group, rank, None, select)
     layout = group.layout(rank)
-    local_specs = []
-    for leaf in layout.leaves:
-        shape = leaf.local_shape
-        local_specs.append(replace(leaf.spec, shape=shape, nbytes=math.prod(shape) * leaf.spec.itemsize))
-    by_owner: dict[int, dict[int, int]] = defaultdict(dict)
-    for i in wanted:
+    local_specs = [replace(leaf.spec, shape=leaf.local_shape, nbytes=math.prod(leaf.local_shape) * leaf.spec.itemsize)
+                   for leaf in layout.leaves]
+    by_owner: dict[int, dict[int, int]] = defaultdict(dict)  # owner -> {stored leaf: the leaf it is}
+    for i in b.wanted:
         w = group.where(rank, i)
         by_owner[w.rank][w.index] = i
-    leaves: list[Any] = [MISSING] * len(specs)
+    objects: dict[int, Any] = {}
     for owner, todo in sorted(by_owner.items()):
         got, problems, _ = decode_leaves(group.fragments[owner], store, pool, sorted(todo))
         if problems:
             raise CorruptCheckpoint(str(problems[0]))
-        for j, obj in got.items():
-            leaves[todo[j]] = finish_leaf(obj, local_specs[todo[j]])
-    chosen = set(wanted)
+        objects.update((todo[j], obj) for j, obj in got.items())
+    chosen = set(b.wanted)
     shards = {leaf.spec.path: ShardInfo(leaf.spec.shape, leaf.piece.offsets, leaf.piece.placements, leaf.piece.mesh)
               for i, leaf in enumerate(layout.leaves) if leaf.piece is not None and i in chosen}
-    return RankState(unflatten(skeleton, leaves, local_specs), shards)
+    return RankState(assemble(Binding(b.skeleton, local_specs, b.wanted, {}, []), objects), shards)
 
 
 def verify_group(group: GroupFragment, store: Store, pool: Executor) -> list[Problem]:
@@ -279,7 +248,14 @@ def verify_group(group: GroupFragment, store: Store, pool: Executor) -> list[Pro
         loaded = load_group(store, pool, group)
     except CorruptCheckpoint as e:
         return [Problem(group.step, group.part, "/", None, None, str(e))]
-    return [p for frag in loaded.fragments for p in inspect_part(frag, store, pool)[1]]
+    problems = [p for frag in loaded.fragments for p in inspect_part(frag, store, pool)[1]]
+    for r in range(loaded.world):  # each rank's own skeleton, as a restore builds it
+        specs = [leaf.spec for leaf in loaded.layout(r).leaves]
+        try:
+            unflatten(loaded.skeleton(r), [MISSING] * len(specs), specs)
+        except CorruptCheckpoint as e:
+            problems.append(Problem(group.step, group.part, "/", None, None, f"rank {r}: {e}"))
+    return problems
 
 
 def rank_base(frag: AnyFragment, store: Store, pool: Executor, rank: int, chunk_bytes: int | None,
