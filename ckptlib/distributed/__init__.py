@@ -7,3 +7,19 @@ identical on every rank stored once), ``group`` (a group's part checked together
 (the checkpointer's own gloo group), ``saving`` and ``restoring``. ``Checkpointer(process_group=...)``
 is the public face; importing this package loads neither torch nor torch.distributed.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# the names a caller of Checkpointer.read_rank / write_group needs, loaded on first use
+_EXPORTS = {"RankState": "restoring", "ShardInfo": "local", "GroupFragment": "documents", "GroupFailed": "collective"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptlib.distributed' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
