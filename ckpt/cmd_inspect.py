@@ -172,7 +172,8 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
     stats = m.stats
     blobs = {b.key: b for f in frags.values() for b in f.blobs.values()}
     depth = max((b.depth for b in blobs.values()), default=0)
-    tensors = sum(len(f.leaves) for f in frags.values())
+    grouped = any(hasattr(f, "world") for f in frags.values())  # a group's part: its ranks' fragments list them
+    tensors = "-" if grouped else sum(len(f.leaves) for f in frags.values())
     lines = [
         f"step: {m.step}",
         f"digest: {m.digest}",
@@ -192,7 +193,9 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
     ]
     for name, f in frags.items():
         lines.append(
-            f"  {name}: generation {f.generation}, {len(f.leaves)} leaves, {fmt_bytes(f.bytes_written)} written, "
+            f"  {name}: generation {f.generation}, "
+            + (f"{f.world} ranks" if hasattr(f, "world") else f"{len(f.leaves)} leaves")
+            + f", {fmt_bytes(f.bytes_written)} written, "
             f"{fmt_bytes(f.logical_bytes)} logical, digest {f.digest}"
             + (f", config {f.config_hash}" if f.config_hash else ""))
     lines.append(f"meta: {json.dumps(m.meta, sort_keys=True, default=str)}")

@@ -28,7 +28,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from .distributed.documents import AnyFragment, GroupFragment, loads_any_fragment
 from .errors import (
+    CheckpointError,
     CommitConflict,
     CorruptCheckpoint,
     DamagedStep,
@@ -49,7 +51,6 @@ from .manifest import (
     document_checksum,
     dumps,
     fragment_key,
-    loads_fragment,
     loads_manifest,
 )
 from .store import Store
@@ -137,9 +138,33 @@ def read_manifest(store: Store, step: int) -> Manifest:
 
 
 def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
-    """The fragment of part ``name`` of a committed manifest: embedded, or read from its object and
-    checked against the manifest (its bytes' checksum, step, part, generation and digest);
-    CorruptCheckpoint (``damaged_step``) when it cannot be."""
+    """The fragment of part ``name`` of a committed manifest (see ``load_any_part``); a part saved by
+    a group of ranks is refused, naming what reads it."""
+    frag = load_any_part(store, manifest, name)
+    if isinstance(frag, GroupFragment):
+        raise CheckpointError(f"part '{name}' of step {manifest.step} was saved by a group of {frag.world} ranks: "
+                              "read it with Checkpointer.restore (full tensors, or into a distributed state) or "
+                              "Checkpointer.read_rank")
+    return frag
+
+
+def part_keys(store: Store, manifest: Manifest, name: str) -> set[str]:
+    """Every object part ``name`` of a committed manifest needs: its fragment object, a group's rank
+    fragments, and the chunks (delta chains included) they name. What GC marks and a branch copies."""
+    frag = load_any_part(store, manifest, name)
+    keys = {b.key for b in frag.blobs.values()}
+    ref = manifest.parts[name]
+    if ref.key is not None:
+        keys.add(ref.key)
+    if isinstance(frag, GroupFragment):
+        keys.update(r.key for r in frag.ranks)
+    return keys
+
+
+def load_any_part(store: Store, manifest: Manifest, name: str) -> AnyFragment:
+    """The fragment of part ``name`` of a committed manifest, a part's or a group's: embedded, or read
+    from its object and checked against the manifest (its bytes' checksum, step, part, generation
+    and digest)."""
     ref = manifest.parts.get(name)
     if ref is None:
         raise NoCheckpoint(f"step {manifest.step} has no part '{name}'; it has {sorted(manifest.parts)}")
@@ -151,7 +176,7 @@ def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
         raise damaged_step(store, manifest.step, e) from None
 
 
-def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> Fragment:
+def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> AnyFragment:
     where = f"{store.url}/{ref.key}"
     try:  # the size the manifest recorded (older manifests: what any fragment may hold)
         data = store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES if ref.size is None else ref.size)  # type: ignore[arg-type]
@@ -163,14 +188,14 @@ def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> Fra
     if document_checksum(data) != ref.checksum:
         raise CorruptCheckpoint(f"{where} does not match the checksum committed for part '{name}' of step "
                                 f"{manifest.step}: it was replaced or damaged")
-    frag = loads_fragment(data, where)
+    frag = loads_any_fragment(data, where)
     if (frag.step, frag.part, frag.generation, frag.digest) != (manifest.step, name, ref.generation, ref.digest):
         raise CorruptCheckpoint(f"{where} describes step {frag.step}, part '{frag.part}', generation "
                                 f"{frag.generation}, not what step {manifest.step} committed")
     return frag
 
 
-def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragment, str | None]], single: bool,
+def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[AnyFragment, str | None]], single: bool,
                    meta: dict[str, Any] | None = None, lineage: dict[str, Any] | None = None) -> Manifest:
     """A manifest of ``parts`` (name -> (fragment, checksum of its stored bytes, or None to embed it))."""
     refs = {name: PartRef.of(name, frag, embed=checksum is None, checksum=checksum)
@@ -181,7 +206,7 @@ def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragmen
                     parts=refs, meta=dict(meta or {}), lineage=lineage, stored_bytes=stored)
 
 
-def commit_step(store: Store, step: int, parts: dict[str, tuple[Fragment, str | None]], *, parent: int | None,
+def commit_step(store: Store, step: int, parts: dict[str, tuple[AnyFragment, str | None]], *, parent: int | None,
                 single: bool = False, meta: dict[str, Any] | None = None,
                 lineage: dict[str, Any] | None = None) -> tuple[Manifest, bool]:
     """The one commit of the protocol: the manifest of exactly ``parts`` (name -> (fragment, checksum
@@ -273,7 +298,7 @@ def check_live(store: Store, part: str, generation: int) -> None:
         )
 
 
-def put_fragment(store: Store, fragment: Fragment) -> str:
+def put_fragment(store: Store, fragment: AnyFragment) -> str:
     """Write a fragment with put_if_absent (an identical one already there is success); returns
     the checksum of the stored bytes, which the manifest that commits it records."""
     key = fragment_key(fragment.step, fragment.part, fragment.generation)
@@ -290,15 +315,16 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
     return document_checksum(stored)
 
 
-def read_fragment(store: Store, key: str) -> tuple[Fragment, bytes]:
-    """The fragment stored under ``key`` (read with the fragment cap, checked as it is parsed) and
-    its bytes; ObjectNotFound when there is none, CorruptCheckpoint when it is not a fragment."""
+def read_fragment(store: Store, key: str) -> tuple[AnyFragment, bytes]:
+    """The fragment stored under ``key``, a part's or a group's (read with the fragment cap, checked
+    as it is parsed), and its bytes; ObjectNotFound when there is none, CorruptCheckpoint when it is
+    not a fragment."""
     data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
-    return loads_fragment(data, f"{store.url}/{key}"), data
+    return loads_any_fragment(data, f"{store.url}/{key}"), data
 
 
 def gather(store: Store, step: int, parts: list[str], *, timeout: float,
-           poll: float = 0.2) -> dict[str, tuple[Fragment, str]]:
+           poll: float = 0.2) -> dict[str, tuple[AnyFragment, str]]:
     """Wait until every part has a fragment of its live generation for ``step``; return them with
     the checksums of their stored bytes.
 
@@ -307,7 +333,7 @@ def gather(store: Store, step: int, parts: list[str], *, timeout: float,
     of N parts costs N fragment reads plus a listing per look, not a listing per part.
     """
     deadline = time.monotonic() + timeout
-    found: dict[str, tuple[Fragment, str]] = {}
+    found: dict[str, tuple[AnyFragment, str]] = {}
     while True:
         live = live_generations(store)
         for part in parts:

@@ -34,8 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, is_store, load_part, manifest_key, read_fragment, read_manifest, validation_key
+from .commit import committed_steps, is_store, manifest_key, part_keys, read_fragment, read_manifest, validation_key
 from .concurrency import map_ahead
+from .distributed.documents import GroupFragment
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
 from .quarantine import quarantined_objects
@@ -46,7 +47,8 @@ from .store.base import is_clean_key
 log = logging.getLogger("ckptlib")
 
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
-_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
+# a part's fragment, or a rank's fragment of a group's part (.r<rank>.<save id>: docs/format.md)
+_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+(\.r\d+\.[0-9a-f]{16})?\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
 # A temp file lives for one put (seconds); some puts (the store marker, a lease's own document, a
 # validation report) are not covered by a save lease, so a grace of 0 must still not reach them.
@@ -281,10 +283,8 @@ def _needed(store: Store, step: int) -> set[str]:
     try:
         m = read_manifest(store, step)
         keys: set[str] = set()
-        for name, ref in m.parts.items():
-            if ref.key is not None:
-                keys.add(ref.key)
-            keys.update(b.key for b in load_part(store, m, name).blobs.values())
+        for name in m.parts:
+            keys |= part_keys(store, m, name)
         return keys
     except CorruptCheckpoint as e:
         raise CheckpointError(
@@ -308,4 +308,6 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
             except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
                 continue  # unreadable: it can never be committed; its chunks are not protected by it
             keys.update(b.key for b in frag.blobs.values())
+            if isinstance(frag, GroupFragment):
+                keys.update(r.key for r in frag.ranks)
     return keys

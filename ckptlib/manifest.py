@@ -35,12 +35,15 @@ import json
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from .errors import CorruptCheckpoint, FormatVersionError, UnsupportedState
 from .types import MAX_LEAF_BYTES, LeafSpec
+
+if TYPE_CHECKING:
+    from .distributed.documents import AnyFragment, GroupFragment
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -270,13 +273,13 @@ class PartRef:
     stored_bytes: int
     stats: dict[str, int]
     config_hash: str | None = None
-    fragment: Fragment | None = None  # embedded (single-writer manifests, and every format 1 one)
+    fragment: Fragment | GroupFragment | None = None  # embedded (single-writer manifests, and every format 1 one)
     key: str | None = None
     checksum: str | None = None
     size: int | None = None  # bytes of the fragment object (recorded since ckptlib 0.3): its read's cap
 
     @classmethod
-    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> PartRef:
+    def of(cls, name: str, frag: AnyFragment, *, embed: bool, checksum: str | None = None) -> PartRef:
         return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
                    dict(frag.stats), frag.config_hash, frag if embed else None,
                    None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum,
@@ -296,7 +299,9 @@ class PartRef:
 
     @classmethod
     def from_json(cls, name: str, d: dict[str, Any]) -> PartRef:
-        frag = Fragment.from_json(d["fragment"]) if "fragment" in d else None
+        from .distributed.documents import parse_any_fragment  # a group's part (docs/format.md, "Group fragments")
+
+        frag = parse_any_fragment(d["fragment"]) if "fragment" in d else None
         key = checksum = size = None
         if frag is None:
             key, checksum = d["key"], _checksum(d["checksum"], "fragment checksum")
@@ -420,14 +425,14 @@ def combined_digest(part_digests: dict[str, str], single: bool) -> str:
     return h.hexdigest()
 
 
-def dumps(doc: Fragment | Manifest) -> bytes:
+def dumps(doc: AnyFragment | Manifest) -> bytes:
     """The stored bytes of a document; UnsupportedState when a reader would refuse them (its cap)."""
     # key order is part of a state; NaN cannot appear (non-finite floats are tagged in the skeleton)
     data = json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
     cap = document_cap(doc)
     if len(data) > cap:
-        what = (f"the fragment of part '{doc.part}'" if isinstance(doc, Fragment)
-                else f"the manifest of step {doc.step} ({len(doc.parts)} parts)")
+        what = (f"the manifest of step {doc.step} ({len(doc.parts)} parts)" if isinstance(doc, Manifest)
+                else f"the fragment of part '{doc.part}'")
         raise UnsupportedState(
             f"{what} would be {len(data)} bytes, more than the {cap} a reader accepts (docs/format.md, \"Caps\"): "
             "save with a larger chunk_bytes (fewer chunks), split the state into parts, or keep meta and "
@@ -435,9 +440,9 @@ def dumps(doc: Fragment | Manifest) -> bytes:
     return data
 
 
-def document_cap(doc: Fragment | Manifest) -> int:
+def document_cap(doc: AnyFragment | Manifest) -> int:
     """The most bytes a reader accepts for ``doc``'s kind and shape."""
-    if isinstance(doc, Fragment):
+    if not isinstance(doc, Manifest):  # a part's, a rank's or a group's fragment
         return MAX_FRAGMENT_BYTES
     if doc.single or doc.format == 1 or any(p.fragment is not None for p in doc.parts.values()):
         return MAX_MANIFEST_BYTES  # it embeds fragments

@@ -283,9 +283,12 @@ def attribute_problem(cls: type, name: Any) -> str | None:
 
 # --- flatten (save) --------------------------------------------------------------------------------
 
-def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
-    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState."""
+def flatten(state: Any, *, subclass: Any = None) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
+    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState.
+    ``subclass(obj, path)``: the plain tensor to store for a tensor subclass (a DTensor's local
+    shard, for ``ckptlib.distributed``), or None to refuse it."""
     enc = _Encoder()
+    enc.subclass = subclass
     skeleton = enc.walk(state, "", 0)
     enc.share_storages()
     return skeleton, enc.leaves
@@ -310,6 +313,7 @@ class _Encoder:
         self.on_path: set[int] = set()  # ids of the containers being walked: a repeat is a cycle
         self.nodes: list[dict[str, Any]] = []  # every leaf and ref node made (patched by share_storages)
         self.storages: dict[tuple, list[int]] = {}  # (device, storage) -> leaf indices of its tensors
+        self.subclass: Any = None  # flatten's hook for tensor subclasses
 
     def walk(self, obj: Any, path: str, depth: int) -> Any:
         cls = type(obj)
@@ -353,6 +357,9 @@ class _Encoder:
         if cls is device:
             return tagged("device", str(obj))
         if isinstance(obj, tensor):
+            plain = self.subclass(obj, path) if self.subclass is not None else None
+            if plain is not None:
+                return self.add_tensor(plain, path)
             raise _refuse(path, obj, "tensor subclasses (DTensor, FakeTensor, ...) are not stored; convert "
                                      "it to a plain tensor (e.g. .full_tensor(), .to_local() or .detach()), or "
                                      "save a DTensor state through Checkpointer(process_group=...)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import commit
+from ..distributed.restoring import part_views
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from ..leaves import finish_leaf
 from ..manifest import Fragment, Manifest
@@ -155,14 +156,15 @@ class _Measure:
         # bases first: a part's shapes are compared with its base's in this cut
         names = sorted(m.parts, key=lambda n: (n not in bases, _natural(n)))
         models: dict[str, dict[str, Any]] = {}
+        views: list[tuple[str, Fragment]] = []  # a group's part is measured rank by rank (docs/validation.md)
         for name in names:
             try:
-                frag = commit.load_part(self.store, m, name)
+                views += part_views(self.store, self.pool, m, name).items()
             except CorruptCheckpoint as e:  # its fragment is missing, damaged or malformed
                 self.out.problems.append(Problem(self.step, name, "/", None, m.parts[name].key, str(e)))
                 self.out.tensor_rows.append({"part": name, "tensor": "/", "role": "part", "intact": False,
                                              "problem": str(e)})
-                continue
+        for name, frag in views:
             self.frags[name] = frag
             leaves, problems = self._inspect(frag)
             self.out.problems += problems
@@ -196,14 +198,15 @@ class _Measure:
         # the models compared with: each part's base, or the part itself where the base is not there
         wanted = {b if b in m.parts else p for p in parts for b in [self.base(p)]}
         frags, models, states = {}, {}, {}
-        for name in m.parts:
+        for part in m.parts:
             try:
-                frag = frags[name] = commit.load_part(self.store, m, name)
-                states[name] = skeleton_state(frag)
-                if name in wanted or m.single:
-                    models[name] = self._restore_leaves(frag, model_filter(m.single))
+                for name, frag in part_views(self.store, self.pool, m, part).items():
+                    frags[name] = frag
+                    states[name] = skeleton_state(frag)
+                    if name in wanted or m.single:
+                        models[name] = self._restore_leaves(frag, model_filter(m.single))
             except CheckpointError as e:
-                log.warning("cannot read part %s of step %d (%s): no reference for it", name, prev, e)
+                log.warning("cannot read part %s of step %d (%s): no reference for it", part, prev, e)
         return Reference(prev, m, frags, models, states)
 
     def _restore_leaves(self, frag: Fragment, wanted: Callable[[str], bool]) -> dict[str, Any]:
