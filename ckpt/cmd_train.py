@@ -104,7 +104,7 @@ def _params_or_exit(o: TrainOptions) -> tuple[TrainParams, dict[str, Any] | None
     except ValidationError as e:
         fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
     try:
-        check_runner(params.chaos, params.task_runner)
+        check_runner(params.chaos, params.task_runner, params.ranks_per_shard)
     except ValueError as e:
         fail(str(e))
     if params.chaos and o.no_watchdog and any(c.split(":")[0] in ("hang", "zombie") for c in params.chaos):

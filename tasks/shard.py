@@ -149,12 +149,19 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     attempt = int(attempt_offset) + max(1, int(task_run.run_count or 1))
     part = shard_part(shard)
     forward = event_forwarder(run_url, part, max(EVENT_EVERY_S, heartbeat_every_s)) if heartbeat_events else None
-    ck = Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every)
+    options = storage_options(access)
+    ck = Checkpointer(run_url, options, keyframe_every=keyframe_every)
+    on_beat = _both(forward, progress_reporter(part, round_no))
     try:
-        result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
-                                   chaos=for_attempt(chaos, shard, round_no, attempt),
-                                   heartbeat_every_s=heartbeat_every_s,
-                                   on_beat=_both(forward, progress_reporter(part, round_no)))
+        if spec.ranks_per_shard > 1:  # a group of rank processes (trainrun.rank_group)
+            from trainrun.rank_group import train_shard_group
+
+            result = train_shard_group(ck, options, spec, shard, round_no, cut, attempt=attempt, chaos=chaos or [],
+                                       heartbeat_every_s=heartbeat_every_s, on_beat=on_beat)
+        else:
+            result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
+                                       chaos=for_attempt(chaos, shard, round_no, attempt),
+                                       heartbeat_every_s=heartbeat_every_s, on_beat=on_beat)
     except FencedError as e:
         state = fenced_state(ck, shard, round_no, attempt, e)
         logger.warning("%s round %d: %s", part, round_no, state.message)
