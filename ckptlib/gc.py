@@ -45,7 +45,9 @@ from .store.base import is_clean_key
 log = logging.getLogger("ckptlib")
 
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
-_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
+# a cut's fragment, or a sub-step fragment (``.k<k>``: a shard checkpoint within a round, never committed;
+# swept as any fragment no manifest names once its step is committed, protected while it is pending)
+_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+(?:\.k\d+)?\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
 # A temp file lives for one put (seconds); some puts (the store marker, a lease's own document, a
 # validation report) are not covered by a save lease, so a grace of 0 must still not reach them.
