@@ -130,10 +130,12 @@ def test_an_attempt_resumes_from_its_own_newest_checkpoint_else_the_one_its_fenc
 
 
 def test_auto_cadence_spends_about_two_percent_and_a_step_count_is_exact():
-    c = Cadence.of(10, 1 << 20)
+    c = Cadence(10)
     assert [k for k in range(1, 41) if c.due(k, 40, busy=False)] == [10, 20, 30]  # never the last step
-    assert not Cadence.of(0, 1 << 20).due(10, 40, busy=False)
-    auto = Cadence.of("auto", 100_000_000)  # estimated 1 s a checkpoint: one every 50 s of training
+    assert not Cadence(0).due(10, 40, busy=False)
+    auto = Cadence("auto")
+    auto.estimate(100_000_000)  # estimated 1 s a checkpoint: one every 50 s of training
+    auto.estimate(1)  # (once measured or estimated, it stays)
     assert auto.interval_s == pytest.approx(50.0)
     assert not auto.due(1, 40, busy=False, now=auto.since + 49) and auto.due(1, 40, busy=False, now=auto.since + 51)
     assert not auto.due(1, 40, busy=True, now=auto.since + 99)  # never two writes in flight

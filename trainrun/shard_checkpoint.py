@@ -10,10 +10,13 @@ attempt started from (``cut`` and ``cut_signature``: the digests of the cut's co
 of the shard's own part), its attempt and host.
 
 * **When** (``Cadence``): every ``every`` round steps, or ``"auto"`` (the default): once the
-  training since the last one has lasted ``1 / AUTO_BUDGET`` times what the last one cost (the
-  snapshot the loop waited for plus the background write), so checkpoints cost about 2% of the
-  training; the first one of an attempt after an estimate from the state's size. Never at the
-  round's last step (the round's fragment is written then).
+  training since the last one (or since the round began) has lasted ``1 / AUTO_BUDGET`` times what
+  one costs (the snapshot the loop waited for plus the background write, wall time: on a busy
+  machine both the training and the write slow down), so checkpoints cost about 2% of the
+  training. What one costs is measured by each write; an attempt starts from what the last one of
+  the same shard cost in this process (the previous round's), else from an estimate from the
+  state's size after its first step. Never at the round's last step (the round's fragment is
+  written then).
 * **How** (``ShardCheckpoints``): ``Checkpointer.write_fragment_async``: the loop waits only for
   the snapshot; encoding and uploads run in the background, each checkpoint a delta against the
   previous one (the first against the cut). A failed write is logged and training goes on, but a
@@ -61,21 +64,28 @@ ESTIMATED_BYTES_PER_S = 100e6  # the first checkpoint's cost, before one was mea
 MIN_COST_S = 0.01  # the fixed cost of a write (lease, fragment, fence checks): a floor of the estimate
 
 
+# What a shard checkpoint cost, by (run URL, part), in this process: the next attempt of the shard
+# here (the next round's task, a retry, a rerun) starts its cadence from it instead of an estimate.
+_LAST_COST: dict[tuple[str, str], float] = {}
+
+
 @dataclass
 class Cadence:
     """When the next shard checkpoint is due (see the module docstring)."""
 
     every: Every
-    cost_s: float  # what one checkpoint costs (estimated, then measured)
+    cost_s: float | None = None  # what one checkpoint costs (measured, or estimated at the first step)
     since: float = field(default_factory=time.monotonic)  # when the last one was taken (or training began)
-
-    @classmethod
-    def of(cls, every: Every, state_bytes: int) -> Cadence:
-        return cls(every, max(MIN_COST_S, state_bytes / ESTIMATED_BYTES_PER_S))
 
     @property
     def interval_s(self) -> float:
-        return self.cost_s / AUTO_BUDGET
+        return (self.cost_s or MIN_COST_S) / AUTO_BUDGET
+
+    def estimate(self, state_bytes: int) -> None:
+        """Until one was measured: a checkpoint of ``state_bytes`` costs what encoding it at
+        ``ESTIMATED_BYTES_PER_S`` takes."""
+        if self.cost_s is None:
+            self.cost_s = max(MIN_COST_S, state_bytes / ESTIMATED_BYTES_PER_S)
 
     def due(self, round_step: int, steps_per_round: int, busy: bool, now: float | None = None) -> bool:
         if round_step >= steps_per_round or self.every == 0:
@@ -100,10 +110,10 @@ class Start:
 class ShardCheckpoints:
     """One attempt's shard checkpoints: at most one write in flight; counts, bytes and seconds."""
 
-    def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], state_bytes: int,
-                 tier: LocalTier | None):
+    def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], tier: LocalTier | None):
         self.a, self.signature, self.tier = a, signature, tier
-        self.cadence = Cadence.of(every, state_bytes)
+        self._memo = (a.ck.url, a.part)
+        self.cadence = Cadence(every, _LAST_COST.get(self._memo))
         self.count = 0
         self.bytes_written = 0
         self.blocked_s = 0.0  # the loop waited: snapshots (and, with a step count, a write still in flight)
@@ -112,10 +122,12 @@ class ShardCheckpoints:
         self._inflight: tuple[Future, int, float, float] | None = None  # future, round step, began, blocked
         self._done_at: float | None = None
 
-    def due(self, round_step: int) -> bool:
+    def due(self, round_step: int, wl: Workload) -> bool:
         busy = self._inflight is not None and not self._inflight[0].done()
         if not busy:
             self._settle()
+        if self.cadence.cost_s is None and self.cadence.every == "auto":
+            self.cadence.estimate(_nbytes(wl.checkpoint_state()))  # after a step: the optimizer's moments exist
         return self.cadence.due(round_step, self.a.spec.steps_per_round, busy)
 
     def take(self, round_step: int, wl: Workload, rng: ShardRNG, losses: list[float]) -> None:
@@ -161,7 +173,7 @@ class ShardCheckpoints:
         self.bytes_written += frag.bytes_written
         self.write_s += spent
         self.newest = k
-        self.cadence.cost_s = max(MIN_COST_S, spent + blocked)
+        self.cadence.cost_s = _LAST_COST[self._memo] = max(MIN_COST_S, spent + blocked)
 
     def finish(self) -> None:
         """Wait for the write in flight (its FencedError is raised)."""
@@ -177,6 +189,12 @@ class ShardCheckpoints:
     def stats(self) -> dict[str, Any]:
         return {"shard_checkpoints": self.count, "shard_checkpoint_bytes": self.bytes_written,
                 "shard_checkpoint_newest": self.newest}
+
+
+def _nbytes(state: Any) -> int:
+    from workloads import state_nbytes
+
+    return int(state_nbytes(state))
 
 
 def cut_signature(a: ShardAttempt) -> dict[str, Any]:

@@ -161,7 +161,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
         rng = ShardRNG(spec.seed, shard, round_no)
         if start.rng is not None:
             rng.set_state(start.rng)
-        saver = ShardCheckpoints(a, checkpoint_every, signature, _nbytes(start.state), local_tier)
+        saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier)
         del start.state
         # loaded and built: say so now (its round step), so that a watchdog times the steps from here
         # (before this beat it allows the start timeout: loading is slow in a fresh process)
@@ -237,12 +237,6 @@ def base_from_cut(a: ShardAttempt) -> None:
         read_cut_part(a.ck, a.cut, a.part)
 
 
-def _nbytes(state: Any) -> int:
-    from workloads import state_nbytes
-
-    return int(state_nbytes(state))
-
-
 def start_heartbeat(a: ShardAttempt, *, every_s: float, on_beat: Callable[[Beat], None] | None) -> Heartbeat:
     """The attempt's heartbeat, started. Its meta is what a watchdog needs to rerun this very round
     without a coordinator beat (``ShardInfo``: the cut, the spec's hash)."""
@@ -286,7 +280,7 @@ def train_steps(a: ShardAttempt, wl: Workload, hb: Heartbeat, start: Start, rng:
         if k in strikes:
             strike(strikes[k], part=a.part, round_step=k, heartbeat=hb, checkpointer=a.ck, generation=a.generation)
         hb.beat(step=int(wl.data_position), loss=losses[-1])
-        if saver.due(k):
+        if saver.due(k, wl):
             saver.take(k, wl, rng, losses)
             hb.meta["checkpoint_step"] = saver.newest
     return math.fsum(losses) / len(losses)
