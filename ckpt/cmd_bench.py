@@ -49,11 +49,17 @@ def bench(
                      "state (481 tensors). Starts SeaweedFS on loopback unless --s3-endpoint env.")] = False,
     s3_endpoint: Annotated[str, typer.Option(
         "--s3-endpoint", help="local (start SeaweedFS) or env (AWS_ENDPOINT_URL and credentials).")] = "local",
+    recovery: Annotated[bool, typer.Option(
+        "--recovery", help="Instead: what shard checkpoints cost at the default cadence, the round's fragment's "
+                           "bytes, back-to-training time with and without the local tier (bench/recovery.py).")] = False,
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
         if s3:
             _bench_s3(s3_endpoint, json_out)
+            return
+        if recovery:
+            _bench_recovery(_names(workloads, "workloads"), json_out)
             return
         import os
 
@@ -81,6 +87,14 @@ def _bench_s3(endpoint: str, json_out: str | None) -> None:
     result = run_s3_benchmark(endpoint, progress=lambda m: typer.echo(m, err=True))
     _write_json(json_out, result)
     typer.echo(render_s3(result))
+
+
+def _bench_recovery(workloads: tuple[str, ...], json_out: str | None) -> None:
+    from bench.recovery import render, run
+
+    result = run(workloads, progress=lambda m: typer.echo(m, err=True))
+    _write_json(json_out, result)
+    typer.echo(render(result))
 
 
 def _write_json(path: str | None, data: Any) -> None:
