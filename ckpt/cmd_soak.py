@@ -2,6 +2,7 @@
 
     ckpt soak --minutes 30 --fail-every 60                      # crash, hang, stall on threads
     ckpt soak --minutes 5 --fail-every 20 --kinds crash,kill,stop --task-runner dask
+    ckpt soak --rounds 4 --failures 4                           # four failures in four rounds
 
 1. A clean run of about ``--minutes`` of training (its rounds estimated from a few timed steps),
    with a watchdog beside it, as ``ckpt train`` runs.
@@ -40,6 +41,8 @@ def soak(
     minutes: Annotated[float, typer.Option("--minutes", min=0.1, help="Training time of each run (about).")] = 5.0,
     fail_every: Annotated[float, typer.Option("--fail-every", metavar="S", min=1.0,
                                               help="Seconds between failures, on average (exponential gaps).")] = 60.0,
+    failures: Annotated[Optional[int], typer.Option("--failures", min=1, help="Instead of --fail-every: exactly "
+                                                    "this many failures, at moments uniform over the run.")] = None,
     kinds: Annotated[str, typer.Option("--kinds", help="Comma-separated chaos kinds: crash, hang, stall, zombie "
                                        "(threads or dask), kill, stop (dask).")] = DEFAULT_KINDS,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the failure schedule.")] = 0,
@@ -82,7 +85,7 @@ def soak(
                 "shard_checkpoint_every": shard_checkpoint_every, "local_tier": not no_local_tier,
                 "task_runner": task_runner, "validate_checkpoints": validate, "shard_retries": 3}
         try:
-            report = _soak(base, minutes, rounds, fail_every, names, seed, watchdog_timeout)
+            report = _soak(base, minutes, rounds, fail_every, names, seed, watchdog_timeout, failures)
         finally:
             if not keep and store is None:
                 shutil.rmtree(root, ignore_errors=True)
@@ -95,7 +98,7 @@ def soak(
 
 
 def _soak(base: dict[str, Any], minutes: float, rounds: int | None, fail_every: float, kinds: list[str], seed: int,
-          timeout_s: float) -> dict[str, Any]:
+          timeout_s: float, failures: int | None) -> dict[str, Any]:
     from flows.api import PrefectAPI
     from trainrun.chaos import RoundSpan, soak_schedule
 
@@ -111,7 +114,8 @@ def _soak(base: dict[str, Any], minutes: float, rounds: int | None, fail_every: 
                 spans.append(RoundSpan(x["round"], t, x["seconds"]["wall"], x["seconds"]["train"] + x["seconds"]["build"]))
                 t += x["seconds"]["wall"]
             schedule = [str(c) for c in soak_schedule(spans, fail_every_s=fail_every, kinds=kinds, shards=base["shards"],
-                                                      steps_per_round=base["steps_per_round"], seed=seed)]
+                                                      steps_per_round=base["steps_per_round"], seed=seed,
+                                                      count=failures)]
             typer.echo(f"soak: the same run with {len(schedule)} failures", err=True)
             drilled = _train({**base, "rounds": n_rounds, "run_id": f"soak-{stamp}-drilled", "chaos": schedule},
                              timeout_s)

@@ -354,3 +354,22 @@ def test_a_run_killed_mid_round_resumes_from_its_shard_checkpoints(prefect_harne
         if rnd == killed_in:
             assert r["failed_at_step"] >= N, r
     assert "recovery        shard-0 round" in out.stdout
+
+
+def test_the_soak_schedule_is_seeded_and_each_failure_can_strike():
+    from trainrun.chaos import RoundSpan, soak_schedule
+
+    spans = [RoundSpan(r, (r - 1) * 4.0, 4.0, 3.6) for r in range(1, 31)]
+    kw = dict(fail_every_s=3.0, kinds=["crash", "hang", "kill"], shards=2, steps_per_round=150)
+    a, b = soak_schedule(spans, **kw, seed=1), soak_schedule(spans, **kw, seed=1)
+    assert a == b and a != soak_schedule(spans, **kw, seed=2) and 20 <= len(a) <= 60
+    by: dict = {}
+    for c in a:
+        by.setdefault((c.shard, c.round), []).append(c)
+        assert 1 <= c.step < 150 and c.kind in kw["kinds"]
+    for cs in by.values():  # the attempts of one shard's round, in order, later steps, nothing after a kill
+        assert [c.attempt for c in cs] == list(range(1, len(cs) + 1)) and len(cs) <= 2
+        assert [c.step for c in cs] == sorted({c.step for c in cs})
+        assert all(c.kind != "kill" for c in cs[:-1])
+    assert len(soak_schedule(spans[:4], **kw, seed=3, count=4)) <= 4
+    assert [str(parse_chaos(str(c))) for c in a] == [str(c) for c in a]  # they travel as chaos specs

@@ -370,13 +370,15 @@ class RoundSpan:
 
 
 def soak_schedule(rounds: list[RoundSpan], *, fail_every_s: float, kinds: list[str], shards: int,
-                  steps_per_round: int, seed: int = 0, max_per_round: int = 2) -> list[Chaos]:
+                  steps_per_round: int, seed: int = 0, max_per_round: int = 2, count: int | None = None) -> list[Chaos]:
     """Failures at random moments of a run like the clean one that took ``rounds``: exponential gaps
-    of ``fail_every_s`` on average (seeded), each a random kind of ``kinds`` on a random shard, at the
-    step of its round that the clean run had reached then. Each failure of a shard in a round is that
-    round's next attempt (a retry or a rerun is attempt n+1); at most ``max_per_round`` per shard and
-    round, none after a ``kill`` in it (the task Dask runs again keeps its attempt number), and none
-    at the round's last step (its fragment is written then), so that every one strikes."""
+    of ``fail_every_s`` on average (seeded; ``count``: instead exactly that many moments, uniform over
+    the run), each a random kind of ``kinds`` on a random shard, at the step of its round that the
+    clean run had reached then. Each failure of a shard in a round is that round's next attempt (a
+    retry or a rerun is attempt n+1); at most ``max_per_round`` per shard and round, none after a
+    ``kill`` in it (the task Dask runs again keeps its attempt number), and none at the round's last
+    step (its fragment is written then), so that every one strikes (a moment that breaks these
+    rules is dropped)."""
     if fail_every_s <= 0:
         raise ValueError(f"fail_every_s must be > 0, got {fail_every_s}")
     unknown = sorted(set(kinds) - set(KINDS))
@@ -385,7 +387,8 @@ def soak_schedule(rounds: list[RoundSpan], *, fail_every_s: float, kinds: list[s
     rng = random.Random(seed)
     end = max((r.start_s + r.wall_s for r in rounds), default=0.0)
     tried: dict[tuple[int, int], list[Chaos]] = {}
-    t = rng.expovariate(1.0 / fail_every_s)
+    moments = sorted(rng.uniform(0.0, end) for _ in range(count)) if count is not None else None
+    t = moments.pop(0) if moments else (rng.expovariate(1.0 / fail_every_s) if moments is None else end)
     while t < end:
         span = next((r for r in rounds if r.start_s <= t < r.start_s + r.wall_s), None)
         kind, shard = rng.choice(kinds), rng.randrange(shards)
@@ -396,5 +399,8 @@ def soak_schedule(rounds: list[RoundSpan], *, fail_every_s: float, kinds: list[s
             if len(before) < max_per_round and not any(c.kind == "kill" for c in before) \
                     and all(c.step is not None and c.step < step for c in before):
                 before.append(Chaos(kind, shard, span.round, attempt=len(before) + 1, step=step))
-        t += rng.expovariate(1.0 / fail_every_s)
+        if moments is None:
+            t += rng.expovariate(1.0 / fail_every_s)
+        else:
+            t = moments.pop(0) if moments else end
     return sorted((c for cs in tried.values() for c in cs), key=lambda c: (c.round, c.step or 0, c.shard))
