@@ -5,13 +5,17 @@ each from a copy of the same run (step 0 and the cut of round 1) on a local stor
 
 * **cost**: round 2 of every shard trained at once (threads, as ``ckpt train`` trains them), with
   shard checkpoints at the cadence given (``auto`` by default) and without, alternating, ``repeats``
-  times; the cost is the extra wall time of the round's training, against the training without.
-  Also the checkpoints taken, the steps between them (the N ``auto`` chose), and the seconds the
-  loops waited (snapshots) and the background writes took.
+  times; the cost is the extra wall time of the round's training, against the training without (the
+  median of each; on a busy machine this difference is noisier than the cost itself). Also the
+  checkpoints taken, the steps between them (the N ``auto`` chose), and the seconds the loops waited
+  (snapshots) and the background writes took, as shares of the training: the cost as the cadence
+  counts it (blocked + background write, wall time).
 * **bytes**: ``rounds`` rounds of one shard, its round fragments written as deltas against the cut
   (what the runtime does) or against its last shard checkpoint (the alternative), with a shard
   checkpoint every ``N`` steps: bytes each round's fragment writes, bytes a restore of it reads
-  (its blob table) and its longest delta chain.
+  (its blob table), its longest delta chain, and what the store keeps for all the committed rounds
+  once GC has swept the shard checkpoints (the union of the round fragments' blob tables: the
+  alternative's chains hold on to the checkpoints' objects).
 * **back to training**: a shard that crashed at step k of its round, started again: seconds from
   the start of the new attempt until it trains (it reads its checkpoint, builds its workload), with
   the local tier and without (the store), on the local store and on S3 (SeaweedFS on loopback).
@@ -107,7 +111,8 @@ def measure_cost(workload: str, size: str, steps: int, every: Any, repeats: int,
             "checkpoints_per_round": round(per_round, 2),
             "steps_between": round(steps / (per_round + 1), 1) if per_round else None,
             "blocked_share": round(statistics.mean(blocked) / on, 5),
-            "write_share": round(statistics.mean(written) / on, 5), "repeats": repeats}
+            "write_share": round(statistics.mean(written) / on, 5),
+            "counted_cost": round((statistics.mean(blocked) + statistics.mean(written)) / on, 5), "repeats": repeats}
 
 
 def measure_bytes(workload: str, size: str, steps: int, every: int, rounds: int, work: Path) -> list[dict[str, Any]]:
@@ -122,6 +127,7 @@ def measure_bytes(workload: str, size: str, steps: int, every: int, rounds: int,
     out = []
     for against in ("cut", "last shard checkpoint"):
         wl = build_workload(spec.workload_config(), 0, 1)
+        kept: dict[str, int] = {}
         fake = 1_000_000  # the alternative: shard checkpoints as fragments of the part itself (one chain)
         with Checkpointer(str(work / f"bytes-{workload}-{against[:3]}")) as ck:
             ck.write_fragment(0, "shard-0", wl.checkpoint_state())
@@ -135,9 +141,11 @@ def measure_bytes(workload: str, size: str, steps: int, every: int, rounds: int,
                             fake += 1
                             ck.write_fragment(fake, "shard-0", wl.checkpoint_state())
                 frag = ck.write_fragment(r, "shard-0", wl.checkpoint_state())
+                kept.update({b.key: b.size for b in frag.blobs.values()})
                 out.append({"workload": workload, "against": against, "round": r, "every": every,
                             "written": frag.bytes_written, "restore_reads": frag.stored_bytes,
-                            "logical": frag.logical_bytes, "chain": max(b.depth for b in frag.blobs.values())})
+                            "logical": frag.logical_bytes, "chain": max(b.depth for b in frag.blobs.values()),
+                            "kept_after_gc": sum(kept.values())})
                 ck.read_fragment(r, "shard-0", adopt=True)  # the next round starts from this cut
     return out
 
@@ -178,7 +186,7 @@ def measure_back_to_training(workload: str, size: str, steps: int, every: int, c
 
 
 def run(workloads: tuple[str, ...] = WORKLOADS, *, size: str = "small", steps: int = 150, every: Any = "auto",
-        repeats: int = 3, bytes_every: int = 25, bytes_rounds: int = 4, stores: tuple[str, ...] = ("local", "s3"),
+        repeats: int = 5, bytes_every: int = 25, bytes_rounds: int = 4, stores: tuple[str, ...] = ("local", "s3"),
         progress: Progress = lambda _m: None) -> dict[str, Any]:
     """Every measurement of the module docstring; the records as JSON-able dicts."""
     work = workdir("recovery")
@@ -199,16 +207,17 @@ def render(result: dict[str, Any]) -> str:
     cost = table(result["cost"], [("workload", "workload"), ("every", "every"), ("train_s_without", "train s"),
                                   ("train_s_with", "with ckpts"), ("cost", "cost"),
                                   ("checkpoints_per_round", "ckpts/round"), ("steps_between", "steps apart"),
-                                  ("blocked_share", "blocked"), ("write_share", "bg write")])
+                                  ("blocked_share", "blocked"), ("write_share", "bg write"),
+                                  ("counted_cost", "blocked + bg write")])
     agg: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in result["bytes"]:
         agg.setdefault((r["workload"], r["against"]), []).append(r)
     rows = [{"workload": w, "against": a, "written": sum(x["written"] for x in xs) / len(xs),
-             "restore_reads": sum(x["restore_reads"] for x in xs) / len(xs), "chain": max(x["chain"] for x in xs)}
-            for (w, a), xs in agg.items()]
+             "restore_reads": sum(x["restore_reads"] for x in xs) / len(xs), "chain": max(x["chain"] for x in xs),
+             "kept": xs[-1]["kept_after_gc"]} for (w, a), xs in agg.items()]
     bytes_t = table(rows, [("workload", "workload"), ("against", "round fragment against"),
                            ("written", "bytes written / round"), ("restore_reads", "restore reads"),
-                           ("chain", "longest chain")])
+                           ("chain", "longest chain"), ("kept", "kept after GC, all rounds")])
     back: dict[tuple[str, bool], list[dict[str, Any]]] = {}
     for r in result["back_to_training"]:
         back.setdefault((r["store"], r["local_tier"]), []).append(r)
@@ -216,6 +225,6 @@ def render(result: dict[str, Any]) -> str:
                   "median_s": statistics.median(x["back_to_training_s"] for x in xs),
                   "load_s": statistics.median(x["load_s"] for x in xs)} for (s, t), xs in back.items()]
     back_t = table(back_rows, [("store", "store"), ("local_tier", "local tier"), ("from", "read from"),
-                               ("median_s", "back to training s"), ("load_s", "of which loading")])
+                               ("median_s", "back to training s"), ("load_s", "of which reading the checkpoint")])
     return (f"shard checkpoint cost (round of {result['cost'][0]['steps_per_round']} steps, every shard at once)\n"
             f"{cost}\n\nthe round's fragment\n{bytes_t}\n\nback to training after a crash\n{back_t}")

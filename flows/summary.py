@@ -105,7 +105,7 @@ class Ledger:
             "seconds": {
                 "wall": wall, "shards_wall": t1 - t0, "cut_wall": t2 - t1,
                 "train": slowest.get("train", 0.0), "build": slowest.get("build", 0.0),
-                "restore": slowest.get("load", 0.0) + cs["load"] + cs["read"],
+                "restore": slowest.get("load", 0.0) + slowest.get("load_base", 0.0) + cs["load"] + cs["read"],
                 "restore_parts": {"shard_load": slowest.get("load", 0.0), "cut_load": cs["load"], "cut_read": cs["read"]},
                 "save": slowest.get("write", 0.0) + cs["write"] + cs["commit"],
                 "combine_eval": cs["combine"], "cut_wait": cs["wait"],

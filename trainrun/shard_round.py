@@ -178,7 +178,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
         saver.finish()
         clock.lap("train")
         if start.round_step:
-            with clock.timing("load"):
+            with clock.timing("load_base"):
                 base_from_cut(a)
         frag = write_round_fragment(a, wl, loss, clock, start, saver)
         clock.lap("write")
