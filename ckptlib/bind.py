@@ -10,6 +10,7 @@ all of them are reported at once before anything is written. A saved view of a s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -193,7 +194,7 @@ def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dic
     return new_skeleton, binder.dest, binder.aliases, binder.mismatches
 
 
-def fill_aliases(aliases: list[Alias], objects: dict[int, Any], specs: list[LeafSpec], leaves: list[Any]) -> None:
+def fill_aliases(aliases: list[Alias], objects: Mapping[int, Any], specs: list[LeafSpec], leaves: list[Any]) -> None:
     """Copy each alias's source (a decoded leaf, or its view of a decoded storage) into its
     destination, and place the destination at the alias's index of ``leaves``."""
     for j, source, obj, view in aliases:
