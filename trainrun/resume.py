@@ -20,6 +20,8 @@ from .results import Reshard, RunPlan
 from .spec import RunSpec, describe_changes
 
 # How to resume, said to both kinds of users: the CLI's and the form's (deployments, the UI).
+# the trajectory fields a resume may change (from the last healthy step): a new trajectory from there
+RESIZES = ("shards", "ranks_per_shard")
 HOW_TO_RESUME = "resume (`ckpt train --resume`, or resume: true in the form), with the same run id and store"
 
 
@@ -68,14 +70,15 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
     if old is None:
         raise RunRefused(f"{where}: step {at} has no coordinator config; it was not written by a "
                          "training run. Choose another run id.")
-    new = spec.to_dict()
+    old = {"ranks_per_shard": 1, **old}  # a config without the field: one process per shard
+    new = {"ranks_per_shard": 1, **spec.to_dict()}
     changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k, "<absent>") != new.get(k, "<absent>")]
-    if changed and (changed != ["shards"] or from_step is not None):
+    if changed and (not set(changed) <= set(RESIZES) or from_step is not None):
         raise RunRefused(
             f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
             f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only rounds, shards, "
-            f"checkpoint_every, keyframe_every, task_runner may change; shards only when resuming from the "
-            f"last healthy step, not from a chosen one), or start a new run id.")
+            f"ranks_per_shard, checkpoint_every, keyframe_every, task_runner may change; shards and ranks_per_shard "
+            f"only when resuming from the last healthy step, not from a chosen one), or start a new run id.")
     committed, latest = len(steps), steps[-1]
     if from_step is not None:
         validated = (ck.verdict(from_step) or {}).get("passed") is True
@@ -85,12 +88,19 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
     if changed:
         if healthy != steps[-1]:
             what = f"step {healthy}" if healthy is not None else "no step"
+            resize = (f"from {old['shards']} to {spec.shards} shards" if "shards" in changed else
+                      f"from {old['ranks_per_shard']} to {spec.ranks_per_shard} ranks per shard")
             raise RunRefused(
-                f"cannot reshard {where} from {old['shards']} to {spec.shards} shards yet: its latest committed "
+                f"cannot reshard {where} {resize} yet: its latest committed "
                 f"step {steps[-1]} is not validated ({what} is healthy). Resharding starts a new trajectory from "
                 f"the latest committed step, which later steps of the old trajectory would contradict. Validate "
                 f"step {steps[-1]} (`ckpt validate {ck.url} --step {steps[-1]}`), or resume once with "
-                f"--shards {old['shards']}, then resume with --shards {spec.shards}.")
+                f"{'--shards ' + str(old['shards']) if 'shards' in changed else '--ranks-per-shard ' + str(old['ranks_per_shard'])}"
+                f", then resume with the new value.")
+        if "shards" not in changed:
+            return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with "
+                           f"{spec.ranks_per_shard} ranks per shard instead of {old['ranks_per_shard']} (a new "
+                           f"trajectory from step {healthy}: the gradients' reduction order changes)")
         return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with {spec.shards} shards "
                        f"instead of {old['shards']} (resharded: a new trajectory from step {healthy})",
                        reshard=Reshard(healthy, (old["shards"], spec.shards)))

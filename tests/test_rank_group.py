@@ -1,0 +1,142 @@
+"""A shard trained by a group of rank processes (--ranks-per-shard): real gloo groups of real
+processes on CPU, real SIGKILLs, real fences (trainrun.rank_group, trainrun.rank_round)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ckptlib import Checkpointer, FencedError
+from ckptlib.distributed import GroupFragment
+from ckptlib.heartbeat import read_rank_heartbeats
+from trainrun.chaos import check_runner, parse_chaos, read_strike
+from trainrun.documents import Cut
+from trainrun.errors import RankGroupFailed, RankGroupRefused
+from trainrun.rank_group import train_shard_group
+from trainrun.spec import RunSpec
+from trainrun.step_zero import write_step_zero
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+
+
+def spec(ranks: int = 2, **kw) -> RunSpec:
+    return RunSpec(**{"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "steps_per_round": 6,
+                      "ranks_per_shard": ranks, **kw})
+
+
+def step_zero(url: str, s: RunSpec) -> Checkpointer:
+    ck = Checkpointer(url)
+    write_step_zero(ck, s)
+    return ck
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as ended
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_per_shard_1_keeps_the_config_and_its_hash():
+    one = RunSpec(shards=2)
+    assert "ranks_per_shard" not in one.to_dict()
+    assert RunSpec.from_dict(one.to_dict()).ranks_per_shard == 1
+    two = RunSpec(shards=2, ranks_per_shard=2)
+    assert two.to_dict()["ranks_per_shard"] == 2 and two.config_hash() != one.config_hash()
+
+
+def test_chaos_addresses_one_rank_and_a_rank_process_may_be_killed_under_threads():
+    c = parse_chaos("kill:shard=1,round=2,rank=1")
+    assert (c.rank, str(c)) == (1, "kill:shard=1,round=2,rank=1")
+    assert c.strikes(1, 2, 1, rank=1) and not c.strikes(1, 2, 1, rank=0)
+    check_runner(["kill:shard=1,round=2,rank=1"], "threads", ranks_per_shard=2)
+    with pytest.raises(ValueError, match="threads"):
+        check_runner(["kill:shard=1,round=2"], "threads")
+    with pytest.raises(ValueError, match="names a rank the shard's group does not have"):
+        check_runner(["hang:shard=1,round=2,rank=2"], "threads", ranks_per_shard=2)
+
+
+def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(tmp_path):
+    s = spec()
+    ck = step_zero(str(tmp_path / "a"), s)
+    result = train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+    assert result.finished and result.data_position == 6 and result.seconds["group"] > 0
+    frag = ck.gather(1, ["shard-1"], timeout=5)["shard-1"][0]
+    assert isinstance(frag, GroupFragment) and frag.world == 2 and frag.digest == result.digest
+    state = ck.read_fragment(1, "shard-1")
+    assert state["data_position"] == 6 and state["loss"] == result.loss
+    beats = read_rank_heartbeats(ck.store, "shard-1")
+    assert sorted(beats) == [0, 1] and {b.status for b in beats.values()} == {"finished"}
+    assert beats[0].pid != beats[1].pid and {b.rank for b in beats.values()} == {0, 1}
+    # the same round again, in another store: the same fragment, bit for bit
+    again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 1, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+    assert again.digest == result.digest and again.loss == result.loss
+
+
+def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(tmp_path):
+    s = spec()
+    clean = train_shard_group(step_zero(str(tmp_path / "clean"), s), None, s, 0, 1, Cut.of_step(0))
+    ck = step_zero(str(tmp_path / "k"), s)
+    with pytest.raises(RankGroupFailed, match=r"shard-0: rank 1 of its group of 2 was killed by signal 9"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=["kill:shard=0,round=1,rank=1,step=3"],
+                          heartbeat_every_s=0.2)
+    beats = read_rank_heartbeats(ck.store, "shard-0")
+    assert read_strike(ck.store, "shard-0", 1, 1).pid == beats[1].pid
+    assert not any(alive(b.pid) for b in beats.values() if b.pid)  # no rank of the failed group lives on
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2,
+                              chaos=["kill:shard=0,round=1,rank=1,step=3"])
+    assert retry.digest == clean.digest
+
+
+def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_path):
+    s = spec(steps_per_round=6)
+    ck = step_zero(str(tmp_path / "f"), s)
+
+    def fence_once_struck() -> None:
+        deadline = time.monotonic() + 120
+        while read_strike(ck.store, "shard-1", 1, 1) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
+
+    th = threading.Thread(target=fence_once_struck)
+    th.start()
+    with pytest.raises(FencedError, match="every rank of the group was ended"):
+        train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
+                          heartbeat_every_s=0.2)
+    th.join()
+    beats = read_rank_heartbeats(ck.store, "shard-1")
+    assert sorted(beats) == [0, 1] and not any(alive(b.pid) for b in beats.values() if b.pid)
+    assert ck.store.list("fragments/1") == []  # the fenced group wrote nothing
+    live = train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), attempt=2)
+    assert live.generation == 1
+    assert ck.gather(1, ["shard-1"], timeout=5)["shard-1"][0].generation == 1
+
+
+def test_a_group_whose_rendezvous_fails_says_why(tmp_path, monkeypatch):
+    import trainrun.rank_group as rank_group
+
+    s = spec()
+    ck = step_zero(str(tmp_path / "r"), s)
+    with socket.socket() as taken:  # another process holds the attempt's port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(rank_group, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RankGroupFailed, match=r"rendezvous failed: rank 0 of 2 could not join"):
+            train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), group_timeout_s=20)
+
+
+def test_a_workload_that_cannot_be_split_over_ranks_is_refused_not_retried(tmp_path):
+    s = spec(batch_size=5)
+    ck = step_zero(str(tmp_path / "b"), s)
+    with pytest.raises(RankGroupRefused, match="choose --batch-size a multiple of --ranks-per-shard"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0))
+    assert isinstance(RankGroupRefused("x"), ValueError)  # tasks.retry: deterministic, never retried
