@@ -1,0 +1,47 @@
+"""`--ranks-per-shard 2` in real training runs (Prefect, the watchdog beside them, 2 shards of 2
+gloo ranks each = 4 rank processes per round): a clean run, a SIGKILL of one rank and a hang of
+one rank end on the clean run's digests; a resume with one rank per shard continues."""
+
+from __future__ import annotations
+
+import pytest
+from test_watchdog import TIMEOUT, check_run, digests, fenced, params, train_with_watchdog
+
+from ckptlib import Checkpointer
+from trainrun.layout import COORDINATOR
+from trainrun.resume import stored_config
+
+R2 = dict(ranks_per_shard=2, rounds=3, steps_per_round=8)
+
+
+@pytest.fixture(scope="module")
+def clean_r2(prefect_harness, tmp_path_factory):
+    s, decisions = train_with_watchdog(params(store=str(tmp_path_factory.mktemp("clean-r2")), run_id="clean", **R2))
+    assert decisions == [], decisions  # no false alarm: rank 0's beats are the group's
+    return digests(s["run_url"])
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_one_rank_continues(clean_r2, tmp_path):
+    p = params(store=str(tmp_path), run_id="kh", **R2,
+               chaos=["kill:shard=1,round=2,rank=1", "hang:shard=0,round=3,rank=1"])
+    s, ds = train_with_watchdog(p)
+    # the kill: rank 1's process died, its group failed at its next collective, Prefect retried the
+    # task (a fresh group); the hang: rank 0 waited in its all-reduce, the group's beats stopped, the
+    # watchdog fenced shard-0 and reran it, the fenced group's four processes were ended
+    check_run(s["run_url"], None, clean_r2, struck={"shard-0": 3})
+    hang = fenced(ds, "shard-0")
+    assert hang["detection_latency_s"] >= TIMEOUT
+    assert not [d for d in ds if d["part"] == "shard-1" and d["kind"] == "fenced"], ds  # the retry was enough
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.manifest(2).parts["shard-1"].generation == 0 and ck.manifest(3).parts["shard-0"].generation == 1
+        assert stored_config(ck, 3)["ranks_per_shard"] == 2
+    # resize: one process per shard from the last healthy step on
+    s2, ds2 = train_with_watchdog(params(store=str(tmp_path), run_id="kh", resume=True,
+                                         **{**R2, "ranks_per_shard": 1, "rounds": 4}))
+    assert ds2 == []
+    with Checkpointer(s2["run_url"]) as ck:
+        assert ck.steps()[-1] == 4 and digests(s2["run_url"])[3] == clean_r2[3]
+        assert "ranks_per_shard" not in stored_config(ck, 4)
+        assert ck.read_fragment(4, COORDINATOR, select=["round"])["round"] == 4
