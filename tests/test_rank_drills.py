@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 from test_watchdog import TIMEOUT, check_run, digests, fenced, params, train_with_watchdog
 
+from ckpt.cmd_watchdog import status_of
 from ckptlib import Checkpointer
 from trainrun.layout import COORDINATOR
 from trainrun.resume import stored_config
 
-R2 = dict(ranks_per_shard=2, rounds=3, steps_per_round=8)
+R2 = dict(ranks_per_shard=2, rounds=2, steps_per_round=8)
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +26,26 @@ def clean_r2(prefect_harness, tmp_path_factory):
 @pytest.mark.slow
 def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_one_rank_continues(clean_r2, tmp_path):
     p = params(store=str(tmp_path), run_id="kh", **R2,
-               chaos=["kill:shard=1,round=2,rank=1", "hang:shard=0,round=3,rank=1"])
+               chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
     s, ds = train_with_watchdog(p)
     # the kill: rank 1's process died, its group failed at its next collective, Prefect retried the
     # task (a fresh group); the hang: rank 0 waited in its all-reduce, the group's beats stopped, the
     # watchdog fenced shard-0 and reran it, the fenced group's four processes were ended
-    check_run(s["run_url"], None, clean_r2, struck={"shard-0": 3})
+    check_run(s["run_url"], None, clean_r2, struck={"shard-0": 2})
     hang = fenced(ds, "shard-0")
     assert hang["detection_latency_s"] >= TIMEOUT
     assert not [d for d in ds if d["part"] == "shard-1" and d["kind"] == "fenced"], ds  # the retry was enough
     with Checkpointer(s["run_url"]) as ck:
-        assert ck.manifest(2).parts["shard-1"].generation == 0 and ck.manifest(3).parts["shard-0"].generation == 1
-        assert stored_config(ck, 3)["ranks_per_shard"] == 2
+        assert ck.manifest(1).parts["shard-1"].generation == 0 and ck.manifest(2).parts["shard-0"].generation == 1
+        assert stored_config(ck, 2)["ranks_per_shard"] == 2
+    runs = status_of(str(tmp_path))  # `ckpt status --json`: a row per rank, with its part and rank
+    ranks = [[(k["part"], k["rank"], k["status"]) for k in p["ranks"]] for p in runs[0]["parts"]]
+    assert ranks == [[(part, 0, "finished"), (part, 1, "finished")] for part in ("shard-0", "shard-1")]
     # resize: one process per shard from the last healthy step on
     s2, ds2 = train_with_watchdog(params(store=str(tmp_path), run_id="kh", resume=True,
-                                         **{**R2, "ranks_per_shard": 1, "rounds": 4}))
+                                         **{**R2, "ranks_per_shard": 1, "rounds": 3}))
     assert ds2 == []
     with Checkpointer(s2["run_url"]) as ck:
-        assert ck.steps()[-1] == 4 and digests(s2["run_url"])[3] == clean_r2[3]
-        assert "ranks_per_shard" not in stored_config(ck, 4)
-        assert ck.read_fragment(4, COORDINATOR, select=["round"])["round"] == 4
+        assert ck.steps()[-1] == 3 and digests(s2["run_url"])[2] == clean_r2[2]
+        assert "ranks_per_shard" not in stored_config(ck, 3)
+        assert ck.read_fragment(3, COORDINATOR, select=["round"])["round"] == 3

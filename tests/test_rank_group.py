@@ -140,3 +140,36 @@ def test_a_workload_that_cannot_be_split_over_ranks_is_refused_not_retried(tmp_p
     with pytest.raises(RankGroupRefused, match="choose --batch-size a multiple of --ranks-per-shard"):
         train_shard_group(ck, None, s, 0, 1, Cut.of_step(0))
     assert isinstance(RankGroupRefused("x"), ValueError)  # tasks.retry: deterministic, never retried
+
+
+def test_the_watchdog_finds_a_group_silent_when_one_of_its_ranks_is(tmp_path):
+    """Rank 0 beats for the group; rank 1's beat is older than the timeout: the shard is silent,
+    and the reason names the rank (beats as a group's ranks write them)."""
+    import json
+
+    from ckptlib.store import Store
+    from trainrun.watchdog import assess_run
+
+    store = Store.from_url(str(tmp_path))
+    now = 1_000_000.0
+
+    def beat(key: str, t: float, part: str, rank: int | None, **kw) -> None:
+        doc = {"format": 1, "part": part, "generation": 0, "round": 2, "step": 5, "round_step": 5,
+               "steps_per_round": 40, "status": "running", "time": t, "started": t - 1, "beats": 3, "host": "h",
+               "pid": 1, "attempt": 1, "loss": None, "meta": {}, "rank": rank, **kw}
+        store.put(key, json.dumps(doc).encode())
+
+    meta = {"spec": {"shards": 2, "ranks_per_shard": 2}, "phase": "shards", "phase_time": now - 5, "cut": {"step": 1}}
+    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, meta=meta)
+    for part in ("shard-0", "shard-1"):
+        beat(f"heartbeats/{part}.json", now - 0.2, part, 0)
+    beat("heartbeats/ranks/shard-0/1.json", now - 0.3, "shard-0", 1)
+    beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1)  # silent
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
+    assert [p.state for p in v.shards] == ["running", "silent"]
+    assert v.shards[1].reason.startswith("rank 1 of the group has not beaten for 9.0 s")
+    assert v.shards[1].failure_time == now - 9
+    # a rank beat of an earlier attempt does not count against the live one
+    beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1, attempt=0)
+    assert [p.state for p in assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now).shards] == \
+        ["running", "running"]
