@@ -12,7 +12,7 @@ from ckptlib import Checkpointer
 from trainrun.layout import COORDINATOR
 from trainrun.resume import stored_config
 
-R2 = dict(ranks_per_shard=2, rounds=2, steps_per_round=8)
+R2 = {"ranks_per_shard": 2, "rounds": 2, "steps_per_round": 8}
 
 
 @pytest.fixture(scope="module")
