@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 from test_watchdog import TIMEOUT, check_run, digests, fenced, params, train_with_watchdog
+from typer.testing import CliRunner
 
+from ckpt.cli import app
 from ckpt.cmd_watchdog import status_of
 from ckptlib import Checkpointer
 from trainrun.layout import COORDINATOR
@@ -38,6 +40,11 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
     with Checkpointer(s["run_url"]) as ck:
         assert ck.manifest(1).parts["shard-1"].generation == 0 and ck.manifest(2).parts["shard-0"].generation == 1
         assert stored_config(ck, 2)["ranks_per_shard"] == 2
+    # `ckpt show` of a step whose shards are groups (it raised AttributeError: no skeleton) and `ckpt verify`
+    for args in (["show", s["run_url"], "--step", "2"], ["verify", s["run_url"], "--step", "2"]):
+        out = CliRunner().invoke(app, args)
+        assert out.exit_code == 0, out.output
+    assert "shard-0: generation 1, 2 ranks" in CliRunner().invoke(app, ["show", s["run_url"], "--step", "2"]).output
     runs = status_of(str(tmp_path))  # `ckpt status --json`: a row per rank, with its part and rank
     ranks = [[(k["part"], k["rank"], k["status"]) for k in p["ranks"]] for p in runs[0]["parts"]]
     assert ranks == [[(part, 0, "finished"), (part, 1, "finished")] for part in ("shard-0", "shard-1")]

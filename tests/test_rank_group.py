@@ -65,26 +65,34 @@ def test_chaos_addresses_one_rank_and_a_rank_process_may_be_killed_under_threads
         check_runner(["hang:shard=1,round=2,rank=2"], "threads", ranks_per_shard=2)
 
 
-def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(tmp_path):
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """Round 1 of shard 0 by a clean group of 2 ranks, and its store."""
     s = spec()
-    ck = step_zero(str(tmp_path / "a"), s)
-    result = train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+    ck = step_zero(str(tmp_path_factory.mktemp("clean")), s)
+    return ck, train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+
+
+@pytest.mark.slow
+def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(clean, tmp_path):
+    ck, result = clean
     assert result.finished and result.data_position == 6 and result.seconds["group"] > 0
-    frag = ck.gather(1, ["shard-1"], timeout=5)["shard-1"][0]
+    frag = ck.gather(1, ["shard-0"], timeout=5)["shard-0"][0]
     assert isinstance(frag, GroupFragment) and frag.world == 2 and frag.digest == result.digest
-    state = ck.read_fragment(1, "shard-1")
+    state = ck.read_fragment(1, "shard-0")
     assert state["data_position"] == 6 and state["loss"] == result.loss
-    beats = read_rank_heartbeats(ck.store, "shard-1")
+    beats = read_rank_heartbeats(ck.store, "shard-0")
     assert sorted(beats) == [0, 1] and {b.status for b in beats.values()} == {"finished"}
     assert beats[0].pid != beats[1].pid and {b.rank for b in beats.values()} == {0, 1}
     # the same round again, in another store: the same fragment, bit for bit
-    again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 1, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+    s = spec()
+    again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
     assert again.digest == result.digest and again.loss == result.loss
 
 
-def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(tmp_path):
-    s = spec()
-    clean = train_shard_group(step_zero(str(tmp_path / "clean"), s), None, s, 0, 1, Cut.of_step(0))
+@pytest.mark.slow
+def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(clean, tmp_path):
+    s, clean = spec(), clean[1]
     ck = step_zero(str(tmp_path / "k"), s)
     with pytest.raises(RankGroupFailed, match=r"shard-0: rank 1 of its group of 2 was killed by signal 9"):
         train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=["kill:shard=0,round=1,rank=1,step=3"],
@@ -97,6 +105,7 @@ def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_
     assert retry.digest == clean.digest
 
 
+@pytest.mark.slow
 def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_path):
     s = spec(steps_per_round=6)
     ck = step_zero(str(tmp_path / "f"), s)
@@ -134,6 +143,7 @@ def test_a_group_whose_rendezvous_fails_says_why(tmp_path, monkeypatch):
             train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), group_timeout_s=20)
 
 
+@pytest.mark.slow
 def test_a_workload_that_cannot_be_split_over_ranks_is_refused_not_retried(tmp_path):
     s = spec(batch_size=5)
     ck = step_zero(str(tmp_path / "b"), s)
