@@ -5,7 +5,8 @@ processes (``trainrun.rank_group``, DDP over gloo on CPU) against one process
 For each R, from the same step 0 on a local store, round 1 of shard 0 is trained ``repeats`` times
 (each in a fresh store; alternating R, so a machine's load drifts over both alike) and reported as
 medians: the round's wall time as the shard task sees it (``round_s``), its training alone
-(``train_s``: the steps, the all-reduces included), reading the cut (``load_s``) and writing
+(``train_s``: the steps, the all-reduces included), the rank's setup (``setup_s``: its checkpointer's gloo group, its first beat), reading the cut
+(``load_s``), building the workload (``build_s``: in a fresh process, DDP's first broadcast), writing
 the fragment (``write_s``: for a group, the collective write), and for a group the overhead of its start: the
 group's wall time minus what rank 0 measured from its first beat to its fragment (``start_s``:
 processes started, torch and the workload imported, the rendezvous, the ranks ended).
@@ -47,7 +48,8 @@ def one_round(workload: str, size: str, steps: int, ranks: int, where: Any) -> d
         else:
             r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0))
         wall = time.perf_counter() - t0
-    out = {"round_s": wall, "load_s": r.seconds.get("load", 0.0), "train_s": r.seconds.get("train", 0.0),
+    out = {"round_s": wall, "setup_s": r.seconds.get("setup", 0.0), "load_s": r.seconds.get("load", 0.0),
+           "build_s": r.seconds.get("build", 0.0), "train_s": r.seconds.get("train", 0.0),
            "write_s": r.seconds.get("write", 0.0), "loss": r.loss or 0.0}
     if ranks > 1:
         out["start_s"] = r.seconds["group"] - r.seconds["total"]
@@ -78,7 +80,7 @@ def run(workloads: tuple[str, ...] = ("tinylm",), size: str = "small", steps: in
 
 def render(result: dict[str, Any]) -> str:
     cols = [("workload", "workload"), ("ranks", "R"), ("steps", "steps"), ("round_s", "round s"),
-            ("load_s", "load s"),
+            ("setup_s", "setup s"), ("load_s", "load s"), ("build_s", "build s"),
             ("train_s", "train s"), ("train_per_step_ms", "ms/step"), ("write_s", "write s"),
             ("start_s", "group start s")]
     return f"median of {result['repeats']} on {result['machine']}\n" + table(result["rows"], cols)

@@ -121,10 +121,14 @@ def train_rank_round(job: RankJob) -> ShardResult:
                    every_s=job.heartbeat_every_s, attempt=job.attempt, rank=job.rank,
                    meta={**ShardInfo(cut=cut, config_hash=spec.config_hash()).to_dict(), "ranks": job.ranks})
     hb.start()
+    clock.lap("setup")  # the checkpointer's own gloo group, the first beat
     loss = float("nan")
     try:
-        wl = build_rank_workload(spec, job, load_cut_in_group(ck, reader, spec, job.shard, cut))
+        state = load_cut_in_group(ck, reader, spec, job.shard, cut)
         clock.lap("load")
+        wl = build_rank_workload(spec, job, state)
+        del state
+        clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
         hb.beat(step=int(wl.data_position), force=True)
         loss = group_mean(rank_steps(job, spec, wl, hb, ck))
         clock.lap("train")
@@ -132,7 +136,8 @@ def train_rank_round(job: RankJob) -> ShardResult:
                  "round": job.round_no, "loss": loss}
         frag = ck.write_fragment(job.round_no, part, state, generation=job.generation, config_hash=spec.config_hash(),
                                  meta={"round": job.round_no, "loss": loss, "attempt": job.attempt, "ranks": job.ranks,
-                                       "host": socket.gethostname(), "load_s": clock.spent("load"),
+                                       "host": socket.gethostname(), "setup_s": clock.spent("setup"),
+                                       "load_s": clock.spent("load"), "build_s": clock.spent("build"),
                                        "train_s": clock.spent("train")})
         clock.lap("write")
     except BaseException as e:
