@@ -1,4 +1,5 @@
-"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``).
+"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``, or
+with ``ranks_per_shard`` > 1 a group of rank processes, ``trainrun.rank_group.train_shard_group``).
 
 Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried; the retry continues
 from the shard's newest checkpoint of the round, else the cut, and, training being deterministic,
