@@ -183,3 +183,25 @@ def test_the_watchdog_finds_a_group_silent_when_one_of_its_ranks_is(tmp_path):
     beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1, attempt=0)
     assert [p.state for p in assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now).shards] == \
         ["running", "running"]
+
+
+@pytest.mark.slow
+def test_a_resume_may_change_ranks_per_shard_from_the_last_healthy_step_only(tmp_path):
+    from trainrun.checks import validate_run_checkpoint
+    from trainrun.errors import RunRefused
+    from trainrun.resume import where_to_start
+
+    url = str(tmp_path / "run")
+    step_zero(url, spec(2)).close()
+    with Checkpointer(url) as ck:
+        with pytest.raises(RunRefused, match=r"from 2 to 1 ranks per shard yet: its latest committed step 0 is not "
+                                             r"validated .* resume once with --ranks-per-shard 2"):
+            where_to_start(ck, spec(1), resume=True)
+        with pytest.raises(RunRefused, match=r"ranks_per_shard: 2 -> 1"):  # not from a chosen step
+            where_to_start(ck, spec(1), resume=True, from_step=0)
+        assert validate_run_checkpoint(url, 0).passed
+        plan = where_to_start(ck, spec(1), resume=True)
+        assert plan.start_step == 0 and plan.reshard is None and "1 ranks per shard instead of 2" in plan.note
+        assert where_to_start(ck, spec(2), resume=True).note == "resuming from healthy step 0"
+        with pytest.raises(RunRefused, match=r"seed: 0 -> 1"):  # another trajectory field is still refused
+            where_to_start(ck, spec(1, seed=1), resume=True)
