@@ -205,3 +205,36 @@ def test_a_resume_may_change_ranks_per_shard_from_the_last_healthy_step_only(tmp
         assert where_to_start(ck, spec(2), resume=True).note == "resuming from healthy step 0"
         with pytest.raises(RunRefused, match=r"seed: 0 -> 1"):  # another trajectory field is still refused
             where_to_start(ck, spec(1, seed=1), resume=True)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_shard_task_killed_outright_end_with_it(tmp_path):
+    """kill -9 of the process that supervises a group (a shard task's): its ranks are not left
+    training (the kernel kills them: PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "run")
+    s = spec(steps_per_round=100000)  # a round that would last hours
+    step_zero(url, s).close()
+    code = ("import sys; from ckptlib import Checkpointer; from trainrun.documents import Cut; "
+            "from trainrun.rank_group import train_shard_group; from trainrun.spec import RunSpec; "
+            f"train_shard_group(Checkpointer({url!r}), None, RunSpec.from_dict({s.to_dict()!r}), 0, 1, Cut.of_step(0), "
+            "heartbeat_every_s=0.2)")
+    supervisor = subprocess.Popen([sys.executable, "-c", code])
+    store = Checkpointer(url).store
+    deadline = time.monotonic() + 180
+    beats: dict = {}
+    while time.monotonic() < deadline:
+        beats = read_rank_heartbeats(store, "shard-0")
+        if len(beats) == 2 and all(b.round_step for b in beats.values()):
+            break  # both ranks train
+        time.sleep(0.2)
+    assert len(beats) == 2, "the group never trained"
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(b.pid) for b in beats.values() if b.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(b.pid) for b in beats.values() if b.pid)

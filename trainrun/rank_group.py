@@ -13,7 +13,8 @@ a hung or stalled rank stops the whole group's beats at its next collective), ev
 is killed (SIGKILL: a rank blocked in a collective cannot be asked) and waited for, so no process
 of a failed or fenced group lives on. A failure raises ``RankGroupFailed`` (Prefect retries the
 task: a fresh group from the same cut) or ``RankGroupRefused`` (a rank refused its work: not
-retried); a fence raises ``FencedError``. A fenced group's fragment, had one of its ranks written
+retried); a fence raises ``FencedError``. A shard task killed outright takes its ranks with it (each rank asks
+the kernel for ``SIGKILL`` when its supervisor ends: ``PR_SET_PDEATHSIG``). A fenced group's fragment, had one of its ranks written
 it, is of the old generation: never gathered, never committed.
 
 Rank 0 beats as the shard (``heartbeats/<part>.json``, so the watchdog judges the group as it
@@ -124,7 +125,8 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
         jobs = [RankJob(url=ck.url, storage_options=storage_options, spec=spec.trajectory().to_dict(), shard=shard,
                         round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
                         chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
-                        port=port, group_timeout_s=group_timeout_s, result_path=str(result_path))
+                        port=port, group_timeout_s=group_timeout_s, result_path=str(result_path),
+                        supervisor_pid=os.getpid())
                 for r in range(spec.ranks_per_shard)]
         ranks = start_ranks(jobs, workdir)
         try:

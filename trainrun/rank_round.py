@@ -64,6 +64,7 @@ class RankJob:
     port: int
     group_timeout_s: float
     result_path: str
+    supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -182,11 +183,26 @@ def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpoi
     return math.fsum(losses) / len(losses)
 
 
+def die_with(supervisor_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when its supervisor's thread ends (Linux ``PR_SET_PDEATHSIG``):
+    a shard task killed with ``kill -9`` leaves no rank training on; elsewhere a no-op."""
+    if not supervisor_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != supervisor_pid:  # it died before the call: nobody would end this rank
+        os._exit(1)
+
+
 def main() -> int:
     """The rank process: the job from stdin, the rendezvous, the round; the exit code says how it ended."""
     import torch.distributed as dist
 
     job = RankJob.from_json(sys.stdin.read())
+    die_with(job.supervisor_pid)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
                                 world_size=job.ranks, timeout=timedelta(seconds=job.group_timeout_s))
