@@ -10,8 +10,14 @@ Each round every shard is one retryable ``train-shard`` task (threads, or Dask p
 ``checkpoint-cut`` task waits for every shard's fragment of the live generation, performs the outer
 step and commits the cut (every ``checkpoint_every`` rounds and after the last); the validation of a
 committed step runs in its own process beside the next round, and the flow waits for all of them
-at the end. Tasks pass only small values; the state travels through the store
-(``docs/run-layout.md``).
+at the end. A step that failed validation (its task run Failed) stops the run after the round in
+flight: it ends Failed, its message naming the step, the checks and the last healthy step. Tasks
+pass only small values; the state travels through the store (``docs/run-layout.md``).
+
+A resume takes its trajectory from the run (``plan-run``: ``trainrun.resume``); a deployment's run
+given only some fields of ``params`` gets the deployment's for the others; a session that continues
+another one (the coordinator's last beat names another flow run) names it in its log, tags and
+summary (``flows/predecessor.py``).
 
 The flow beats ``heartbeats/coordinator.json`` from a thread (``trainrun.beats.CoordinatorBeat``:
 round, phase, the cut the round starts from, the spec and settings a rerun needs). A watchdog
@@ -196,12 +202,18 @@ def _with_deployment_defaults(params: TrainParams) -> TrainParams:
     the run would train with the flow's own defaults (a local ``./runs``, no S3). The fields the run
     was given are those pydantic saw (``model_fields_set``); the UI's form and the watchdog send
     every field, so for them nothing changes. Outside a deployment: ``params`` as given."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
     from prefect.runtime import deployment
 
-    try:
-        base = (deployment.parameters or {}).get("params") if deployment.id else None
-    except Exception:  # noqa: BLE001 - no API to ask: the parameters as given
-        base = None
+    base = None
+    if deployment.id:  # (prefect.runtime.deployment.parameters are the flow run's, not the deployment's)
+        try:
+            with get_client(sync_client=True) as client:
+                base = (client.read_deployment(UUID(str(deployment.id))).parameters or {}).get("params")
+        except Exception as e:  # noqa: BLE001 - no API to ask: the parameters as given
+            get_run_logger().warning("could not read the deployment's parameters (%s): the run's as given", e)
     if not isinstance(base, dict) or params.model_fields_set >= set(base):
         return params
     given = params.model_dump(mode="json", include=params.model_fields_set, exclude={"storage_options"})

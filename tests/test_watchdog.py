@@ -525,27 +525,36 @@ def test_a_stopped_dask_worker_is_fenced_replaced_and_stops_itself_when_woken(cl
            steps_lost=d["steps_lost"])
 
 
+def _dead_deployment_run(deployment_store: str, where: Path, run_id: str):
+    """(deployment id, flow run): a deployment of train_run on ``deployment_store``, a flow run of it
+    for ``run_id``, and under ``where`` that run's coordinator beat naming them, silent from now on."""
+    from prefect.client.orchestration import get_client
+
+    from flows.train import train_run
+
+    base = params(store=deployment_store).model_dump(mode="json")
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow(train_run)
+        dep_id = c.create_deployment(flow_id=flow_id, name=f"wd-{uuid.uuid4().hex[:6]}", parameters={"params": base},
+                                     entrypoint="flows.train.train_run")
+        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": run_id}})
+    hb = Heartbeat(Store.from_url(str(where / run_id)), "coordinator", generation=0, round=2, every_s=1,
+                   meta={"run_id": run_id, "flow_run_id": str(old.id), "deployment_id": str(dep_id),
+                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
+    hb.start(step=2)
+    time.sleep(1.2)  # silent from now on
+    return dep_id, old
+
+
 @pytest.mark.prefect
 def test_a_dead_run_from_a_deployment_is_reported_and_started_again_once(prefect_harness, tmp_path):
     """The coordinator of a deployment's run stops beating: the watchdog marks the flow run crashed
     and runs the deployment again with resume (once, whatever the number of watchdogs)."""
     from prefect.client.orchestration import get_client
 
-    from flows.train import train_run
     from flows.watchdog import watchdog
 
-    base = params(store=str(tmp_path)).model_dump(mode="json")
-    with get_client(sync_client=True) as c:
-        flow_id = c.create_flow(train_run)
-        dep_id = c.create_deployment(flow_id=flow_id, name=f"wd-{uuid.uuid4().hex[:6]}", parameters={"params": base},
-                                     entrypoint="flows.train.train_run")
-        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": "dead"}})
-    store = Store.from_url(str(tmp_path / "dead"))
-    hb = Heartbeat(store, "coordinator", generation=0, round=2, every_s=1,
-                   meta={"run_id": "dead", "flow_run_id": str(old.id), "deployment_id": str(dep_id),
-                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
-    hb.start(step=2)
-    time.sleep(1.2)  # silent from now on
+    dep_id, old = _dead_deployment_run(str(tmp_path), tmp_path, "dead")
     first = watchdog(store=str(tmp_path), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
     kinds = [d["kind"] for d in first["decisions"]]
     assert kinds == ["run-dead", "resumed"], first["decisions"]
@@ -569,22 +578,10 @@ def test_the_watchdog_resumes_only_runs_of_its_own_store(prefect_harness, tmp_pa
     deployment again, i.e. resumed a run of another store."""
     from prefect.client.orchestration import get_client
 
-    from flows.train import train_run
     from flows.watchdog import watchdog
 
-    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
-    base = params(store=str(theirs)).model_dump(mode="json")
-    with get_client(sync_client=True) as c:
-        flow_id = c.create_flow(train_run)
-        dep_id = c.create_deployment(flow_id=flow_id, name=f"other-{uuid.uuid4().hex[:6]}",
-                                     parameters={"params": base}, entrypoint="flows.train.train_run")
-        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": "victim"}})
-    store = Store.from_url(str(mine / "victim"))
-    hb = Heartbeat(store, "coordinator", generation=0, round=2, every_s=1,
-                   meta={"run_id": "victim", "flow_run_id": str(old.id), "deployment_id": str(dep_id),
-                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
-    hb.start(step=2)
-    time.sleep(1.2)
+    mine = tmp_path / "mine"
+    dep_id, old = _dead_deployment_run(str(tmp_path / "theirs"), mine, "victim")
     out = watchdog(store=str(mine), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
     kinds = [d["kind"] for d in out["decisions"]]
     assert kinds == ["run-dead", "resume-failed"], out["decisions"]
