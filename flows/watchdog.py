@@ -21,9 +21,9 @@ The watchdog runs nothing the store names: a rerun uses the run's spec as this f
 whose workload is a built-in or in ``allow_workloads``.
 
 Ways to run it: ``ckpt watchdog URL`` (foreground), beside every ``ckpt train`` (a thread of the
-CLI's process, unless ``--no-watchdog``), the ``watchdog/watchdog`` deployment (``make deploy``:
-every 2 minutes for 110 s, and started by the automation that fires when shard heartbeat events
-stop), ``python -m flows.watchdog URL``.
+CLI's process, unless ``--no-watchdog``; it judges that session's beats only: ``since``), the
+``watchdog/watchdog`` deployment (``make deploy``: one long-lived run per store, started again by
+the keeper automation when it dies), ``python -m flows.watchdog URL``.
 """
 
 from __future__ import annotations
