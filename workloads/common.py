@@ -188,7 +188,7 @@ class TorchWorkload:
         from torch.nn.parallel import DistributedDataParallel
 
         self.rank, self.ranks = rank, ranks
-        self._replica = DistributedDataParallel(self.model, broadcast_buffers=False)
+        self._replica = DistributedDataParallel(self.model)  # (the built-ins have no buffers to broadcast)
 
     def forward(self, *inputs: Any) -> Any:
         """The model's forward for ``compute_loss``: through DDP when trained by a group of ranks."""
