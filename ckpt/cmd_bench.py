@@ -60,6 +60,9 @@ def bench(
     recovery: Annotated[bool, typer.Option(
         "--recovery", help="Instead: what shard checkpoints cost at the default cadence, the round's fragment's "
                            "bytes, back-to-training time with and without the local tier (bench/recovery.py).")] = False,
+    ranks_per_shard: Annotated[bool, typer.Option(
+        "--ranks-per-shard", help="Instead: a shard's round trained by 2 rank processes (DDP, gloo) against one "
+                                  "process, on the same batches; and the group's start (bench/ranks.py).")] = False,
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
@@ -71,6 +74,13 @@ def bench(
             return
         if recovery:
             _bench_recovery(_names(workloads, "workloads"), json_out)
+            return
+        if ranks_per_shard:
+            from bench.ranks import render, run
+
+            result = run(progress=lambda m: typer.echo(m, err=True))
+            _write_json(json_out, result)
+            typer.echo(render(result))
             return
         import os
 

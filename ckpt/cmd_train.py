@@ -113,7 +113,7 @@ def _params_or_exit(o: TrainOptions) -> tuple[TrainParams, dict[str, Any] | None
     except ValidationError as e:
         fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'params'}: {err['msg']}" for err in e.errors()))
     try:
-        check_runner(params.chaos, params.task_runner)
+        check_runner(params.chaos, params.task_runner, params.ranks_per_shard)
     except ValueError as e:
         fail(str(e))
     if params.chaos and o.no_watchdog and any(c.split(":")[0] in ("hang", "zombie") for c in params.chaos):
@@ -140,7 +140,9 @@ def _refuse_early(params: TrainParams, so: dict[str, Any] | None, given: frozens
                 plan = where_to_start(ck, params.spec(), resume=params.resume, run_id=params.run_id,
                                       given=trajectory_fields(given) if params.resume else None)
                 rounds = _stored_rounds(ck) if params.resume and "rounds" not in given else None
-            params = params.model_copy(update={**(plan.config or {}), **({"rounds": rounds} if rounds else {})})
+            chosen = {"given": sorted(trajectory_fields(given))} if params.resume else {}
+            params = params.model_copy(update={**(plan.config or {}), **({"rounds": rounds} if rounds else {}),
+                                               **chosen})
             if params.resume:
                 typer.echo(f"{params.run_id}: {plan.note}" + (f"; {params.rounds} rounds, as the run was started"
                                                               if rounds else ""))

@@ -124,8 +124,23 @@ def status_of(url: str, storage_options: dict | None = None, *, timeout_s: float
         phase = view.info.phase if view.info is not None else None
         out.append({"url": run, "run": view.run, "state": view.state, "committed": view.committed,
                     "coordinator": c.row() | {"phase": phase} if c else None,
-                    "parts": [p.row() for p in view.shards], "fences": fences})
+                    "parts": [p.row() | rank_rows(store, p.part) for p in view.shards], "fences": fences})
     return out
+
+
+def rank_rows(store: Any, part: str) -> dict[str, Any]:
+    """A group's part (``--ranks-per-shard`` > 1): ``{"rank": 0, "ranks": [one row per rank]}``, each
+    row with its ``part`` and ``rank`` (rank 0's is the part's own beat); ``{}`` for one process."""
+    from ckptlib.heartbeat import read_rank_heartbeats
+
+    beats = read_rank_heartbeats(store, part)
+    if 0 not in beats:  # the part's beat is one process's (rank rows, if any, are of an earlier session)
+        return {}
+    now = time.time()
+    return {"rank": 0, "ranks": [{"part": part, "rank": r, "status": b.status, "generation": b.generation,
+                                  "attempt": b.attempt, "round": b.round, "step": b.step, "round_step": b.round_step,
+                                  "steps_per_round": b.steps_per_round, "age_s": b.age(now), "pid": b.pid,
+                                  "host": b.host, "error": b.error} for r, b in beats.items()]}
 
 
 def _age(s: float | None) -> str:
@@ -165,6 +180,11 @@ def render_status(runs: list[dict[str, Any]]):
             t.add_row(p["part"], Text(p["state"], style=STATE_STYLE.get(p["state"], "")), gen, str(p["attempt"] or "-"),
                       str(p["round"] if p["round"] is not None else "-"), step,
                       _age(p["age_s"]) + (" ago" if p["age_s"] is not None else ""), proc, p["reason"] or "")
+            for k in p.get("ranks", [])[1:]:  # the group's other ranks, under its part
+                rstep = "-" if k["round_step"] is None else f"{k['round_step']}/{k['steps_per_round']}"
+                t.add_row(f"  rank {k['rank']}", Text(k["status"], style="dim"), str(k["generation"]),
+                          str(k["attempt"] or "-"), str(k["round"]), rstep, _age(k["age_s"]) + " ago",
+                          f"{k['pid']}@{k['host']}", k["error"] or "")
         items.append(t)
         for f in r["fences"]:
             lat = f.get("detection_latency_s")

@@ -78,6 +78,9 @@ class TrainOptions:
                                           help="Outer Nesterov momentum (0 = none).")] = 0.0
     torch_threads: Annotated[int, _opt("--torch-threads", panel=TRAJECTORY,
                                        help="torch threads per process (part of the config).")] = 1
+    ranks_per_shard: Annotated[int, _opt("--ranks-per-shard", metavar="R", panel=TRAJECTORY,
+                                         help="Rank processes per shard (a gloo group training with DDP; 1 = "
+                                              "the task's own process).")] = 1
     no_validate: Annotated[bool, _opt("--no-validate", panel=RUN, help="Skip validation (then no checkpoint is "
                                       "healthy: resume restarts).")] = False
     json_out: Annotated[Optional[str], _opt("--json", metavar="PATH", panel=OUTPUT,
@@ -121,7 +124,8 @@ def trajectory_fields(given: frozenset[str]) -> set[str]:
 CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "size": "workload_size",
               "workload_extra": "workload_extra", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
               "shards": "shards", "steps_per_round": "steps_per_round", "outer_lr": "outer_lr",
-              "outer_momentum": "outer_momentum", "torch_threads": "torch_threads", "rounds": "rounds",
+              "outer_momentum": "outer_momentum", "torch_threads": "torch_threads",
+              "ranks_per_shard": "ranks_per_shard", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
               "shard_checkpoint_every": "shard_checkpoint_every",

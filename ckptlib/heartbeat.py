@@ -68,7 +68,11 @@ Status = Literal["running", "finished", "failed", "fenced"]
 STATUSES: tuple[Status, ...] = ("running", "finished", "failed", "fenced")
 
 
-def heartbeat_key(part: str) -> str:
+def heartbeat_key(part: str, rank: int | None = None) -> str:
+    """``heartbeats/<part>.json``: the part's beat (rank 0 of a group beats here too); another rank
+    ``r`` of a group's part beats under ``heartbeats/ranks/<part>/<r>.json``."""
+    if rank:
+        return f"heartbeats/ranks/{commit.check_part_name(part)}/{int(rank)}.json"
     return f"heartbeats/{commit.check_part_name(part)}.json"
 
 
@@ -96,6 +100,7 @@ class Beat(Document):
     loss: float | None = None
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None  # the rank of a group's part (None: a part trained by one process)
 
     def age(self, now: float) -> float:
         """Seconds since this beat, on the reader's clock (clocks across machines must agree)."""
@@ -107,13 +112,14 @@ class Heartbeat:
 
     def __init__(self, store: Store, part: str, *, generation: int, round: int, steps_per_round: int | None = None,
                  every_s: float = 2.0, attempt: int | None = None, meta: dict[str, Any] | None = None,
-                 on_beat: Callable[[Beat], None] | None = None,
+                 on_beat: Callable[[Beat], None] | None = None, rank: int | None = None,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic):
         if every_s <= 0:
             raise ValueError(f"every_s must be > 0, got {every_s}: a beat every few seconds suits most runs")
         self.store = store
         self.part = commit.check_part_name(part)
-        self.key = heartbeat_key(part)
+        self.rank = rank
+        self.key = heartbeat_key(part, rank)
         self.generation = int(generation)
         self.round = int(round)
         self.steps_per_round = steps_per_round
@@ -168,7 +174,7 @@ class Heartbeat:
         hides the live attempt's beat); the ``on_beat`` callback still gets it."""
         if status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
-        stored = read_heartbeat(self.store, self.part)
+        stored = read_heartbeat(self.store, self.part, self.rank)
         newer = stored is not None and stored.generation > self.generation
         return self._write(status, check_fence=False, loss=loss, error=error, store=not newer)
 
@@ -181,7 +187,7 @@ class Heartbeat:
                     time=self._clock(), started=self._started, step=self._step, round_step=round_step,
                     steps_per_round=self.steps_per_round, beats=self._beats + 1, host=self._host, pid=self._pid,
                     attempt=self.attempt, loss=self._loss_sum / self._loss_n if self._loss_n else None,
-                    meta=dict(self.meta))
+                    meta=dict(self.meta), rank=self.rank)
 
     def _write(self, status: Status, *, check_fence: bool = True, loss: float | None = None,
                error: str | None = None, store: bool = True) -> Beat:
@@ -219,10 +225,11 @@ class Heartbeat:
             log.warning("could not read the fences of %s (%s); assuming still live", self.part, e)
 
 
-def read_heartbeat(store: Store, part: str) -> Beat | None:
-    """The latest beat of ``part``, or None if it never beat (or its document is unreadable: logged)."""
+def read_heartbeat(store: Store, part: str, rank: int | None = None) -> Beat | None:
+    """The latest beat of ``part`` (of its rank ``rank``), or None if it never beat (or its document
+    is unreadable: logged)."""
     try:
-        return Beat.read(store, heartbeat_key(part))
+        return Beat.read(store, heartbeat_key(part, rank))
     except ObjectNotFound:
         return None
     except (DocumentError, StoreError) as e:
@@ -236,6 +243,8 @@ def read_heartbeats(store: Store, *, threads: int = 1) -> dict[str, Beat]:
     in parallel: each read is a round trip)."""
     parts = []
     for key in store.list("heartbeats/"):
+        if key.count("/") != 1:
+            continue  # heartbeats/ranks/...: the other ranks of groups (read_rank_heartbeats)
         name = key.rsplit("/", 1)[1]
         if name.endswith(".json"):
             try:
@@ -248,3 +257,20 @@ def read_heartbeats(store: Store, *, threads: int = 1) -> dict[str, Beat]:
     else:
         beats = [read_heartbeat(store, p) for p in parts]
     return {b.part: b for b in beats if b is not None}
+
+
+def read_rank_heartbeats(store: Store, part: str) -> dict[int, Beat]:
+    """The latest beat of every rank of ``part`` that beat as a group: ``{rank: Beat}``, rank 0's
+    from the part's own key (only when it carries a rank). One listing, one read per rank."""
+    found: dict[int, Beat] = {}
+    first = read_heartbeat(store, part)
+    if first is not None and first.rank is not None:
+        found[0] = first
+    prefix = f"heartbeats/ranks/{commit.check_part_name(part)}/"
+    for key in store.list(prefix):
+        name = key[len(prefix):]
+        if name.endswith(".json") and name[: -len(".json")].isdigit():
+            beat = read_heartbeat(store, part, int(name[: -len(".json")]))
+            if beat is not None:
+                found[int(name[: -len(".json")])] = beat
+    return dict(sorted(found.items()))

@@ -84,6 +84,11 @@ class TrainParams(RunSettings, RunSpec):
                          "checkpoint, with the run's own trajectory: a trajectory field left at its default takes "
                          "the run's value, one set to another value must match it. A retry of the flow run (Retry "
                          "in the UI) resumes too.")
+    # Not in the form: `ckpt train` knows which options were typed (a form sends every field, so the
+    # flow counts a field equal to its default as not given: a resume could not go back to a default)
+    given: SkipJsonSchema[list[str] | None] = Field(
+        None, description="On resume: the trajectory fields chosen by the caller (the others are the run's); "
+                          "None: those set to other values than their defaults.")
     start_from: StartFrom | None = Field(None, title="Start From", description="Start from a chosen committed checkpoint: of this run "
                                          "(resume from that step) or of another run (branch).")
     # validation

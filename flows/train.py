@@ -107,7 +107,8 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
     ledger = Ledger(params, run_id, url)
     resume, from_step = _start_point(params, run_id, url, access, ledger)
     plan = plan_run(url, params.spec(), resume, run_id, access, from_step=from_step,
-                    given=sorted(given_fields(params.spec(), params.model_fields_set)),
+                    given=params.given if params.given is not None else
+                    sorted(given_fields(params.spec(), params.model_fields_set)),
                     thresholds=params.thresholds.to_dict(), validate=params.validate_checkpoints)
     params = params.model_copy(update=plan.config or {})  # a resume's trajectory is the run's own
     spec = params.spec()

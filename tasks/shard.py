@@ -1,4 +1,5 @@
-"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``).
+"""Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``, or
+with ``ranks_per_shard`` > 1 a group of rank processes, ``trainrun.rank_group.train_shard_group``).
 
 Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried; the retry continues
 from the shard's newest checkpoint of the round, else the cut, and, training being deterministic,
@@ -166,15 +167,22 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     attempt = int(attempt_offset) + max(1, int(task_run.run_count or 1))
     part = shard_part(shard)
     forward = event_forwarder(run_url, part, max(EVENT_EVERY_S, heartbeat_every_s)) if heartbeat_events else None
-    ck = Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every)
+    options = storage_options(access)
+    ck = Checkpointer(run_url, options, keyframe_every=keyframe_every)
+    on_beat = _both(forward, progress_reporter(part, round_no))
     try:
-        result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
-                                   chaos=for_attempt(chaos, shard, round_no, attempt),
-                                   heartbeat_every_s=heartbeat_every_s,
-                                   on_beat=_both(forward, progress_reporter(part, round_no)),
-                                   checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
-                                   .shard_checkpoint_every,
-                                   local_tier=LocalTier(run_url) if local_tier else None)
+        if spec.ranks_per_shard > 1:  # a group of rank processes (trainrun.rank_group)
+            from trainrun.rank_group import train_shard_group
+
+            result = train_shard_group(ck, options, spec, shard, round_no, cut, attempt=attempt, chaos=chaos or [],
+                                       heartbeat_every_s=heartbeat_every_s, on_beat=on_beat)
+        else:
+            result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
+                                       chaos=for_attempt(chaos, shard, round_no, attempt),
+                                       heartbeat_every_s=heartbeat_every_s, on_beat=on_beat,
+                                       checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
+                                       .shard_checkpoint_every,
+                                       local_tier=LocalTier(run_url) if local_tier else None)
     except FencedError as e:
         state = fenced_state(ck, shard, round_no, attempt, e)
         logger.warning("%s round %d: %s", part, round_no, state.message)

@@ -10,8 +10,11 @@
     stop:shard=1,round=2           shard 1's process freezes (SIGSTOP; needs --task-runner dask) until
                                    it has been fenced, then wakes and finds its fence
     stall:shard=0,round=2          shard 0 keeps beating, but its step no longer advances
+    kill:shard=1,round=2,rank=1    rank 1 of shard 1's group (--ranks-per-shard > 1) dies at once: only
+                                   that rank's process (so any task runner will do)
 
-Keys: ``shard`` and ``round`` (required), ``attempt`` (default 1: the first attempt only, so a
+Keys: ``shard`` and ``round`` (required), ``rank`` (with ``--ranks-per-shard`` R > 1: the rank of
+the shard's group it strikes, default 0), ``attempt`` (default 1: the first attempt only, so a
 retry or the watchdog's rerun succeeds), ``step`` (the round-local step after which it strikes;
 default half the round). A spec is plain text, so it travels as a flow parameter.
 
@@ -91,7 +94,7 @@ KINDS: dict[str, str] = {
 }
 # kinds that stop or kill the process the shard runs in
 PROCESS_KINDS = ("kill", "stop")
-_INT_KEYS = ("shard", "round", "attempt", "step")
+_INT_KEYS = ("shard", "round", "attempt", "step", "rank")
 # how long a hung or partitioned attempt waits for its fence before it gives up (a drill without a watchdog)
 MAX_WAIT_S = 900.0
 
@@ -103,6 +106,7 @@ class Chaos:
     round: int
     attempt: int = 1
     step: int | None = None  # round-local step after which it strikes; None = half the round
+    rank: int | None = None  # the rank of the shard's group (None: the shard's process, rank 0 of a group)
 
     def __str__(self) -> str:
         text = f"{self.kind}:shard={self.shard},round={self.round}"
@@ -110,10 +114,12 @@ class Chaos:
             text += f",attempt={self.attempt}"
         if self.step is not None:
             text += f",step={self.step}"
+        if self.rank is not None:
+            text += f",rank={self.rank}"
         return text
 
-    def strikes(self, shard: int, round_no: int, attempt: int) -> bool:
-        return (self.shard, self.round, self.attempt) == (shard, round_no, attempt)
+    def strikes(self, shard: int, round_no: int, attempt: int, rank: int = 0) -> bool:
+        return (self.shard, self.round, self.attempt, self.rank or 0) == (shard, round_no, attempt, rank)
 
     def strike_step(self, steps_per_round: int) -> int:
         """The round-local step count after which this strikes (at least 1, at most the round)."""
@@ -144,8 +150,9 @@ def parse_chaos(spec: str) -> Chaos:
     missing = [k for k in ("shard", "round") if k not in values]
     if missing:
         raise ValueError(f"chaos spec {spec!r} lacks {missing}, e.g. {kind}:shard=1,round=2")
-    if values["shard"] < 0 or values["round"] < 1 or values.get("attempt", 1) < 1 or values.get("step", 1) < 1:
-        raise ValueError(f"chaos spec {spec!r}: need shard >= 0, round >= 1, attempt >= 1, step >= 1")
+    if (values["shard"] < 0 or values["round"] < 1 or values.get("attempt", 1) < 1 or values.get("step", 1) < 1
+            or values.get("rank", 0) < 0):
+        raise ValueError(f"chaos spec {spec!r}: need shard >= 0, round >= 1, attempt >= 1, step >= 1, rank >= 0")
     return Chaos(kind, **values)
 
 
@@ -153,15 +160,22 @@ def parse_all(specs: list[str] | None) -> list[Chaos]:
     return [parse_chaos(s) for s in specs or []]
 
 
-def for_attempt(specs: list[str] | None, shard: int, round_no: int, attempt: int) -> list[Chaos]:
-    """The specs that strike this shard's attempt in round ``round_no``."""
-    return [c for c in parse_all(specs) if c.strikes(shard, round_no, attempt)]
+def for_attempt(specs: list[str] | None, shard: int, round_no: int, attempt: int, rank: int = 0) -> list[Chaos]:
+    """The specs that strike this shard's attempt in round ``round_no`` (in rank ``rank`` of its group)."""
+    return [c for c in parse_all(specs) if c.strikes(shard, round_no, attempt, rank)]
 
 
-def check_runner(specs: list[str] | None, task_runner: str) -> None:
-    """Refuse chaos that needs a process-based task runner when shards run as threads of the flow."""
-    bad = [str(c) for c in parse_all(specs) if c.kind in PROCESS_KINDS]
-    if bad and task_runner == "threads":
+def check_runner(specs: list[str] | None, task_runner: str, ranks_per_shard: int = 1) -> None:
+    """Refuse chaos that needs a process-based task runner when shards run as threads of the flow
+    (a shard of ``ranks_per_shard`` > 1 trains in rank processes of its own: any runner will do).
+    A ``rank`` beyond the group is refused too."""
+    parsed = parse_all(specs)
+    beyond = [str(c) for c in parsed if (c.rank or 0) >= ranks_per_shard]
+    if beyond:
+        raise ValueError(f"chaos {', '.join(beyond)} names a rank the shard's group does not have (ranks 0.."
+                         f"{ranks_per_shard - 1}): lower its rank=, or raise --ranks-per-shard")
+    bad = [str(c) for c in parsed if c.kind in PROCESS_KINDS]
+    if bad and task_runner == "threads" and ranks_per_shard == 1:
         raise ValueError(
             f"chaos {', '.join(bad)} kills or stops the shard's process, which with --task-runner threads is the whole "
             "run (coordinator and watchdog included); use --task-runner dask, or crash/hang/zombie with threads")

@@ -54,19 +54,22 @@ class RunChecks:
     )
 
     def model_base(self, part: str) -> str:
-        return COORDINATOR if shard_index(part) is not None else part
+        return COORDINATOR if shard_index(part_of(part)) is not None else part
 
     def inspect(self, cut: CutView) -> Findings:
         m = cut.manifest
-        present = {i: p for p in m.parts if (i := shard_index(p)) is not None}
+        present: dict[int, list[str]] = {}  # shard index -> its views: the part, or a group's "<part>/r<k>"
+        for name in cut.states:
+            if (i := shard_index(part_of(name))) is not None:
+                present.setdefault(i, []).append(name)
         if m.single or (not present and COORDINATOR not in m.parts):
             return Findings()
         rows: dict[str, dict[str, Any]] = {}
         for part, state in cut.states.items():
-            prev = cut.previous_states.get(part)
+            prev = _previous(cut.previous_states, part)
             rnd, prev_rnd = integer(get(state, "round")), integer(get(prev, "round"))
             pos, prev_pos = integer(get(state, "data_position")), integer(get(prev, "data_position"))
-            is_shard = shard_index(part) is not None
+            is_shard = shard_index(part_of(part)) is not None
             rng = _rng_present(state)
             rows[part] = {
                 "role": "shard" if is_shard else COORDINATOR if part == COORDINATOR else "part",
@@ -85,13 +88,14 @@ class RunChecks:
         for i in range(n):
             if i not in present:
                 rows[shard_part(i)] = {"role": "shard", "present": False, "expected": True}
-        for i, part in present.items():
-            rows[part]["expected"] = i < n
+        for i, names in present.items():
+            for name in names:
+                rows[name]["expected"] = i < n
         coord = rows.get(COORDINATOR)
         rounds = [r["round"] for r in rows.values() if r.get("round") is not None]
         round_no = coord["round"] if coord and coord.get("round") is not None else mode(rounds)
         shards = {p: r for p, r in rows.items() if r["role"] == "shard"}
-        summary = {"shards_present": sum(1 for r in shards.values() if r.get("present", True)),
+        summary = {"shards_present": len(present),
                    "shards_expected": n, "round": round_no,
                    "data_positions": {p: r.get("data_position") for p, r in sorted(shards.items())
                                       if r.get("present", True)}}
@@ -100,6 +104,22 @@ class RunChecks:
 
 
 RUN_CHECKS = RunChecks()
+
+
+def part_of(view: str) -> str:
+    """The part a validated view belongs to: a group's part is validated rank by rank, as
+    ``<part>/r<rank>`` (``ckptlib.validate``); any other part is its own view."""
+    return view.split("/", 1)[0]
+
+
+def _previous(states: Mapping[str, Any], view: str) -> Any:
+    """``view``'s state in the previous healthy checkpoint: the same view, else its part's (the
+    previous cut was written by another number of ranks per shard: one process, or rank 0)."""
+    part = part_of(view)
+    for name in (view, part, f"{part}/r0"):
+        if name in states:
+            return states[name]
+    return None
 
 
 def _rng_present(state: Any) -> bool | None:

@@ -20,3 +20,13 @@ class RerunRefused(CheckpointError, ValueError):
 
 class ChaosCrash(CheckpointError, RuntimeError):
     """Raised on purpose by a ``crash`` chaos spec (and by a hang/zombie nobody fenced)."""
+
+
+class RankGroupFailed(CheckpointError, RuntimeError):
+    """A rank of a shard's group died, hung, failed or could not join: the whole group's attempt
+    failed (its other ranks were ended); a retry starts a fresh group from the same cut."""
+
+
+class RankGroupRefused(CheckpointError, ValueError):
+    """A rank of a shard's group refused its work (a workload or batch that cannot be split over the
+    ranks): a retry would fail the same way; the message names the fix."""

@@ -53,10 +53,19 @@ class RunSpec(BaseModel):
                                   "outer_lr 0.7); its buffers are saved in the checkpoint.")
     torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for every task: part of the "
                                "trajectory (matmul reductions depend on it).")
+    ranks_per_shard: int = Field(1, ge=1, le=64, description="Rank processes per shard task: a torch.distributed "
+                                 "group (gloo on CPU) that trains the shard's batches with DDP, each rank a slice "
+                                 "of every batch; 1 = the shard trains in the task's own process. A resume may "
+                                 "change it (docs/training.md, Ranks per shard).")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON of the spec, as saved in checkpoints (``config``), field order as declared."""
-        return self.model_dump(mode="json", include=set(RunSpec.model_fields))
+        """The JSON of the spec, as saved in checkpoints (``config``), field order as declared.
+        ``ranks_per_shard`` 1 is left out: a run of one process per shard keeps the config, hash and
+        digests it had before the field existed (and an old config reads as 1)."""
+        d = self.model_dump(mode="json", include=set(RunSpec.model_fields))
+        if d["ranks_per_shard"] == 1:
+            del d["ranks_per_shard"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunSpec:

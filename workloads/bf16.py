@@ -88,7 +88,7 @@ class Bf16PublishWorkload(TorchWorkload):
 
     def compute_loss(self, batch) -> torch.Tensor:
         x, y = batch
-        return F.mse_loss(self.model(x), y)
+        return F.mse_loss(self.forward(x), y)
 
     def weights_bf16(self) -> dict[str, torch.Tensor]:
         """The published copy: every parameter rounded to bfloat16 (round-to-nearest-even)."""

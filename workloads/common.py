@@ -137,6 +137,8 @@ class TorchWorkload:
 
     workload_name = "?"
     SIZES: dict[str, dict[str, Any]] = {}
+    # how a shard of it may be trained by a group of ranks (``train_as_rank``); () = one process only
+    parallelisms: tuple[str, ...] = ("ddp",)
 
     def __init__(self, config: WorkloadConfig, shard: int = 0, num_shards: int = 1) -> None:
         if not 0 <= shard < num_shards:
@@ -152,6 +154,8 @@ class TorchWorkload:
         self.optimizer: Any
         self.scheduler: Any = None
         self._eval_batch: Any = None
+        self.rank, self.ranks = 0, 1
+        self._replica: nn.Module | None = None  # the DDP wrapper of ``model`` when trained by ranks
 
     # -- to implement -------------------------------------------------------------------------
     def make_batch(self, position: int) -> Any:
@@ -168,8 +172,42 @@ class TorchWorkload:
         """The generator of the batch at ``position`` of this shard."""
         return generator(self.workload_name, "train", self.config.seed, self.shard, position)
 
+    def train_as_rank(self, rank: int, ranks: int, parallelism: str = "ddp") -> None:
+        """Train from now on as rank ``rank`` of a group of ``ranks`` processes (torch.distributed
+        initialised, the model already holding the shard's state): each step takes rows
+        ``[rank * b/ranks, (rank + 1) * b/ranks)`` of the shard's batch and DDP averages the
+        gradients over the group, so the group takes the step one process would take on the whole
+        batch (the same math; the float reduction order differs). The state stays a plain replica:
+        ``state_dict`` is the same on every rank."""
+        if parallelism not in self.parallelisms:
+            raise ValueError(f"workload {self.config.name!r} cannot be trained as {parallelism!r} by a group of "
+                             f"ranks (it supports {list(self.parallelisms) or 'none'}): use --ranks-per-shard 1")
+        if self.batch_size % ranks:
+            raise ValueError(f"batch size {self.batch_size} of workload {self.config.name!r} does not split over "
+                             f"{ranks} ranks: choose --batch-size a multiple of --ranks-per-shard")
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.rank, self.ranks = rank, ranks
+        self._replica = DistributedDataParallel(self.model)  # (the built-ins have no buffers to broadcast)
+
+    def forward(self, *inputs: Any) -> Any:
+        """The model's forward for ``compute_loss``: through DDP when trained by a group of ranks."""
+        return (self._replica if self._replica is not None and self.model.training else self.model)(*inputs)
+
+    def rank_batch(self, batch: Any) -> Any:
+        """This rank's rows of ``batch`` (every tensor split along dim 0 into ``ranks`` equal parts)."""
+        if self.ranks == 1:
+            return batch
+        if isinstance(batch, torch.Tensor):
+            return batch.tensor_split(self.ranks)[self.rank]
+        if isinstance(batch, dict):
+            return {k: self.rank_batch(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.rank_batch(v) for v in batch)
+        return batch
+
     def train_step(self) -> float:
-        batch = self.make_batch(self.data_position)
+        batch = self.rank_batch(self.make_batch(self.data_position))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.compute_loss(batch)

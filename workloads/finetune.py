@@ -121,7 +121,7 @@ class FinetuneWorkload(TorchWorkload):
 
     def compute_loss(self, batch) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(self.model(x), y)
+        return F.cross_entropy(self.forward(x), y)
 
 
 def build(config: WorkloadConfig, shard: int = 0, num_shards: int = 1) -> FinetuneWorkload:

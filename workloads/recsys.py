@@ -52,6 +52,8 @@ def sample_zipf(cdf: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
 
 class RecSysWorkload(TorchWorkload):
     workload_name = "recsys"
+    # sparse embedding gradients (SparseAdam): one process per shard only, not a group of DDP ranks
+    parallelisms: tuple[str, ...] = ()
     SIZES = {
         # 1.6 M embedding params (2 x 50k x 16) + 9.5 k MLP; ~19 MB state with moments
         "small": dict(n_users=50_000, n_items=50_000, dim=16, hidden=64, batch_size=256, lr=3e-3, sparse_lr=0.02,

@@ -115,7 +115,7 @@ class TinyLMWorkload(TorchWorkload):
 
     def compute_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self.model(x)
+        logits = self.forward(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def describe(self) -> dict[str, Any]:

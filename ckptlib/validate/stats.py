@@ -250,7 +250,7 @@ def manifest_loss(store: Store, m: Manifest, *, strict: bool = False) -> tuple[f
     found = []
     for name in m.parts:
         try:
-            frag = commit.load_part(store, m, name)
+            frag = _first_view(store, m, name)
             found.append(loss_of(skeleton_state(frag), frag))
         except CheckpointError:
             if strict:
@@ -263,6 +263,20 @@ def manifest_loss(store: Store, m: Manifest, *, strict: bool = False) -> tuple[f
     if ev is None and evals:
         ev = evals[0]
     return (sum(losses) / len(losses) if losses else None), ev
+
+
+def _first_view(store: Store, m: Manifest, name: str) -> Any:
+    """Part ``name``'s fragment; of a group's part, its rank 0's view (``part_views``: documents only)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..distributed.documents import GroupFragment
+    from ..distributed.restoring import part_views
+
+    frag = commit.load_any_part(store, m, name)
+    if not isinstance(frag, GroupFragment):
+        return frag
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-views") as pool:
+        return next(iter(part_views(store, pool, m, name).values()))
 
 
 def spec_ok(obj: Any, spec: Any) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 from ckptlib import commit
 from ckptlib.errors import StoreError
-from ckptlib.heartbeat import Beat, read_heartbeats
+from ckptlib.heartbeat import Beat, read_heartbeats, read_rank_heartbeats
 from ckptlib.store import Store
 
 from ..documents import CoordinatorInfo
@@ -235,6 +235,13 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
                        f"{limit:g} s) {_where(beat)}")
         view.failure_time = beat.time
         return view
+    lagging = _silent_rank(look.store, beat, now, limit) if beat.rank is not None else None
+    if lagging is not None:  # a group's rank 0 beats, another rank does not: the group is as dead
+        view.state = "silent"
+        view.reason = (f"rank {lagging.rank} of the group has not beaten for {lagging.age(now):.1f} s (timeout "
+                       f"{limit:g} s) {_where(lagging)}")
+        view.failure_time = lagging.time
+        return view
     since = memory.progress_since(url, part, beat) if memory is not None else beat.time
     if beat.time - since > timeout_s:
         view.state = "stalled"
@@ -284,6 +291,15 @@ def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | N
                        f"(start timeout {start_timeout_s:g} s)")
         view.failure_time = since
     return view
+
+
+def _silent_rank(store: Store, beat: Beat, now: float, limit: float) -> Beat | None:
+    """The stalest other rank of ``beat``'s group attempt (same generation and attempt, running)
+    when it has been silent longer than ``limit``; None otherwise. One listing and a read per rank."""
+    ranks = [b for r, b in read_rank_heartbeats(store, beat.part).items() if r != 0 and b.status == "running"
+             and (b.generation, b.attempt) == (beat.generation, beat.attempt)]
+    stalest = min(ranks, key=lambda b: b.time, default=None)
+    return stalest if stalest is not None and stalest.age(now) > limit else None
 
 
 def _where(beat: Beat) -> str:

@@ -1,0 +1,86 @@
+"""Ranks-per-shard benchmark (``ckpt bench --ranks-per-shard``): a shard's round trained by R rank
+processes (``trainrun.rank_group``, DDP over gloo on CPU) against one process
+(``trainrun.shard_round``), on the same work (the same batches: each of R ranks takes 1/R of each).
+
+For each R, from the same step 0 on a local store, round 1 of shard 0 is trained ``repeats`` times
+(each in a fresh store; alternating R, so a machine's load drifts over both alike) and reported as
+medians: the round's wall time as the shard task sees it (``round_s``), its training alone
+(``train_s``: the steps, the all-reduces included), the rank's setup (``setup_s``: its checkpointer's gloo group, its first beat), reading the cut
+(``load_s``), building the workload (``build_s``: in a fresh process, DDP's first broadcast), writing
+the fragment (``write_s``: for a group, the collective write), and for a group the overhead of its start: the
+group's wall time minus what rank 0 measured from its first beat to its fragment (``start_s``:
+processes started, torch and the workload imported, the rendezvous, the ranks ended).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .common import machine, table, workdir
+
+Progress = Callable[[str], None]
+
+
+def _spec(workload: str, size: str, steps: int, ranks: int) -> Any:
+    from trainrun.spec import RunSpec
+
+    return RunSpec(workload=workload, workload_size=size, shards=2, steps_per_round=steps, ranks_per_shard=ranks)
+
+
+def one_round(workload: str, size: str, steps: int, ranks: int, where: Any) -> dict[str, float]:
+    """Round 1 of shard 0 from a fresh step 0 in ``where``: its seconds."""
+    from ckptlib import Checkpointer
+    from trainrun.documents import Cut
+    from trainrun.rank_group import train_shard_group
+    from trainrun.shard_round import train_shard_round
+    from trainrun.step_zero import write_step_zero
+
+    spec = _spec(workload, size, steps, ranks)
+    with Checkpointer(str(where)) as ck:
+        write_step_zero(ck, spec)
+        t0 = time.perf_counter()
+        if ranks == 1:
+            r = train_shard_round(ck, spec, 0, 1, Cut.of_step(0), checkpoint_every=0)
+        else:
+            r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0))
+        wall = time.perf_counter() - t0
+    out = {"round_s": wall, "setup_s": r.seconds.get("setup", 0.0), "load_s": r.seconds.get("load", 0.0),
+           "build_s": r.seconds.get("build", 0.0), "train_s": r.seconds.get("train", 0.0),
+           "write_s": r.seconds.get("write", 0.0), "loss": r.loss or 0.0}
+    if ranks > 1:
+        out["start_s"] = r.seconds["group"] - r.seconds["total"]
+    return out
+
+
+def run(workloads: tuple[str, ...] = ("tinylm",), size: str = "small", steps: int = 100,
+        ranks: tuple[int, ...] = (1, 2), repeats: int = 3, progress: Progress = lambda m: None) -> dict[str, Any]:
+    root = workdir("ranks")
+    rows = []
+    try:
+        for wl in workloads:
+            seconds: dict[int, list[dict[str, float]]] = {r: [] for r in ranks}
+            for i in range(repeats):
+                for r in ranks:
+                    where = root / f"{wl}-r{r}-{i}"
+                    seconds[r].append(one_round(wl, size, steps, r, where))
+                    shutil.rmtree(where, ignore_errors=True)
+                    progress(f"{wl} R={r} repeat {i + 1}: {seconds[r][-1]['round_s']:.2f} s")
+            for r in ranks:
+                med = {k: statistics.median(s[k] for s in seconds[r]) for k in seconds[r][0]}
+                rows.append({"workload": wl, "size": size, "steps": steps, "ranks": r, **med,
+                             "train_per_step_ms": 1000 * med["train_s"] / steps})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"machine": machine(), "repeats": repeats, "rows": rows}
+
+
+def render(result: dict[str, Any]) -> str:
+    cols = [("workload", "workload"), ("ranks", "R"), ("steps", "steps"), ("round_s", "round s"),
+            ("setup_s", "setup s"), ("load_s", "load s"), ("build_s", "build s"),
+            ("train_s", "train s"), ("train_per_step_ms", "ms/step"), ("write_s", "write s"),
+            ("start_s", "group start s")]
+    return f"median of {result['repeats']} on {result['machine']}\n" + table(result["rows"], cols)

@@ -1,0 +1,65 @@
+"""`--ranks-per-shard 2` in real training runs (Prefect, the watchdog beside them, 2 shards of 2
+gloo ranks each = 4 rank processes per round): a clean run, a SIGKILL of one rank and a hang of
+one rank end on the clean run's digests; a resume with one rank per shard continues."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_watchdog import TIMEOUT, _cli_env, check_run, digests, fenced, params, train_with_watchdog
+from typer.testing import CliRunner
+
+from ckpt.cli import app
+from ckpt.cmd_watchdog import status_of
+from ckptlib import Checkpointer
+from ckptlib.distributed import GroupFragment
+from trainrun.layout import COORDINATOR
+from trainrun.resume import stored_config
+
+R2 = {"ranks_per_shard": 2, "rounds": 2, "steps_per_round": 8}
+
+
+@pytest.fixture(scope="module")
+def clean_r2(prefect_harness, tmp_path_factory):
+    s, decisions = train_with_watchdog(params(store=str(tmp_path_factory.mktemp("clean-r2")), run_id="clean", **R2))
+    assert decisions == [], decisions  # no false alarm: rank 0's beats are the group's
+    return digests(s["run_url"])
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_one_rank_continues(clean_r2, tmp_path):
+    p = params(store=str(tmp_path), run_id="kh", **R2,
+               chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
+    s, ds = train_with_watchdog(p)
+    # the kill: rank 1's process died, its group failed at its next collective, Prefect retried the
+    # task (a fresh group); the hang: rank 0 waited in its all-reduce, the group's beats stopped, the
+    # watchdog fenced shard-0 and reran it, the fenced group's four processes were ended
+    check_run(s["run_url"], None, clean_r2, struck={"shard-0": 2})
+    hang = fenced(ds, "shard-0")
+    assert hang["detection_latency_s"] >= TIMEOUT
+    assert not [d for d in ds if d["part"] == "shard-1" and d["kind"] == "fenced"], ds  # the retry was enough
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.manifest(1).parts["shard-1"].generation == 0 and ck.manifest(2).parts["shard-0"].generation == 1
+        assert stored_config(ck, 2)["ranks_per_shard"] == 2
+    # `ckpt show` of a step whose shards are groups (it raised AttributeError: no skeleton) and `ckpt verify`
+    for args in (["show", s["run_url"], "--step", "2"], ["verify", s["run_url"], "--step", "2"]):
+        out = CliRunner().invoke(app, args)
+        assert out.exit_code == 0, out.output
+    assert "shard-0: generation 1, 2 ranks" in CliRunner().invoke(app, ["show", s["run_url"], "--step", "2"]).output
+    runs = status_of(str(tmp_path))  # `ckpt status --json`: a row per rank, with its part and rank
+    ranks = [[(k["part"], k["rank"], k["status"]) for k in p["ranks"]] for p in runs[0]["parts"]]
+    assert ranks == [[(part, 0, "finished"), (part, 1, "finished")] for part in ("shard-0", "shard-1")]
+    # resize: one process per shard from the last healthy step on, as `ckpt train` is told (a form
+    # cannot say 1: a value equal to the default reads as not given, and a resume keeps the run's)
+    cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path), "--run-id", "kh", "--resume",
+           "--ranks-per-shard", "1", "--rounds", "3", "--no-watchdog"]
+    p2 = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.steps()[-1] == 3 and digests(s["run_url"])[2] == clean_r2[2]
+        assert "ranks_per_shard" not in stored_config(ck, 3)
+        assert ck.read_fragment(3, COORDINATOR, select=["round"])["round"] == 3
+        assert not isinstance(ck.fragment(3, "shard-0"), GroupFragment)  # one process wrote it

@@ -1,0 +1,240 @@
+"""A shard trained by a group of rank processes (--ranks-per-shard): real gloo groups of real
+processes on CPU, real SIGKILLs, real fences (trainrun.rank_group, trainrun.rank_round)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from ckptlib import Checkpointer, FencedError
+from ckptlib.distributed import GroupFragment
+from ckptlib.heartbeat import read_rank_heartbeats
+from trainrun.chaos import check_runner, parse_chaos, read_strike
+from trainrun.documents import Cut
+from trainrun.errors import RankGroupFailed, RankGroupRefused
+from trainrun.rank_group import train_shard_group
+from trainrun.spec import RunSpec
+from trainrun.step_zero import write_step_zero
+
+EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
+
+
+def spec(ranks: int = 2, **kw) -> RunSpec:
+    return RunSpec(**{"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "steps_per_round": 6,
+                      "ranks_per_shard": ranks, **kw})
+
+
+def step_zero(url: str, s: RunSpec) -> Checkpointer:
+    ck = Checkpointer(url)
+    write_step_zero(ck, s)
+    return ck
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as ended
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_per_shard_1_keeps_the_config_and_its_hash():
+    one = RunSpec(shards=2)
+    assert "ranks_per_shard" not in one.to_dict()
+    assert RunSpec.from_dict(one.to_dict()).ranks_per_shard == 1
+    two = RunSpec(shards=2, ranks_per_shard=2)
+    assert two.to_dict()["ranks_per_shard"] == 2 and two.config_hash() != one.config_hash()
+
+
+def test_chaos_addresses_one_rank_and_a_rank_process_may_be_killed_under_threads():
+    c = parse_chaos("kill:shard=1,round=2,rank=1")
+    assert (c.rank, str(c)) == (1, "kill:shard=1,round=2,rank=1")
+    assert c.strikes(1, 2, 1, rank=1) and not c.strikes(1, 2, 1, rank=0)
+    check_runner(["kill:shard=1,round=2,rank=1"], "threads", ranks_per_shard=2)
+    with pytest.raises(ValueError, match="threads"):
+        check_runner(["kill:shard=1,round=2"], "threads")
+    with pytest.raises(ValueError, match="names a rank the shard's group does not have"):
+        check_runner(["hang:shard=1,round=2,rank=2"], "threads", ranks_per_shard=2)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """Round 1 of shard 0 by a clean group of 2 ranks, and its store."""
+    s = spec()
+    ck = step_zero(str(tmp_path_factory.mktemp("clean")), s)
+    return ck, train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+
+
+@pytest.mark.slow
+def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(clean, tmp_path):
+    ck, result = clean
+    assert result.finished and result.data_position == 6 and result.seconds["group"] > 0
+    frag = ck.gather(1, ["shard-0"], timeout=5)["shard-0"][0]
+    assert isinstance(frag, GroupFragment) and frag.world == 2 and frag.digest == result.digest
+    state = ck.read_fragment(1, "shard-0")
+    assert state["data_position"] == 6 and state["loss"] == result.loss
+    beats = read_rank_heartbeats(ck.store, "shard-0")
+    assert sorted(beats) == [0, 1] and {b.status for b in beats.values()} == {"finished"}
+    assert beats[0].pid != beats[1].pid and {b.rank for b in beats.values()} == {0, 1}
+    # the same round again, in another store: the same fragment, bit for bit
+    s = spec()
+    again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
+    assert again.digest == result.digest and again.loss == result.loss
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(clean, tmp_path):
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "k"), s)
+    with pytest.raises(RankGroupFailed, match=r"shard-0: rank 1 of its group of 2 was killed by signal 9"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=["kill:shard=0,round=1,rank=1,step=3"],
+                          heartbeat_every_s=0.2)
+    beats = read_rank_heartbeats(ck.store, "shard-0")
+    assert read_strike(ck.store, "shard-0", 1, 1).pid == beats[1].pid
+    assert not any(alive(b.pid) for b in beats.values() if b.pid)  # no rank of the failed group lives on
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2,
+                              chaos=["kill:shard=0,round=1,rank=1,step=3"])
+    assert retry.digest == clean.digest
+
+
+@pytest.mark.slow
+def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_path):
+    s = spec(steps_per_round=6)
+    ck = step_zero(str(tmp_path / "f"), s)
+
+    def fence_once_struck() -> None:
+        deadline = time.monotonic() + 120
+        while read_strike(ck.store, "shard-1", 1, 1) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
+
+    th = threading.Thread(target=fence_once_struck)
+    th.start()
+    with pytest.raises(FencedError, match="every rank of the group was ended"):
+        train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
+                          heartbeat_every_s=0.2)
+    th.join()
+    beats = read_rank_heartbeats(ck.store, "shard-1")
+    assert sorted(beats) == [0, 1] and not any(alive(b.pid) for b in beats.values() if b.pid)
+    assert ck.store.list("fragments/1") == []  # the fenced group wrote nothing
+    live = train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), attempt=2)
+    assert live.generation == 1
+    assert ck.gather(1, ["shard-1"], timeout=5)["shard-1"][0].generation == 1
+
+
+def test_a_group_whose_rendezvous_fails_says_why(tmp_path, monkeypatch):
+    import trainrun.rank_group as rank_group
+
+    s = spec()
+    ck = step_zero(str(tmp_path / "r"), s)
+    with socket.socket() as taken:  # another process holds the attempt's port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(rank_group, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(RankGroupFailed, match=r"rendezvous failed: rank 0 of 2 could not join"):
+            train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), group_timeout_s=20)
+
+
+@pytest.mark.slow
+def test_a_workload_that_cannot_be_split_over_ranks_is_refused_not_retried(tmp_path):
+    s = spec(batch_size=5)
+    ck = step_zero(str(tmp_path / "b"), s)
+    with pytest.raises(RankGroupRefused, match="choose --batch-size a multiple of --ranks-per-shard"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0))
+    assert isinstance(RankGroupRefused("x"), ValueError)  # tasks.retry: deterministic, never retried
+
+
+def test_the_watchdog_finds_a_group_silent_when_one_of_its_ranks_is(tmp_path):
+    """Rank 0 beats for the group; rank 1's beat is older than the timeout: the shard is silent,
+    and the reason names the rank (beats as a group's ranks write them)."""
+    import json
+
+    from ckptlib.store import Store
+    from trainrun.watchdog import assess_run
+
+    store = Store.from_url(str(tmp_path))
+    now = 1_000_000.0
+
+    def beat(key: str, t: float, part: str, rank: int | None, **kw) -> None:
+        doc = {"format": 1, "part": part, "generation": 0, "round": 2, "step": 5, "round_step": 5,
+               "steps_per_round": 40, "status": "running", "time": t, "started": t - 1, "beats": 3, "host": "h",
+               "pid": 1, "attempt": 1, "loss": None, "meta": {}, "rank": rank, **kw}
+        store.put(key, json.dumps(doc).encode())
+
+    meta = {"spec": {"shards": 2, "ranks_per_shard": 2}, "phase": "shards", "phase_time": now - 5, "cut": {"step": 1}}
+    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, meta=meta)
+    for part in ("shard-0", "shard-1"):
+        beat(f"heartbeats/{part}.json", now - 0.2, part, 0)
+    beat("heartbeats/ranks/shard-0/1.json", now - 0.3, "shard-0", 1)
+    beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1)  # silent
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
+    assert [p.state for p in v.shards] == ["running", "silent"]
+    assert v.shards[1].reason.startswith("rank 1 of the group has not beaten for 9.0 s")
+    assert v.shards[1].failure_time == now - 9
+    # a rank beat of an earlier attempt does not count against the live one
+    beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1, attempt=0)
+    assert [p.state for p in assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now).shards] == \
+        ["running", "running"]
+
+
+@pytest.mark.slow
+def test_a_resume_may_change_ranks_per_shard_from_the_last_healthy_step_only(tmp_path):
+    from trainrun.checks import validate_run_checkpoint
+    from trainrun.errors import RunRefused
+    from trainrun.resume import where_to_start
+
+    url = str(tmp_path / "run")
+    step_zero(url, spec(2)).close()
+    with Checkpointer(url) as ck:
+        with pytest.raises(RunRefused, match=r"from 2 to 1 ranks per shard yet: its latest committed step 0 is not "
+                                             r"validated .* resume once with --ranks-per-shard 2"):
+            where_to_start(ck, spec(1), resume=True)
+        with pytest.raises(RunRefused, match=r"ranks_per_shard: 2 -> 1"):  # not from a chosen step
+            where_to_start(ck, spec(1), resume=True, from_step=0)
+        assert validate_run_checkpoint(url, 0).passed
+        plan = where_to_start(ck, spec(1), resume=True)
+        assert plan.start_step == 0 and plan.reshard is None and "1 ranks per shard instead of 2" in plan.note
+        assert where_to_start(ck, spec(2), resume=True).note == "resuming from healthy step 0"
+        with pytest.raises(RunRefused, match=r"seed: 0 -> 1"):  # another trajectory field is still refused
+            where_to_start(ck, spec(1, seed=1), resume=True)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_shard_task_killed_outright_end_with_it(tmp_path):
+    """kill -9 of the process that supervises a group (a shard task's): its ranks are not left
+    training (the kernel kills them: PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "run")
+    s = spec(steps_per_round=100000)  # a round that would last hours
+    step_zero(url, s).close()
+    code = ("import sys; from ckptlib import Checkpointer; from trainrun.documents import Cut; "
+            "from trainrun.rank_group import train_shard_group; from trainrun.spec import RunSpec; "
+            f"train_shard_group(Checkpointer({url!r}), None, RunSpec.from_dict({s.to_dict()!r}), 0, 1, Cut.of_step(0), "
+            "heartbeat_every_s=0.2)")
+    supervisor = subprocess.Popen([sys.executable, "-c", code])
+    store = Checkpointer(url).store
+    deadline = time.monotonic() + 180
+    beats: dict = {}
+    while time.monotonic() < deadline:
+        beats = read_rank_heartbeats(store, "shard-0")
+        if len(beats) == 2 and all(b.round_step for b in beats.values()):
+            break  # both ranks train
+        time.sleep(0.2)
+    assert len(beats) == 2, "the group never trained"
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(b.pid) for b in beats.values() if b.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(b.pid) for b in beats.values() if b.pid)

@@ -1,0 +1,233 @@
+"""One rank of a shard's group: its part of the shard's round (``--ranks-per-shard`` R > 1).
+
+``trainrun.rank_group`` starts R of these processes per attempt (``python -m trainrun.rank_round``,
+the job on stdin: credentials never show in a process listing). Each one::
+
+    init_process_group("gloo", tcp://127.0.0.1:<port of this attempt>, rank, R)
+    ck    = Checkpointer(run, process_group=WORLD)      # collective: the fragment is the group's
+    hb    = Heartbeat(part, rank)                       # rank 0: heartbeats/<part>.json; r: heartbeats/ranks/<part>/<r>.json
+    state = the cut (the coordinator's model, the shard's own part)
+    wl    = the shard's workload, ``train_as_rank(rank, R)`` (DDP: rank r trains rows r/R of each batch)
+    loss  = steps_per_round steps, a beat after each, chaos aimed at this rank striking
+    frag  = ck.write_fragment(round, part, state)       # collective: every rank's part, committed by rank 0
+
+Every rank holds the same replica (DDP), so the group fragment stores the model and optimizer once
+and the cut reads it as it reads one process's fragment. The round's loss is the mean over the
+ranks of their local means (one all_reduce at the end of the round: the same on every rank).
+
+What a rank's exit says to the supervisor: 0 finished (rank 0 also writes the result), 3 fenced
+(a newer generation owns the shard), 1 anything else (its traceback on stderr). A rank that dies or
+hangs fails the others at their next collective (gloo: a closed connection at once, a hang after the
+group timeout) or is ended by the supervisor, which watches them all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ckptlib import Checkpointer, FencedError
+from ckptlib.heartbeat import Heartbeat
+
+from .chaos import for_attempt, strike
+from .documents import Cut, ShardInfo
+from .layout import COORDINATOR, shard_part
+from .results import ShardResult
+from .spec import RunSpec
+from .timing import Stopwatch
+
+EXIT_FENCED = 3
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What one rank process is told (JSON on its stdin): the attempt, its rank, the rendezvous."""
+
+    url: str
+    storage_options: dict[str, Any] | None
+    spec: dict[str, Any]
+    shard: int
+    round_no: int
+    cut: dict[str, Any]
+    generation: int
+    attempt: int
+    chaos: list[str]
+    heartbeat_every_s: float
+    rank: int
+    ranks: int
+    port: int
+    group_timeout_s: float
+    result_path: str
+    supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> RankJob:
+        return cls(**json.loads(text))
+
+
+def read_part(ck: Checkpointer, cut: Cut, part: str, *, adopt: bool) -> Any:
+    """``part``'s state in ``cut``, read by this rank alone (no collective call). ``adopt``: it becomes
+    this rank's delta base (a group's part: this rank's own fragment of it)."""
+    if cut.committed:
+        frag = ck.fragment(cut.step, part)
+        return ck.read_fragment(cut.step, part, generation=frag.generation, fragment=frag, adopt=adopt)
+    return ck.read_fragment(cut.step, part, generation=cut.generations.get(part), adopt=adopt)
+
+
+def load_cut_in_group(ck: Checkpointer, reader: Checkpointer, spec: RunSpec, shard: int, cut: Cut) -> dict[str, Any]:
+    """The state the rank starts from: the shard's part of the cut with the coordinator's model (a cut
+    of another shard count merged or split by ``trainrun.reshard``, read by ``reader``, a plain
+    Checkpointer: the parts it averages may be one process's or a group's)."""
+    from .reshard import cut_shards, reshard_state
+
+    coord = read_part(ck, cut, COORDINATOR, adopt=False)
+    if cut_shards(ck, cut) == spec.shards:
+        mine = read_part(ck, cut, shard_part(shard), adopt=True)
+    else:
+        mine = reshard_state(reader, cut, shard, spec.shards)
+    return {**mine, "model": coord["model"]}
+
+
+def group_mean(value: float) -> float:
+    """The mean of ``value`` over the group's ranks (float64, the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def train_rank_round(job: RankJob) -> ShardResult:
+    """This rank's part of the round (torch.distributed initialised); the group's result."""
+    import torch.distributed as dist
+
+    from .shard_round import ShardRNG, apply_threads
+
+    clock = Stopwatch()
+    spec, cut, part = RunSpec.from_dict(job.spec), Cut.from_dict(job.cut), shard_part(job.shard)
+    apply_threads(spec)
+    ck = Checkpointer(job.url, job.storage_options, process_group=dist.group.WORLD, group_timeout_s=job.group_timeout_s)
+    reader = Checkpointer(ck.store)
+    hb = Heartbeat(ck.store, part, generation=job.generation, round=job.round_no, steps_per_round=spec.steps_per_round,
+                   every_s=job.heartbeat_every_s, attempt=job.attempt, rank=job.rank,
+                   meta={**ShardInfo(cut=cut, config_hash=spec.config_hash()).to_dict(), "ranks": job.ranks})
+    hb.start()
+    clock.lap("setup")  # the checkpointer's own gloo group, the first beat
+    loss = float("nan")
+    try:
+        state = load_cut_in_group(ck, reader, spec, job.shard, cut)
+        clock.lap("load")
+        wl = build_rank_workload(spec, job, state)
+        del state
+        clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
+        hb.beat(step=int(wl.data_position), force=True)
+        loss = group_mean(rank_steps(job, spec, wl, hb, ck))
+        clock.lap("train")
+        state = {**wl.checkpoint_state(), "rng": ShardRNG(spec.seed, job.shard, job.round_no).state(),
+                 "round": job.round_no, "loss": loss}
+        frag = ck.write_fragment(job.round_no, part, state, generation=job.generation, config_hash=spec.config_hash(),
+                                 meta={"round": job.round_no, "loss": loss, "attempt": job.attempt, "ranks": job.ranks,
+                                       "host": socket.gethostname(), "setup_s": clock.spent("setup"),
+                                       "load_s": clock.spent("load"), "build_s": clock.spent("build"),
+                                       "train_s": clock.spent("train")})
+        clock.lap("write")
+    except BaseException as e:
+        hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        reader.close()
+    hb.finish("finished", loss=loss)
+    ck.close()
+    return ShardResult(shard=job.shard, round=job.round_no, part=part, status="finished", generation=job.generation,
+                       attempt=job.attempt, loss=loss, data_position=int(wl.data_position),
+                       bytes_written=frag.bytes_written, logical_bytes=frag.logical_bytes, chunks=dict(frag.stats),
+                       digest=frag.digest, seconds=clock.seconds())
+
+
+def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> Any:
+    """The shard's workload holding ``state``, trained as this rank of the group (DDP)."""
+    from workloads import build_workload
+
+    wl = build_workload(spec.workload_config(), job.shard, spec.shards)
+    wl.load_state_dict(state)
+    train_as_rank = getattr(wl, "train_as_rank", None)
+    if not callable(train_as_rank):
+        raise ValueError(f"workload {spec.workload!r} cannot be trained by a group of ranks: it has no "
+                         "train_as_rank(rank, ranks) (docs/workloads.md, Ranks per shard); use --ranks-per-shard 1")
+    train_as_rank(job.rank, job.ranks)
+    return wl
+
+
+def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpointer) -> float:
+    """The round's steps on this rank, a beat after each, chaos aimed at this rank striking; the
+    mean of this rank's losses."""
+    chaos = for_attempt(job.chaos, job.shard, job.round_no, job.attempt, job.rank)
+    strikes = {c.strike_step(spec.steps_per_round): c for c in chaos}
+    losses = []
+    for k in range(1, spec.steps_per_round + 1):
+        losses.append(float(wl.train_step()))
+        if k in strikes:
+            strike(strikes[k], part=shard_part(job.shard), round_step=k, heartbeat=hb, checkpointer=ck,
+                   generation=job.generation)
+        hb.beat(step=int(wl.data_position), loss=losses[-1])
+    return math.fsum(losses) / len(losses)
+
+
+def die_with(supervisor_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when its supervisor's thread ends (Linux ``PR_SET_PDEATHSIG``):
+    a shard task killed with ``kill -9`` leaves no rank training on; elsewhere a no-op."""
+    if not supervisor_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != supervisor_pid:  # it died before the call: nobody would end this rank
+        os._exit(1)
+
+
+def main() -> int:
+    """The rank process: the job from stdin, the rendezvous, the round; the exit code says how it ended."""
+    import torch.distributed as dist
+
+    job = RankJob.from_json(sys.stdin.read())
+    die_with(job.supervisor_pid)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
+                                world_size=job.ranks, timeout=timedelta(seconds=job.group_timeout_s))
+    except Exception as e:  # noqa: BLE001 - the supervisor reports it
+        print(f"rendezvous failed: rank {job.rank} of {job.ranks} could not join the group at 127.0.0.1:{job.port}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    try:
+        result = train_rank_round(job)
+        if job.rank == 0:
+            with open(job.result_path, "w", encoding="utf-8") as f:
+                f.write(result.to_json().decode())
+        return 0
+    except FencedError as e:
+        print(f"fenced: {e}", file=sys.stderr)
+        return EXIT_FENCED
+    except BaseException:  # noqa: BLE001 - the supervisor reports the traceback's last line
+        traceback.print_exc()
+        return 1
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be destroyed cleanly
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
