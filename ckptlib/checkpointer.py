@@ -157,7 +157,8 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False,
+                             buffers=self._bases.buffers(SINGLE_PART).take)
         return self._persist(step, snap, meta, t0, blocked=None)
 
     def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture:
@@ -168,8 +169,8 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        spare = self._bases.take_spare(SINGLE_PART)
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True, spare=spare)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True,
+                             buffers=self._bases.buffers(SINGLE_PART).take)
         fut = SaveFuture(step)
 
         def run() -> None:
@@ -449,7 +450,7 @@ class Checkpointer:
         commit.check_part_name(part)
         self._check_open()
         commit.check_live(self.store, part, generation)
-        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False, buffers=self._bases.buffers(part).take)
 
         def publish(enc: EncodedPart) -> Fragment:
             commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it

@@ -9,15 +9,22 @@ part, with the unit's previous version (its delta base) when the writer holds on
 * ``delta`` against the previous version of the same unit, while its chain is shorter than
   ``keyframe_every`` (lowered by up to a quarter for some units, so chains that began together do
   not all end at the same save), the chain's deltas stay within ``delta_budget`` keyframes, and the
-  delta is at least 10% smaller than a keyframe.
-* ``keyframe`` otherwise: byte planes + zstd, or the raw bytes when zstd does not pay.
+  delta is at least 10% smaller than a keyframe (a dense delta, one that changes most elements:
+  25%).
+* ``keyframe`` otherwise: byte planes, each zstd-coded only where that pays, or the raw bytes when
+  nothing does.
+
+What an encode measured is remembered per unit (``UnitHint``) and spares the next save work that
+cannot pay: the planes that compress, and whether a delta paid. A unit whose dense delta did not
+pay is written as keyframes from then on, and its writer keeps no base bytes for it (a delta is
+tried again every ``PROBE_EVERY`` saves, staggered by position).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,9 +42,17 @@ _DELTA_PAYS = 0.9
 # gets a new keyframe once its deltas add up to twice the keyframe's size, or after 32 links.
 DEFAULT_KEYFRAME_EVERY = 32
 DEFAULT_DELTA_BUDGET = 2.0
+# A dense delta (most elements changed: the previous version held in memory, a snapshot into fresh
+# memory, one more link per restore) must save more: dense fp32 AdamW deltas between saves 10 steps
+# apart save 13-18% over a keyframe (dense-lm, tinylm), sparse ones 60-98% (docs/decisions.md 21).
+_DENSE_DELTA_PAYS = 0.75
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
 _SPARSE_BELOW = 0.3
+# A byte plane is coded when zstd shrinks it by at least this much (else it is stored raw).
+_PLANE_PAYS = 0.97
+# A unit that keeps no base bytes tries a delta again (and re-measures its planes) every this many saves.
+PROBE_EVERY = 16
 # A keyframe that zstd shrinks by less than this is stored raw: its restore is then a copy
 # (docs/decisions.md, "Raw keyframes").
 RAW_KEYFRAME_ABOVE = 0.98
@@ -61,67 +76,118 @@ class Previous:
     blob: Blob
 
 
+@dataclass(frozen=True)
+class UnitHint:
+    """What encoding a unit measured, for its next save: the byte planes of a keyframe and of a
+    dense delta worth coding (None: not measured), whether its last dense delta failed to pay
+    (``dense``), and how many saves it has seen (``saves``: when to measure again)."""
+
+    key_planes: tuple[int, ...] | None = None
+    delta_planes: tuple[int, ...] | None = None
+    dense: bool = False
+    saves: int = 0
+
+    def due(self, position: int) -> bool:
+        return (self.saves + position) % PROBE_EVERY == 0
+
+    def keep_bytes(self, position: int) -> bool:
+        """Whether the writer keeps this unit's bytes as the base of its next save: always, unless
+        deltas do not pay for it; then only before a save that measures again."""
+        return not self.dense or self.due(position)
+
+
 @dataclass
 class EncodedUnit:
-    """One unit's raw checksum and, unless it is unchanged, the blob to store and its payload."""
+    """One unit's raw checksum and, unless it is unchanged, the blob to store and its payload;
+    ``hint``: what this encode measured, for the unit's next save."""
 
     digest: str
     kind: str  # "unchanged" | "delta" | "keyframe"
     blob: Blob | None = None
     payload: np.ndarray | None = None
+    hint: UnitHint = UnitHint()
 
 
 def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Blob], previous: Previous | None,
-                opts: EncodeOptions) -> EncodedUnit:
+                opts: EncodeOptions, hint: UnitHint | None = None) -> EncodedUnit:
     """Encode the raw bytes ``view`` of ``unit`` (the ``position``-th of its part). ``known``: the
-    base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held."""
+    base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held;
+    ``hint``: what its previous encode measured."""
+    hint = hint or UnitHint()
+    due = hint.due(position)
+    hint = replace(hint, saves=hint.saves + 1)
     digest = codecs.checksum(view)
     if digest in known:
-        return EncodedUnit(digest, "unchanged")
+        return EncodedUnit(digest, "unchanged", hint=hint)
+    if due:  # every so often, measure the planes again (training changes what compresses)
+        hint = replace(hint, key_planes=None, delta_planes=None)
     if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
-        chosen, payload, base = _delta_or_keyframe(view, unit, previous, known, opts)
+        chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:
-        (chosen, payload), base = keyframe(view, unit, opts.zstd_level), None
+        chosen, payload, hint = keyframe(view, unit, opts.zstd_level, hint)
+        base = None
     configs = [c.to_config() for c in chosen]
     depth = 0 if base is None else previous.blob.depth + 1  # type: ignore[union-attr]
     blob = Blob(blob_key(digest, base, configs), payload.nbytes, view.nbytes, tuple(configs), base, depth)
-    return EncodedUnit(digest, "keyframe" if base is None else "delta", blob, payload)
+    return EncodedUnit(digest, "keyframe" if base is None else "delta", blob, payload, hint)
 
 
 def _delta_or_keyframe(view: np.ndarray, unit: Unit, previous: Previous, known: dict[str, Blob],
-                       opts: EncodeOptions) -> tuple[list, np.ndarray, str | None]:
-    """(codecs, payload, base checksum or None): a delta against ``previous``, unless a keyframe is
-    better. The chain's own keyframe estimates this unit's; only when the estimate says a keyframe
-    may be better is one encoded, to decide on its real size."""
-    chosen = delta_codecs(view, previous.data, unit, opts.zstd_level)
+                       opts: EncodeOptions, hint: UnitHint) -> tuple[list, np.ndarray, str | None, UnitHint]:
+    """(codecs, payload, base checksum or None, hint): a delta against ``previous``, unless a
+    keyframe is better. The chain's own keyframe estimates this unit's; only when the estimate says
+    a keyframe may be better is one encoded, to decide on its real size."""
+    chosen = delta_codecs(view, previous.data, unit, opts.zstd_level, hint.delta_planes)
     payload = codecs.encode(view, chosen, previous.data)
+    dense = not isinstance(chosen[0], codecs.SparseDelta)
+    if isinstance(chosen[-1], codecs.Planes) and hint.delta_planes is None:
+        hint = replace(hint, delta_planes=_paying_planes(chosen[-1], payload, view.nbytes))
+    pays = _DENSE_DELTA_PAYS if dense else _DELTA_PAYS
     key_estimate, chain_deltas = chain_sizes(previous.blob, known)
     chain_deltas += payload.nbytes
-    if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
-        key_codecs, key_payload = keyframe(view, unit, opts.zstd_level)
-        if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
-            return key_codecs, key_payload, None
-    return chosen, payload, previous.digest
+    if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget, pays):
+        key_codecs, key_payload, hint = keyframe(view, unit, opts.zstd_level, hint)
+        if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget, pays):
+            # a dense delta that does not pay marks the unit dense (no base bytes kept for it)
+            return key_codecs, key_payload, None, replace(hint, dense=dense and payload.nbytes >= pays * key_payload.nbytes)
+    return chosen, payload, previous.digest, replace(hint, dense=False)
 
 
-def delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> list:
-    """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else."""
+def delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int,
+                 planes: tuple[int, ...] | None = None) -> list:
+    """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else. A dense
+    delta codes the byte ``planes`` given (None: every plane, to measure which pay)."""
     if not codecs.integer_deltas_apply(unit.itemsize):
         return codecs.delta_codecs(unit.itemsize, level)
     uint = np.dtype(f"u{unit.itemsize}")
     changed = np.count_nonzero(view.view(uint) != base_view.view(uint))
     if changed < _SPARSE_BELOW * (view.nbytes // unit.itemsize):
         return codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
-    return codecs.arith_codecs(unit.itemsize, level, unit.is_float)
+    coded = tuple(range(unit.itemsize)) if planes is None else planes
+    return [codecs.ArithDelta(unit.itemsize, ordered_float=unit.is_float), codecs.Planes(unit.itemsize, coded, level)]
 
 
-def keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
-    """(codecs, payload) of a keyframe: byte planes + zstd, or the raw bytes when zstd does not pay."""
-    chosen = codecs.keyframe_codecs(unit.itemsize, level)
-    payload = codecs.encode(view, chosen)
+def keyframe(view: np.ndarray, unit: Unit, level: int, hint: UnitHint | None = None) -> tuple[list, np.ndarray, UnitHint]:
+    """(codecs, payload, hint) of a keyframe: byte planes, zstd-coded where that pays (measured on
+    every plane when ``hint`` has not measured them yet), or the raw bytes when nothing does."""
+    hint = hint or UnitHint()
+    itemsize = unit.itemsize if 1 <= unit.itemsize <= 16 else 1
+    planes = hint.key_planes
+    if planes == ():
+        return [codecs.Raw()], view, hint
+    codec = codecs.Planes(itemsize, tuple(range(itemsize)) if planes is None else planes, level)
+    payload = codec.encode(view, None)
+    if planes is None:
+        hint = replace(hint, key_planes=_paying_planes(codec, payload, view.nbytes))
     if payload.nbytes >= RAW_KEYFRAME_ABOVE * view.nbytes:
-        return [codecs.Raw()], view
-    return chosen, payload
+        return [codecs.Raw()], view, replace(hint, key_planes=())
+    return [codec], payload, hint
+
+
+def _paying_planes(codec: codecs.Planes, payload: np.ndarray, nbytes: int) -> tuple[int, ...]:
+    """The planes of ``payload`` that zstd shrank by at least 3%."""
+    plane_bytes = nbytes // codec.itemsize if nbytes % codec.itemsize == 0 else nbytes
+    return tuple(p for p, size in codec.frame_sizes(payload, nbytes).items() if size <= _PLANE_PAYS * plane_bytes)
 
 
 def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
@@ -136,10 +202,11 @@ def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
     return blob.size, deltas
 
 
-def keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None) -> bool:
+def keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None, pays: float = _DELTA_PAYS) -> bool:
     """Whether a keyframe of ``keyframe`` bytes beats a delta of ``delta`` bytes that would bring its
-    chain's deltas to ``chain_deltas`` bytes: the delta does not pay, or the chain is over budget."""
-    return delta >= _DELTA_PAYS * keyframe or (budget is not None and chain_deltas > budget * keyframe)
+    chain's deltas to ``chain_deltas`` bytes: the delta is not ``pays`` times smaller, or the chain
+    is over budget."""
+    return delta >= pays * keyframe or (budget is not None and chain_deltas > budget * keyframe)
 
 
 def chain_cap(keyframe_every: int, position: int) -> int:

@@ -33,7 +33,7 @@ import numpy as np
 from . import codecs
 from .bases import Base, Retainer, host_buffer
 from .chunking import Unit, plan_units
-from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, EncodedUnit, EncodeOptions, encode_unit
+from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, EncodedUnit, EncodeOptions, UnitHint, encode_unit
 from .leases import Lease
 from .leaves import copy_into, raw_view
 from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
@@ -105,12 +105,13 @@ class EncodedPart:
 # --- 1. snapshot -----------------------------------------------------------------------------------
 
 def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], *, copy: bool = True,
-                  spare: dict[int, list[np.ndarray]] | None = None) -> Snapshot:
+                  buffers: Callable[[int, bool], np.ndarray] | None = None) -> Snapshot:
     """The leaves of ``state`` as raw bytes (the blocking part of a save).
 
     With tensors on a GPU the host buffers are pinned (page-locked): device-to-host copies into
-    pinned memory run at full bus speed and asynchronously. ``spare``: buffers of earlier
-    snapshots to reuse, by size (pinning is slow; so are page faults on fresh memory).
+    pinned memory run at full bus speed and asynchronously. ``buffers(nbytes, pinned)``: where the
+    host buffers come from (a writer's ``bases.BufferPool``: buffers of earlier snapshots, whose
+    pages are faulted in already; pinning is slow, and so are page faults on fresh memory).
     """
     t0 = time.perf_counter()
     skeleton, leaves = flatten(state)
@@ -119,11 +120,8 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int],
         chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
     units = plan_units(specs, chunk_bytes)
     on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
-    spare = spare if spare is not None else {}
-
     def buffer(nbytes: int) -> np.ndarray:
-        reuse = spare.get(nbytes)
-        return reuse.pop() if reuse else host_buffer(nbytes, pinned=on_gpu)
+        return buffers(nbytes, on_gpu) if buffers is not None else host_buffer(nbytes, pinned=on_gpu)
 
     unit_data, leaf_data, owned, to_copy = _place_units(units, leaves, buffer, copy)
 
@@ -212,7 +210,8 @@ def encode_part(snap: Snapshot, base: Base | None, store: Store, pool: Executor,
     next_base = None
     if retain:  # 4. the next save's base
         next_base = Base(step, dict(table), {unit.ident: u.digest for unit, u in zip(snap.units, units)},
-                         {u.digest: u.kept for u in units if u.kept is not None}, snap.chunk_bytes)
+                         {u.digest: u.kept for u in units if u.kept is not None}, snap.chunk_bytes,
+                         {unit.ident: u.hint for unit, u in zip(snap.units, units)})
     return EncodedPart(fragment, next_base, uploader.reused)
 
 
@@ -225,6 +224,7 @@ class _UnitDone:
     blob: Blob | None
     written: int  # bytes this save stored for the unit (0: unchanged, or the object was there)
     kept: np.ndarray | None  # its bytes for the next base (with retain)
+    hint: UnitHint  # what its encode measured, for its next save
 
 
 class _Cancelled(Exception):
@@ -276,11 +276,12 @@ def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: Write
     def one(u: int) -> _UnitDone:
         uploader.check()
         unit, view = snap.units[u], snap.unit_data[u]
+        previous, hint = (base.previous(unit), base.hints.get(unit.ident)) if base else (None, None)
         with slots:
-            enc: EncodedUnit = encode_unit(view, unit, u, known, base.previous(unit) if base else None, enc_opts)
+            enc: EncodedUnit = encode_unit(view, unit, u, known, previous, enc_opts, hint)
         written = uploader.put(enc)  # outside a slot: many uploads in flight
-        kept = retainer.keep(unit, view, snap.owned[u], enc.digest) if retainer is not None else None
-        return _UnitDone(enc.digest, enc.kind, enc.blob, written, kept)
+        kept = retainer.keep(unit, view, snap.owned[u], enc.digest, enc.hint, u) if retainer is not None else None
+        return _UnitDone(enc.digest, enc.kind, enc.blob, written, kept, enc.hint)
 
     return _run_all(pool, one, len(snap.units), uploader.failed)
 

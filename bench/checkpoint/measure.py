@@ -46,7 +46,7 @@ from .series import Series, capture_states
 from .trees import map_tensors
 
 # Dense states, whose order-0 entropy (the bound of a coder without a model) the benchmark reports.
-DENSE_WORKLOADS = ("tinylm",)
+DENSE_WORKLOADS = ("tinylm", "dense-lm")
 RECORD_KEYS = ("workload", "device", "system", "bytes_written", "blocked_s", "durable_s", "restore_s",
                "peak_rss_bytes")
 
