@@ -53,6 +53,8 @@ _SPARSE_BELOW = 0.3
 _PLANE_PAYS = 0.97
 # A unit that keeps no base bytes tries a delta again (and re-measures its planes) every this many saves.
 PROBE_EVERY = 16
+# After this many saves in a row that found a unit unchanged, its writer stops holding its bytes.
+_STILL_KEEPS = 2
 # A keyframe that zstd shrinks by less than this is stored raw: its restore is then a copy
 # (docs/decisions.md, "Raw keyframes").
 RAW_KEYFRAME_ABOVE = 0.98
@@ -80,21 +82,25 @@ class Previous:
 class UnitHint:
     """What encoding a unit measured, for its next save: the byte planes of a keyframe and of a
     dense delta worth coding (None: not measured), whether its last dense delta failed to pay
-    (``dense``), and how many saves it has seen (``saves``: when to measure again)."""
+    (``dense``), how many saves in a row found it unchanged (``still``) and how many saves it has
+    seen (``saves``: when to measure again)."""
 
     key_planes: tuple[int, ...] | None = None
     delta_planes: tuple[int, ...] | None = None
     dense: bool = False
+    still: int = 0
     saves: int = 0
 
     def due(self, position: int) -> bool:
         return (self.saves + position) % PROBE_EVERY == 0
 
     def keep_bytes(self, position: int) -> bool:
-        """Whether the writer keeps this unit's bytes as the base of its next save: always, unless
-        deltas do not pay for it; then only before a save that measures again."""
-        return not self.dense or self.due(position)
-
+        """Whether the writer keeps this unit's bytes as the base of its next save: not when deltas
+        do not pay for it (but before a save that measures again), nor when it was unchanged twice
+        in a row (a frozen weight: if it ever changes, that save writes a keyframe)."""
+        if self.dense:
+            return self.due(position)
+        return self.still < _STILL_KEEPS
 
 @dataclass
 class EncodedUnit:
@@ -118,7 +124,8 @@ def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Bl
     hint = replace(hint, saves=hint.saves + 1)
     digest = codecs.checksum(view)
     if digest in known:
-        return EncodedUnit(digest, "unchanged", hint=hint)
+        return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
+    hint = replace(hint, still=0)
     if due:  # every so often, measure the planes again (training changes what compresses)
         hint = replace(hint, key_planes=None, delta_planes=None)
     if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):

@@ -197,6 +197,8 @@ def encode_part(snap: Snapshot, base: Base | None, store: Store, pool: Executor,
     """Encode and upload every unit of ``snap`` against ``base``; the fragment of ``part`` at ``step``."""
     uploader = _Uploader(store, opts.limiter, lease)
     units = _encode_units(snap, base, pool, opts, uploader, retain)  # 2. encode + upload
+    if retain:
+        _detach_partly_kept(snap, units)
     if lease is not None:
         lease.renew()
     leaves = _leaf_entries(snap, [u.digest for u in units], pool)  # 3. digests, places, the blob table
@@ -284,6 +286,23 @@ def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: Write
         return _UnitDone(enc.digest, enc.kind, enc.blob, written, kept, enc.hint)
 
     return _run_all(pool, one, len(snap.units), uploader.failed)
+
+
+def _detach_partly_kept(snap: Snapshot, units: list[_UnitDone]) -> None:
+    """A snapshot buffer holds a whole leaf; a base that keeps the bytes of some of its chunks only
+    (the others are written as keyframes and need none) would keep the whole buffer alive, out of
+    the pool. Those chunks get buffers of their own, so the leaf's buffer goes back to the pool."""
+    by_leaf: dict[int, list[int]] = {}
+    for u, unit in enumerate(snap.units):
+        if snap.owned[u] and not unit.packed:
+            by_leaf.setdefault(unit.segments[0].leaf, []).append(u)
+    for members in by_leaf.values():
+        kept = [u for u in members if units[u].kept is not None]
+        if kept and len(kept) < len(members):
+            for u in kept:
+                own = host_buffer(units[u].kept.nbytes)  # type: ignore[union-attr]
+                own[:] = units[u].kept
+                units[u].kept = own
 
 
 def _run_all(pool: Executor, fn: Any, n: int, failed: threading.Event) -> list[Any]:

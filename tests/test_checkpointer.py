@@ -412,3 +412,32 @@ def test_upload_bandwidth_limit_spreads_the_upload(tmp_path):
     assert info.bytes_written > 500_000
     with pytest.raises(ValueError, match="max_upload_bytes_per_s"):
         RateLimiter(-1)
+
+
+def test_dense_units_keep_no_base_bytes_and_snapshots_reuse_the_pool(tmp_path):
+    """A state that changes everywhere (fresh random floats every save: no delta pays) is written
+    as keyframes; once its first delta did not pay, the writer keeps no base bytes for it and each
+    snapshot writes into the previous snapshot's buffers (pages already faulted in), so it holds
+    one copy of the state. A sparse tensor beside it keeps its base bytes (its deltas pay)."""
+    gen = torch.Generator().manual_seed(3)
+    sparse = torch.randn(1 << 16, generator=gen)
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        addresses, infos = [], []
+        for step in range(5):
+            sparse = sparse.clone()
+            sparse[torch.randint(0, sparse.numel(), (50,), generator=gen)] += 1.0
+            dense = torch.randn(1 << 18, generator=gen)
+            fut = ck.save_async(step, {"dense": dense, "sparse": sparse})
+            infos.append(fut.result())
+            pool = ck._bases.buffers("state")
+            addresses.append(sorted(b.__array_interface__["data"][0] for bufs in pool._free.values() for b in bufs))
+        base = ck._bases.held("state")
+        dense_units = [u for u in base.units if u[1] == "/dense"]
+        assert dense_units and all(base.hints[u].dense for u in dense_units)
+        held = sum(a.nbytes for a in base.raw.values())
+        # the sparse tensor's bytes, and one dense chunk of 16 (its next save tries a delta again)
+        assert held == sparse.numel() * 4 + dense.numel() * 4 // 16
+        assert infos[-1].chunks == {"delta": 4, "keyframe": 16, "unchanged": 0}
+        assert addresses[-1] and addresses[-1] == addresses[-2] == addresses[-3]  # the same buffer each time
+        assert pool.free_bytes == dense.numel() * 4
+        assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
