@@ -257,6 +257,11 @@ class DeltaBases:
         self._pools.clear()
 
 
+def buffer_address(view: np.ndarray) -> int:
+    """The address of the whole buffer ``view`` was cut from (views of one buffer share it)."""
+    return _address(_owner(view))
+
+
 def _owner(view: np.ndarray) -> np.ndarray:
     """The whole buffer a view was cut from (a snapshot buffer), as a flat uint8 array."""
     root = view

@@ -41,7 +41,7 @@ from .leases import Lease
 from .manifest import Fragment, Manifest, loads_fragment
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
-from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_snapshot
+from .save import EncodedPart, Snapshot, WriteOptions, encode_part, secure_snapshot, take_snapshot
 from .store import Store
 
 log = logging.getLogger("ckptlib")
@@ -169,8 +169,9 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True,
-                             buffers=self._bases.buffers(SINGLE_PART).take)
+        buffers = self._bases.buffers(SINGLE_PART).take
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers)
+        secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
         fut = SaveFuture(step)
 
         def run() -> None:

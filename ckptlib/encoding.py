@@ -14,10 +14,11 @@ part, with the unit's previous version (its delta base) when the writer holds on
 * ``keyframe`` otherwise: byte planes, each zstd-coded only where that pays, or the raw bytes when
   nothing does.
 
-What an encode measured is remembered per unit (``UnitHint``) and spares the next save work that
-cannot pay: the planes that compress, and whether a delta paid. A unit whose dense delta did not
-pay is written as keyframes from then on, and its writer keeps no base bytes for it (a delta is
-tried again every ``PROBE_EVERY`` saves, staggered by position).
+Which byte planes to code is measured on a sample of each chunk (a function of its bytes: the
+same chunk is always the same object). Whether a delta paid is remembered per unit (``UnitHint``)
+and spares the next save work that cannot pay: a unit whose dense delta did not pay is written as
+keyframes from then on, and its writer keeps no base bytes for it (a delta is tried again every
+``PROBE_EVERY`` saves, staggered by position); nor for a unit found unchanged twice in a row.
 """
 
 from __future__ import annotations
@@ -71,22 +72,24 @@ class EncodeOptions:
 
 @dataclass(frozen=True)
 class Previous:
-    """The previous version of a unit: its raw checksum, its raw bytes, its stored blob."""
+    """The previous version of a unit: its raw checksum, its raw bytes, its stored blob.
+
+    ``changes``: set when a snapshot found the unit's changes itself (``save.secure_snapshot``):
+    ``data`` then holds the new bytes already (patched in place) and ``changes`` is (positions of
+    the changed elements, their old values as unsigned integers)."""
 
     digest: str
     data: np.ndarray
     blob: Blob
+    changes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
 class UnitHint:
-    """What encoding a unit measured, for its next save: the byte planes of a keyframe and of a
-    dense delta worth coding (None: not measured), whether its last dense delta failed to pay
-    (``dense``), how many saves in a row found it unchanged (``still``) and how many saves it has
-    seen (``saves``: when to measure again)."""
+    """What encoding a unit found, for its next save: whether its last dense delta failed to pay
+    (``dense``), how many saves in a row found it unchanged (``still``), and how many saves it has
+    seen (``saves``: when to try a delta again)."""
 
-    key_planes: tuple[int, ...] | None = None
-    delta_planes: tuple[int, ...] | None = None
     dense: bool = False
     still: int = 0
     saves: int = 0
@@ -96,11 +99,12 @@ class UnitHint:
 
     def keep_bytes(self, position: int) -> bool:
         """Whether the writer keeps this unit's bytes as the base of its next save: not when deltas
-        do not pay for it (but before a save that measures again), nor when it was unchanged twice
+        do not pay for it (but before a save that tries one again), nor when it was unchanged twice
         in a row (a frozen weight: if it ever changes, that save writes a keyframe)."""
         if self.dense:
             return self.due(position)
         return self.still < _STILL_KEEPS
+
 
 @dataclass
 class EncodedUnit:
@@ -119,20 +123,15 @@ def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Bl
     """Encode the raw bytes ``view`` of ``unit`` (the ``position``-th of its part). ``known``: the
     base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held;
     ``hint``: what its previous encode measured."""
-    hint = hint or UnitHint()
-    due = hint.due(position)
-    hint = replace(hint, saves=hint.saves + 1)
+    hint = replace(hint or UnitHint(), saves=(hint.saves + 1) if hint else 1)
     digest = codecs.checksum(view)
     if digest in known:
         return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
     hint = replace(hint, still=0)
-    if due:  # every so often, measure the planes again (training changes what compresses)
-        hint = replace(hint, key_planes=None, delta_planes=None)
     if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
         chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:
-        chosen, payload, hint = keyframe(view, unit, opts.zstd_level, hint)
-        base = None
+        (chosen, payload), base = keyframe(view, unit, opts.zstd_level), None
     configs = [c.to_config() for c in chosen]
     depth = 0 if base is None else previous.blob.depth + 1  # type: ignore[union-attr]
     blob = Blob(blob_key(digest, base, configs), payload.nbytes, view.nbytes, tuple(configs), base, depth)
@@ -144,57 +143,55 @@ def _delta_or_keyframe(view: np.ndarray, unit: Unit, previous: Previous, known: 
     """(codecs, payload, base checksum or None, hint): a delta against ``previous``, unless a
     keyframe is better. The chain's own keyframe estimates this unit's; only when the estimate says
     a keyframe may be better is one encoded, to decide on its real size."""
-    chosen = delta_codecs(view, previous.data, unit, opts.zstd_level, hint.delta_planes)
-    payload = codecs.encode(view, chosen, previous.data)
+    chosen: list
+    if previous.changes is not None:  # a sparse change found by the snapshot
+        positions, old = previous.changes
+        sparse = codecs.SparseDelta(unit.itemsize, unit.is_float, opts.zstd_level, index="vgaps")
+        elements = view.view(f"u{unit.itemsize}")
+        chosen, payload = [sparse], sparse.encode_changes(positions, elements[positions], old, elements.size)
+    else:
+        chosen, payload = dense_or_sparse_delta(view, previous.data, unit, opts.zstd_level)
     dense = not isinstance(chosen[0], codecs.SparseDelta)
-    if isinstance(chosen[-1], codecs.Planes) and hint.delta_planes is None:
-        hint = replace(hint, delta_planes=_paying_planes(chosen[-1], payload, view.nbytes))
     pays = _DENSE_DELTA_PAYS if dense else _DELTA_PAYS
     key_estimate, chain_deltas = chain_sizes(previous.blob, known)
     chain_deltas += payload.nbytes
     if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget, pays):
-        key_codecs, key_payload, hint = keyframe(view, unit, opts.zstd_level, hint)
+        key_codecs, key_payload = keyframe(view, unit, opts.zstd_level)
         if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget, pays):
             # a dense delta that does not pay marks the unit dense (no base bytes kept for it)
             return key_codecs, key_payload, None, replace(hint, dense=dense and payload.nbytes >= pays * key_payload.nbytes)
     return chosen, payload, previous.digest, replace(hint, dense=False)
 
 
-def delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int,
-                 planes: tuple[int, ...] | None = None) -> list:
-    """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else. A dense
-    delta codes the byte ``planes`` given (None: every plane, to measure which pay)."""
+def dense_or_sparse_delta(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
+    """(codecs, payload): a sparse or dense integer delta for 1/2/4/8-byte elements, XOR for
+    anything else. A dense delta codes the byte planes of its differences that pay."""
     if not codecs.integer_deltas_apply(unit.itemsize):
-        return codecs.delta_codecs(unit.itemsize, level)
+        chosen = codecs.delta_codecs(unit.itemsize, level)
+        return chosen, codecs.encode(view, chosen, base_view)
     uint = np.dtype(f"u{unit.itemsize}")
     changed = np.count_nonzero(view.view(uint) != base_view.view(uint))
     if changed < _SPARSE_BELOW * (view.nbytes // unit.itemsize):
-        return codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
-    coded = tuple(range(unit.itemsize)) if planes is None else planes
-    return [codecs.ArithDelta(unit.itemsize, ordered_float=unit.is_float), codecs.Planes(unit.itemsize, coded, level)]
+        chosen = codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
+        return chosen, codecs.encode(view, chosen, base_view)
+    arith = codecs.ArithDelta(unit.itemsize, ordered_float=unit.is_float)
+    differences = arith.encode(view, base_view)
+    planes = codecs.Planes(unit.itemsize, codecs.Planes.paying(differences, unit.itemsize, level, _PLANE_PAYS), level)
+    return [arith, planes], planes.encode(differences, None)
 
 
-def keyframe(view: np.ndarray, unit: Unit, level: int, hint: UnitHint | None = None) -> tuple[list, np.ndarray, UnitHint]:
-    """(codecs, payload, hint) of a keyframe: byte planes, zstd-coded where that pays (measured on
-    every plane when ``hint`` has not measured them yet), or the raw bytes when nothing does."""
-    hint = hint or UnitHint()
+def keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
+    """(codecs, payload) of a keyframe: byte planes, zstd-coded where that pays (measured on a
+    sample of the chunk), or the raw bytes when nothing does."""
     itemsize = unit.itemsize if 1 <= unit.itemsize <= 16 else 1
-    planes = hint.key_planes
-    if planes == ():
-        return [codecs.Raw()], view, hint
-    codec = codecs.Planes(itemsize, tuple(range(itemsize)) if planes is None else planes, level)
+    planes = codecs.Planes.paying(view, itemsize, level, _PLANE_PAYS)
+    if not planes:
+        return [codecs.Raw()], view
+    codec = codecs.Planes(itemsize, planes, level)
     payload = codec.encode(view, None)
-    if planes is None:
-        hint = replace(hint, key_planes=_paying_planes(codec, payload, view.nbytes))
     if payload.nbytes >= RAW_KEYFRAME_ABOVE * view.nbytes:
-        return [codecs.Raw()], view, replace(hint, key_planes=())
-    return [codec], payload, hint
-
-
-def _paying_planes(codec: codecs.Planes, payload: np.ndarray, nbytes: int) -> tuple[int, ...]:
-    """The planes of ``payload`` that zstd shrank by at least 3%."""
-    plane_bytes = nbytes // codec.itemsize if nbytes % codec.itemsize == 0 else nbytes
-    return tuple(p for p, size in codec.frame_sizes(payload, nbytes).items() if size <= _PLANE_PAYS * plane_bytes)
+        return [codecs.Raw()], view
+    return [codec], payload
 
 
 def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
