@@ -26,8 +26,9 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 @app.command("bench")
 def bench(
     workloads: Annotated[str, typer.Option(
-        "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, or module:factory.")
-    ] = "tinylm,recsys,finetune,finetune-bf16",
+        "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, dense-lm, or "
+                            "module:factory.")
+    ] = "tinylm,recsys,finetune,finetune-bf16,dense-lm",
     saves: Annotated[int, typer.Option("--saves", help="Checkpoints per series (means are over all but the first).")] = 17,
     steps_between: Annotated[Optional[int], typer.Option(
         "--steps-between", help="Training steps between checkpoints (default: 10; finetune-bf16: 1, every step).")

@@ -2,11 +2,13 @@
 
 Called by ``Checkpointer`` (the only caller). The phases are the code of ``encode_part``:
 
-1. ``take_snapshot`` is the only step that reads the caller's tensors. With ``copy=True`` (a
-   background save) it copies every leaf into host buffers and the caller may change its state as
-   soon as it returns. With ``copy=False`` (a save the caller waits for) it copies only what it
-   cannot read in place (other devices, layouts, small leaves into their packs): CPU tensors are
-   encoded straight from their memory, which must not change until the save returns.
+1. ``take_snapshot`` and ``secure_snapshot`` are the only steps that read the caller's tensors.
+   ``take_snapshot(copy=False)`` copies only what it cannot read in place (other devices, layouts,
+   small leaves into their packs); a save the caller waits for then encodes CPU tensors straight
+   from their memory, which must not change until the save returns. A background save follows it
+   with ``secure_snapshot``: each unit read in place is patched into the base's buffer (few
+   changes) or copied into a pool buffer, and the caller may change its state as soon as it
+   returns. (``copy=True`` copies every leaf into host buffers.)
 2. Each unit is encoded (``ckptlib.encoding``: unchanged, delta or keyframe) and uploaded with
    ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
    nothing and is safe. When one upload fails the others stop (nothing more is written) and that
@@ -82,7 +84,9 @@ class Snapshot:
     specs: list[LeafSpec]
     units: list[Unit]
     unit_data: list[np.ndarray]  # raw bytes of each unit (views)
-    leaf_data: list[np.ndarray]  # raw bytes of each leaf (views; a packed leaf's is a slice of its pack)
+    # raw bytes of each leaf (views; a packed leaf's is a slice of its pack). After secure_snapshot a
+    # leaf read in place still points at the caller's memory: only ``unit_data`` is ours then
+    leaf_data: list[np.ndarray]
     owned: list[bool]  # unit_data[u] is our memory, not the caller's
     chunk_bytes: int = 0
     seconds: float = 0.0
