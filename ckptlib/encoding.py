@@ -87,12 +87,14 @@ class Previous:
 @dataclass(frozen=True)
 class UnitHint:
     """What encoding a unit found, for its next save: whether its last dense delta failed to pay
-    (``dense``), how many saves in a row found it unchanged (``still``), and how many saves it has
-    seen (``saves``: when to try a delta again)."""
+    (``dense``), how many saves in a row found it unchanged (``still``), how many saves it has
+    seen (``saves``: when to try a delta again), and whether its last change was patched by the
+    snapshot (``patched``: else the next snapshot copies it without comparing first)."""
 
     dense: bool = False
     still: int = 0
     saves: int = 0
+    patched: bool = True  # its last change was few enough for a snapshot by difference (or none was seen)
 
     def due(self, position: int) -> bool:
         return (self.saves + position) % PROBE_EVERY == 0
@@ -127,7 +129,7 @@ def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Bl
     digest = codecs.checksum(view)
     if digest in known:
         return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
-    hint = replace(hint, still=0)
+    hint = replace(hint, still=0, patched=previous is None or previous.changes is not None)
     if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
         chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:

@@ -184,8 +184,9 @@ def _place_units(units: list[Unit], leaves: list[tuple[LeafSpec, Any]], buffer: 
 
 _SNAPSHOT_GROUPS = 8
 # A snapshot by difference patches the base in place while fewer than this share of a unit's elements
-# changed (what a sparse delta is written for); above it the unit is copied.
-_PATCH_BELOW = 0.3
+# changed; above it a copy, even into fresh memory, is faster (1 MiB of bf16 here: patching 0.1% of
+# the elements 0.14 ms, 10% 1.1 ms, a copy into fresh pages 0.44 ms, into touched pages 0.05 ms).
+_PATCH_BELOW = 0.02
 
 
 def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor,
@@ -207,11 +208,14 @@ def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor,
     def secure(u: int) -> None:
         unit, view = snap.units[u], snap.unit_data[u]
         previous = base.previous(unit) if base is not None else None
-        if previous is not None and shared[previous.digest] == 1 and codecs.integer_deltas_apply(unit.itemsize):
+        hint = base.hints.get(unit.ident) if base is not None else None
+        if (previous is not None and shared[previous.digest] == 1 and codecs.integer_deltas_apply(unit.itemsize)
+                and (hint is None or hint.patched or hint.due(u))):  # one that changed much last time: copied
             uint = f"u{unit.itemsize}"
             new, old = view.view(uint), previous.data.view(uint)
-            positions = np.flatnonzero(new != old)
-            if positions.size < _PATCH_BELOW * new.size:
+            differs = new != old
+            if np.count_nonzero(differs) < _PATCH_BELOW * new.size:
+                positions = np.flatnonzero(differs)
                 snap.changes[u] = (positions, old[positions])
                 old[positions] = new[positions]
                 snap.unit_data[u], snap.owned[u] = previous.data, True
