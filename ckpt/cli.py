@@ -22,6 +22,7 @@ app = typer.Typer(
 from . import cmd_bench  # noqa: E402,F401  bench
 from . import cmd_inspect  # noqa: E402,F401  ls, show, verify
 from . import cmd_gc  # noqa: E402,F401  gc
+from . import cmd_quarantine  # noqa: E402,F401  quarantine
 from . import cmd_export  # noqa: E402,F401  export
 from . import cmd_demo  # noqa: E402,F401  demo
 from . import cmd_train  # noqa: E402,F401  train

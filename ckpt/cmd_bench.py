@@ -25,15 +25,18 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 
 @app.command("bench")
 def bench(
-    workloads: Annotated[str, typer.Option(
+    workloads: Annotated[Optional[str], typer.Option(
         "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, dense-lm, or "
-                            "module:factory.")
-    ] = "tinylm,recsys,finetune,finetune-bf16,dense-lm",
-    saves: Annotated[int, typer.Option("--saves", help="Checkpoints per series (means are over all but the first).")] = 17,
+                            "module:factory (default: all five; --distributed: tinylm,finetune).")
+    ] = None,
+    saves: Annotated[Optional[int], typer.Option(
+        "--saves", help="Checkpoints per series (means are over all but the first; default 17, --distributed 5).")
+    ] = None,
     steps_between: Annotated[Optional[int], typer.Option(
         "--steps-between", help="Training steps between checkpoints (default: 10; finetune-bf16: 1, every step).")
     ] = None,
-    size: Annotated[str, typer.Option("--size", help="Workload size preset: bench or small.")] = "bench",
+    size: Annotated[Optional[str], typer.Option(
+        "--size", help="Workload size preset: bench or small (default: bench; --distributed: small).")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write the records as a JSON list.")] = None,
     store: Annotated[Optional[str], typer.Option(
         "--store", metavar="DIR", help="Directory for the per-system temporary stores (default: the system temp dir).")
@@ -50,11 +53,18 @@ def bench(
                      "state (481 tensors). Starts SeaweedFS on loopback unless --s3-endpoint env.")] = False,
     s3_endpoint: Annotated[str, typer.Option(
         "--s3-endpoint", help="local (start SeaweedFS) or env (AWS_ENDPOINT_URL and credentials).")] = "local",
+    distributed: Annotated[bool, typer.Option(
+        "--distributed", help="Instead: FSDP2 jobs (gloo on CPU) checkpointed by ckptlib's collective Checkpointer "
+                              "and by DCP, side by side (default workloads tinylm,finetune; --size small).")] = False,
+    ranks: Annotated[str, typer.Option("--ranks", help="With --distributed: the world sizes, in order.")] = "2,4",
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
         if s3:
             _bench_s3(s3_endpoint, json_out)
+            return
+        if distributed:
+            _bench_distributed(workloads, ranks, saves, steps_between, size, store, json_out)
             return
         import os
 
@@ -64,8 +74,9 @@ def bench(
         from bench.checkpoint.measure import run_benchmark
 
         extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
-        cfg = BenchConfig(workloads=_names(workloads, "workloads"), saves=saves, steps_between=steps_between,
-                          size=size, store=store, device=device, systems=_names(systems, "systems"), extra=extra)
+        cfg = BenchConfig(workloads=_names(workloads or _DEFAULT_WORKLOADS, "workloads"), saves=saves or 17,
+                          steps_between=steps_between, size=size or "bench", store=store, device=device,
+                          systems=_names(systems, "systems"), extra=extra)
         from rich.console import Console
 
         err = Console(stderr=True, highlight=False)
@@ -82,6 +93,32 @@ def _bench_s3(endpoint: str, json_out: str | None) -> None:
     result = run_s3_benchmark(endpoint, progress=lambda m: typer.echo(m, err=True))
     _write_json(json_out, result)
     typer.echo(render_s3(result))
+
+
+def _bench_distributed(workloads: str | None, ranks: str, saves: int | None, steps_between: int | None,
+                       size: str | None, store: str | None, json_out: str | None) -> None:
+    from bench.distributed.run import DistributedBenchConfig, render, run_distributed_benchmark
+
+    default = DistributedBenchConfig()
+    worlds = tuple(int(n) for n in _names(ranks, "ranks") if n.isdigit())
+    if not worlds or len(worlds) != len(_names(ranks, "ranks")) or min(worlds) < 1:
+        raise ValueError(f"--ranks must list world sizes (positive integers), got {ranks!r}")
+    cfg = DistributedBenchConfig(workloads=_names(workloads, "workloads") if workloads else default.workloads,
+                                 ranks=worlds, saves=saves or default.saves,
+                                 steps_between=steps_between or default.steps_between, size=size or default.size,
+                                 store=store)
+    records = run_distributed_benchmark(cfg, progress=lambda m: typer.echo(m, err=True))
+    _write_json(json_out, records)
+    typer.echo(render(records))
+    ours = [f"{r['workload']} on {r['world']} ranks" for r in records
+            if r["system"] == "ckptlib" and not (r["exact_same"] and r.get("exact_other", True))]
+    if ours:
+        from ckptlib import CheckpointError
+
+        raise CheckpointError(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")
+
+
+_DEFAULT_WORKLOADS = "tinylm,recsys,finetune,finetune-bf16,dense-lm"
 
 
 def _write_json(path: str | None, data: Any) -> None:

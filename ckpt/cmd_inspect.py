@@ -4,6 +4,10 @@ Each command opens one run's store (a path, ``file://``, ``memory://`` or ``s3:/
 arguments from ``--storage-options``, ``CKPT_STORAGE_OPTIONS`` or the AWS_* variables, see
 ``ckpt/common.py``) through ``ckptlib.Checkpointer``. An expected failure prints one ``error:`` line
 and exits 2; ``verify`` exits 1 when it finds damage (and prints one line per problem).
+
+One damaged step stays one damaged step: ``ls`` lists the others and marks it (with its reason,
+one line; exit 0: a listing is not a check), ``show`` of it is one ``error:`` line, ``verify``
+reports it among the others (exit 1).
 """
 
 from __future__ import annotations
@@ -33,30 +37,68 @@ if TYPE_CHECKING:
     from ckptlib.manifest import Manifest
 
 
-def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None):
+def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None, damaged: dict[int, str] | None = None):
     """The rich table of ``ckpt ls`` (also printed by ``ckpt demo``): one row per step of ``steps``
     (default: every committed step). Each row reads the step's manifest and verdict, eight steps at
-    a time (a remote store answers each read in a round trip)."""
+    a time (a remote store answers each read in a round trip). A step whose manifest cannot be
+    read is a row marked DAMAGED (UNREADABLE: of a format this ckptlib does not read); its reason
+    goes into ``damaged``."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rich.table import Table
+
+    from ckptlib import CorruptCheckpoint, FormatVersionError, NoCheckpoint
 
     table = Table(title=f"checkpoints in {ck.url}", title_justify="left")
     for name, justify in (("step", "right"), ("kind", "left"), ("written", "right"), ("ratio", "right"),
                           ("stored", "right"), ("digest", "left"), ("validation", "left")):
         table.add_column(name, justify=justify, no_wrap=True)
 
-    def row(step: int) -> tuple[str, ...]:
+    def row(step: int) -> tuple[str, ...] | None:
         from ckptlib import commit
 
-        m = commit.read_manifest(ck.store, step)
+        try:
+            m = commit.read_manifest(ck.store, step)
+        except NoCheckpoint:
+            return None  # dropped (by a GC) since the listing
+        except (CorruptCheckpoint, FormatVersionError) as e:
+            if damaged is not None:
+                damaged[step] = one_line(getattr(e, "reason", e))
+            word = "UNREADABLE" if isinstance(e, FormatVersionError) else "DAMAGED"
+            return (str(step), word, "-", "-", "-", "-", verdict_word(ck.verdict(step)))
         return (str(step), m.kind, fmt_bytes(m.bytes_written), fmt_ratio(m.logical_bytes, m.bytes_written),
                 fmt_bytes(m.stored_bytes), m.digest[:12], verdict_word(ck.verdict(step)))
 
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-ls") as pool:
         for cells in pool.map(row, ck.steps() if steps is None else steps):
-            table.add_row(*cells)
+            if cells is not None:
+                table.add_row(*cells)
     return table
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+
+
+def damage_lines(url: str, damaged: dict[int, str]) -> list[str]:
+    """What ``ls`` prints under its table about damaged steps: one line each, then the fix."""
+    if not damaged:
+        return []
+    lines = [f"damaged: step {step}: {reason}" for step, reason in sorted(damaged.items())]
+    first = min(damaged)
+    return lines + [f"{len(damaged)} damaged step(s): a resume skips them (it takes the newest healthy step); "
+                    f"`ckpt quarantine {url} --step {first}` moves one aside (nothing is deleted)"]
+
+
+def quarantine_lines(ck: Checkpointer) -> list[str]:
+    """One line per step in quarantine (moved aside by ``ckpt quarantine``)."""
+    from ckptlib.quarantine import quarantined
+
+    return [f"in quarantine: step {step} (since {r.time}: {one_line(r.reason, 200)}); "
+            f"`ckpt quarantine {ck.url} --step {step} --undo` puts it back"
+            for step, r in sorted(quarantined(ck.store).items())]
 
 
 def page_of(steps: list[int], limit: int, before: int | None) -> list[int]:
@@ -92,19 +134,26 @@ def ls(url: UrlArg,
     """List the committed checkpoints of a run, newest page first: step, kind, bytes written, ratio, digest, validation.
 
     One listing of the manifests, then only the shown steps' manifests and verdicts are read, so a
-    run with 10,000 checkpoints lists in about the time of its listing; ``--before`` pages back."""
+    run with 10,000 checkpoints lists in about the time of its listing; ``--before`` pages back. A
+    step whose manifest cannot be read is listed as DAMAGED, with its reason under the table (exit 0:
+    `ckpt verify` is the check); steps moved aside by `ckpt quarantine` are named too."""
     with command_errors(), open_checkpointer(url, storage_options) as ck:
         steps = ck.steps()
         if not steps:
             runs = _runs_below(url) if "://" not in url or url.startswith("file://") else []
             hint = f" It holds runs: {', '.join(runs)} (e.g. `ckpt ls {url.rstrip('/')}/{runs[0]}`)." if runs else ""
             typer.echo(f"no committed checkpoints in {ck.url}.{hint}")
+            for line in quarantine_lines(ck):
+                typer.echo(line)
             return
         shown = page_of(steps, limit, before)
         if not shown:
             typer.echo(f"no committed checkpoint before step {before} in {ck.url} (steps {steps[0]}..{steps[-1]})")
             return
-        console().print(checkpoint_table(ck, shown))
+        damaged: dict[int, str] = {}
+        console().print(checkpoint_table(ck, shown, damaged))
+        for line in damage_lines(ck.url, damaged) + quarantine_lines(ck):
+            typer.echo(line)
         older = bisect.bisect_left(steps, shown[0])
         if len(shown) < len(steps):
             more = f"; older: ckpt ls {url} --before {shown[0]}" if older else ""
@@ -123,7 +172,8 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
     stats = m.stats
     blobs = {b.key: b for f in frags.values() for b in f.blobs.values()}
     depth = max((b.depth for b in blobs.values()), default=0)
-    tensors = sum(len(f.leaves) for f in frags.values())
+    grouped = any(hasattr(f, "world") for f in frags.values())  # a group's part: its ranks' fragments list them
+    tensors = "-" if grouped else sum(len(f.leaves) for f in frags.values())
     lines = [
         f"step: {m.step}",
         f"digest: {m.digest}",
@@ -143,7 +193,9 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
     ]
     for name, f in frags.items():
         lines.append(
-            f"  {name}: generation {f.generation}, {len(f.leaves)} leaves, {fmt_bytes(f.bytes_written)} written, "
+            f"  {name}: generation {f.generation}, "
+            + (f"{f.world} ranks" if hasattr(f, "world") else f"{len(f.leaves)} leaves")
+            + f", {fmt_bytes(f.bytes_written)} written, "
             f"{fmt_bytes(f.logical_bytes)} logical, digest {f.digest}"
             + (f", config {f.config_hash}" if f.config_hash else ""))
     lines.append(f"meta: {json.dumps(m.meta, sort_keys=True, default=str)}")
@@ -162,40 +214,84 @@ def show(url: UrlArg, step: StepOpt = None, storage_options: StorageOptionsOpt =
     with command_errors(), open_checkpointer(url, storage_options) as ck:
         m = ck.manifest(step)
         frags = {name: ck.fragment(m.step, name) for name in m.parts}
+        for f in frags.values():
+            check_fragment(ck, f)
         for line in describe_manifest(m, frags, ck.verdict(m.step)):
             typer.echo(line)
+
+
+def check_fragment(ck: Checkpointer, frag) -> None:
+    """Raise the step's DamagedStep when what ``show`` can check without reading a chunk is not
+    what save writes: the skeleton's grammar, every object's codec list (``verify`` checks the data)."""
+    from ckptlib import CorruptCheckpoint, codecs, commit
+    from ckptlib.tree import MISSING, unflatten
+
+    try:
+        unflatten(frag.skeleton, [MISSING] * len(frag.leaves), [leaf.spec for leaf in frag.leaves])
+        for blob in frag.blobs.values():
+            chain = codecs.from_configs(list(blob.codecs))
+            if chain[0].uses_base != (blob.base is not None) or any(c.uses_base for c in chain[1:]):
+                raise CorruptCheckpoint(f"object {blob.key}: its codecs {list(blob.codecs)} and its base disagree")
+    except CorruptCheckpoint as e:
+        raise commit.damaged_step(ck.store, frag.step, f"part '{frag.part}': {e}") from None
 
 
 # --- verify --------------------------------------------------------------------------------------
 
 @app.command("verify")
-def verify(url: UrlArg, step: StepOpt = None,
-           all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
+def verify(url: UrlArg,
+           step: Annotated[Optional[int], typer.Option("--step", min=0, help="Verify only this step.")] = None,
+           all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed step (the default; kept "
+                                                   "for scripts that pass it).")] = False,
            storage_options: StorageOptionsOpt = None) -> None:
-    """Decode every chunk and check every checksum and digest. Exit 0: intact; 1: damaged (one line per problem)."""
+    """Decode every chunk of every committed step (--step N: that one) and check every checksum and digest.
+
+    One line per problem, then a line per step (intact, or damaged with its count). Exit 0: every
+    step verified intact; 1: some step is damaged (or cannot be read); 2: the arguments or the
+    store are wrong."""
     with command_errors():
         if all_steps and step is not None:
-            raise ValueError("give either --step N or --all, not both")
+            raise ValueError("give either --step N (one step) or --all (every step, the default), not both")
         with open_checkpointer(url, storage_options) as ck:
-            if all_steps:
-                steps = ck.steps()
-                if not steps:
-                    from ckptlib import NoCheckpoint
+            from ckptlib import NoCheckpoint, commit
 
-                    raise NoCheckpoint(f"no committed checkpoint in {ck.url}")
-            else:
-                steps = [ck.manifest(step).step]
+            steps = ck.steps()
+            if step is not None and step not in steps:
+                commit.read_manifest(ck.store, step)  # NoCheckpoint naming the step and what to do
+            steps = [step] if step is not None else steps
+            if not steps:
+                raise NoCheckpoint(f"no committed checkpoint in {ck.url}")
             damaged: dict[int, int] = {}
+            verified = 0
             for s in steps:
-                problems = ck.verify(s)
+                problems = _problems(ck, s)
+                if problems is None:
+                    continue
+                verified += 1
                 for p in problems:
-                    typer.echo(str(p))
+                    typer.echo(p)
                 if problems:
                     damaged[s] = len(problems)
-                else:
-                    typer.echo(f"step {s}: intact")
+                typer.echo(f"step {s}: damaged ({len(problems)} problem(s))" if problems else f"step {s}: intact")
     if damaged:
         total = sum(damaged.values())
-        fail(f"{total} problem(s) in step(s) {', '.join(map(str, damaged))} of {url}: restore an intact step "
-             "(`ckpt ls` lists them) and check the store", code=1)
-    typer.echo(f"intact: {len(steps)} checkpoint(s) verified")
+        fail(f"{total} problem(s) in step(s) {', '.join(map(str, damaged))} of {url} ({verified - len(damaged)} of "
+             f"{verified} intact): restore an intact step (`ckpt ls` lists them) and check the store; `ckpt "
+             f"quarantine {url} --step {min(damaged)}` moves a damaged step aside", code=1)
+    typer.echo(f"intact: {verified} checkpoint(s) verified")
+
+
+def _problems(ck: Checkpointer, step: int) -> list[str] | None:
+    """The problems of ``step`` as lines ([]: intact; None: no longer committed). A step whose
+    manifest cannot be read, or that cannot be checked on this machine, is one problem."""
+    from ckptlib import CheckpointError, NoCheckpoint
+
+    try:
+        return [str(p) for p in ck.verify(step)]
+    except NoCheckpoint:
+        if step in ck.steps():
+            raise
+        typer.echo(f"step {step}: no longer committed (dropped since the listing)")
+        return None
+    except CheckpointError as e:
+        return [one_line(e, 2000)]

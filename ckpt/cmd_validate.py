@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from .cli import app
-from .common import STORAGE_OPTIONS_HELP, storage_options_or_exit, url_or_exit
+from .common import STORAGE_OPTIONS_HELP, fail, storage_options_or_exit, url_or_exit
 
 
 @app.command("validate")
@@ -30,7 +30,7 @@ def validate(
 
     Writes validations/<step>.json and reports/<step>/ beside it. Exit 0 when it passed, 1 when it
     failed (the failed expectations and where are printed)."""
-    from ckptlib.errors import NoCheckpoint, StoreError
+    from ckptlib.errors import CheckpointError, StoreError
     from ckptlib.validate import format_verdict
     from trainrun.checks import validate_run_checkpoint
 
@@ -39,12 +39,10 @@ def validate(
     try:
         th = json.loads(thresholds) if thresholds else None
         verdict = validate_run_checkpoint(url, step, storage_options=opts, thresholds=th)
-    except (NoCheckpoint, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except StoreError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(3) from None
+    except StoreError as e:  # (ObjectNotFound is a finding, inside the verdict)
+        fail(str(e), code=3)
+    except (CheckpointError, ValueError) as e:  # NoCheckpoint, or what no verdict can describe
+        fail(str(e))
     typer.echo(json.dumps(verdict.to_dict(), indent=1) if as_json else format_verdict(verdict))
     raise typer.Exit(0 if verdict.passed else 1)
 
@@ -59,28 +57,34 @@ def report(
     from rich.console import Console
     from rich.table import Table
 
-    from ckptlib.errors import StoreError
+    from ckptlib.errors import CheckpointError, StoreError
     from ckptlib.store import Store
-    from ckptlib.validate.report import index_rows, write_run_index
+    from ckptlib.validate.report import damaged_note, index_rows, write_run_index
 
     try:
         store = Store.from_url(url_or_exit(url), storage_options_or_exit(storage_options))
         rows = index_rows(store)
-        key = write_run_index(store)
+        key = write_run_index(store, rows)
     except StoreError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(3) from None
+        fail(str(e), code=3)
+    except CheckpointError as e:
+        fail(str(e))
     table = Table(title=f"checkpoints of {store.url}")
     for col in ("step", "verdict", "failed expectations", "kind", "written MiB", "full MiB", "ratio", "loss",
                 "report"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        style = "green" if r["passed"] else "red" if r["passed"] is False else "dim"
+        style = "red" if r.get("damaged") else "green" if r["passed"] else "red" if r["passed"] is False else "dim"
         mib = lambda n: "" if n is None else f"{n / 2**20:.2f}"  # noqa: E731
         loss = r.get("loss")
-        table.add_row(str(r["step"]), f"[{style}]{r['verdict']}[/{style}]", ", ".join(r["failed"]),
+        table.add_row(str(r["step"]), f"[{style}]{r['verdict']}[/{style}]", r.get("damaged") or ", ".join(r["failed"]),
                       str(r.get("kind") or ""), mib(r.get("bytes_written")), mib(r.get("logical_bytes")),
                       "" if r.get("ratio") is None else str(r["ratio"]),
                       "" if not isinstance(loss, (int, float)) else f"{loss:.4f}", r.get("report_url") or "")
     Console(width=200).print(table)
+    for r in rows:
+        if r.get("damaged"):
+            typer.echo(f"damaged: step {r['step']}: {r['damaged']}")
+    if damaged_note(rows):
+        typer.echo(f"{damaged_note(rows).lstrip(', ')}; a resume skips a damaged step")
     typer.echo(f"index: {store.url}/{key}")

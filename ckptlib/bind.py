@@ -3,18 +3,25 @@
 ``bind_into`` walks the skeleton (through the grammar of ``ckptlib.tree``) beside the caller's
 state and finds, for each saved leaf, the tensor or array of the destination that receives it;
 every place where the destination holds an array the checkpoint cannot fill is a mismatch, and
-all of them are reported at once before anything is written.
+all of them are reported at once before anything is written. A saved view of a storage
+(``__view__``) is copied into its destination tensor once the storage is decoded
+(``fill_aliases``): destinations that share memory are filled consistently, whatever their layout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .errors import CorruptCheckpoint
+from .leaves import view_of
 from .tree import MAX_DEPTH, Node, Path, _Bad, _torch_types, decode_key, parse
-from .types import LeafSpec
+from .types import TORCH_KINDS, LeafSpec, View
+
+# (new leaf index, the leaf it is filled from, the destination, the view of that leaf or None)
+Alias = tuple[int, int, Any, View | None]
 
 _ABSENT = object()
 
@@ -39,11 +46,15 @@ def _matches(obj: Any, spec: LeafSpec) -> str | None:
         if type(obj) is not bytearray:
             return f"the checkpoint holds {spec.kind}, the destination a {type(obj).__name__}"
         return None if len(obj) == spec.nbytes else f"{len(obj)} bytes in the destination, {spec.nbytes} saved"
+    return _same_layout(dtype, tuple(obj.shape), spec.dtype, spec.shape)
+
+
+def _same_layout(dtype: str, shape: tuple, saved_dtype: str, saved_shape: tuple) -> str | None:
     problems = []
-    if dtype != spec.dtype:
-        problems.append(f"dtype {dtype} in the destination, {spec.dtype} saved")
-    if tuple(obj.shape) != spec.shape:
-        problems.append(f"shape {list(obj.shape)} in the destination, {list(spec.shape)} saved")
+    if dtype != saved_dtype:
+        problems.append(f"dtype {dtype} in the destination, {saved_dtype} saved")
+    if shape != saved_shape:
+        problems.append(f"shape {list(shape)} in the destination, {list(saved_shape)} saved")
     return "; ".join(problems) or None
 
 
@@ -74,7 +85,8 @@ class _Binder:
     def __init__(self, specs: list[LeafSpec]):
         self.specs = specs
         self.dest: dict[int, Any] = {}
-        self.aliases: list[tuple[int, int, Any]] = []
+        self.aliases: list[Alias] = []
+        self.view_dest: dict[View, tuple[int, Any]] = {}  # a saved view -> (its new leaf, the destination)
         self.mismatches: list[str] = []
         self.count = len(specs)
 
@@ -96,6 +108,8 @@ class _Binder:
             return node  # unflatten reports it
         if n.kind in ("leaf", "ref"):
             return self.leaf(n, node, obj, path)
+        if n.kind == "view":
+            return self.view(n.value, node, obj, path)
         if n.kind == "attrs":
             return Node("attrs", attrs=n.attrs, inner=self.walk(n.inner, obj, path)).json()
         if n.kind in ("list", "tuple"):
@@ -135,21 +149,60 @@ class _Binder:
             return {"__leaf__": i}
         if self.dest[i] is obj:
             return node
-        self.aliases.append((self.count, i, obj))
+        return self.alias(i, obj, None)
+
+    def alias(self, source: int, obj: Any, view: View | None) -> dict[str, int]:
+        self.aliases.append((self.count, source, obj, view))
         self.count += 1
         return {"__leaf__": self.count - 1}
 
+    def view(self, v: View, node: Any, obj: Any, path: Path) -> Any:
+        s = v.storage
+        if obj is _ABSENT or not _is_array(obj) or not 0 <= s < len(self.specs) or \
+                self.specs[s].kind != "storage" or v.end > self.specs[s].nbytes:
+            return node  # no array here: built anew; a malformed view: unflatten reports it
+        types = _torch_types()
+        if not isinstance(obj, types[0]):
+            self.mismatches.append(f"{path}: the checkpoint holds a torch tensor, the destination a {type(obj).__name__}")
+            return node
+        why = _same_layout(str(obj.dtype).removeprefix("torch."), tuple(obj.shape), v.dtype, v.shape)
+        if why:
+            self.mismatches.append(f"{path}: {why}")
+            return node
+        known = self.view_dest.get(v)
+        if known is not None and known[1] is obj:
+            return {"__ref__": known[0]}
+        new = self.alias(s, obj, v)
+        self.view_dest.setdefault(v, (new["__leaf__"], obj))
+        return new
 
-def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dict[int, Any], list[tuple[int, int, Any]], list[str]]:
+
+def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dict[int, Any], list[Alias], list[str]]:
     """Match a destination state ``into`` against a saved skeleton, for a restore in place.
 
     Returns (skeleton, destinations, aliases, mismatches): ``destinations`` maps a leaf index to
     the tensor/array of ``into`` that receives it (a saved leaf with no array at its place in
     ``into`` is allocated anew, like any other value that is replaced); ``aliases`` lists leaves
-    saved tied (``__ref__``) whose destinations are distinct objects, as (new leaf index, source
-    leaf, destination), with the returned skeleton naming the new index there; ``mismatches``
+    saved tied (``__ref__``) whose destinations are distinct objects, and views of a storage
+    (``__view__``) that have a destination, as (new leaf index, source leaf, destination, view or
+    None), with the returned skeleton naming the new index there (``fill_aliases`` fills them);
+    ``mismatches``
     lists every place where ``into`` holds an array the checkpoint cannot fill: a different dtype,
     shape or type, or no saved value at all."""
     binder = _Binder(specs)
     new_skeleton = binder.walk(skeleton, into, Path())
     return new_skeleton, binder.dest, binder.aliases, binder.mismatches
+
+
+def fill_aliases(aliases: list[Alias], objects: Mapping[int, Any], specs: list[LeafSpec], leaves: list[Any]) -> None:
+    """Copy each alias's source (a decoded leaf, or its view of a decoded storage) into its
+    destination, and place the destination at the alias's index of ``leaves``."""
+    for j, source, obj, view in aliases:
+        src = objects[source]
+        if view is not None:
+            src = view_of(src, view)
+        if specs[source].kind in TORCH_KINDS:
+            obj.detach().copy_(src.detach().to(obj.device))
+        else:
+            obj[...] = src
+        leaves[j] = obj

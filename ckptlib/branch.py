@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from .commit import committed_steps, ensure_marker, load_part, publish, read_manifest, validation_key
+from .commit import committed_steps, ensure_marker, part_keys, publish, read_manifest, validation_key
 from .errors import CommitConflict, ObjectNotFound
 from .leases import Lease
 from .manifest import Manifest
@@ -41,10 +41,8 @@ def branch(source: Store, step: int, target: Store, *, threads: int = 16) -> Man
             "into a new run (a new run id)"
         )
     keys: set[str] = set()
-    for name, ref in m.parts.items():
-        if ref.key is not None:
-            keys.add(ref.key)
-        keys.update(b.key for b in load_part(source, m, name).blobs.values())
+    for name in m.parts:
+        keys |= part_keys(source, m, name)
     with Lease(target, "save", None):  # a GC of the target leaves the copies alone until the manifest is in
         ensure_marker(target)
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-branch") as pool:

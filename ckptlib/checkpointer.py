@@ -29,20 +29,25 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import commit
 from .bases import Base, DeltaBases, base_of
 from .chunking import auto_chunk_bytes
+from .distributed.documents import AnyFragment, GroupFragment
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
-from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
+from .errors import CheckpointError, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
+from .export import Exported
 from .gc import GcReport, collect_garbage
 from .leases import Lease
-from .manifest import Fragment, Manifest, loads_fragment
+from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
 from .save import EncodedPart, Snapshot, WriteOptions, encode_part, secure_snapshot, take_snapshot
 from .store import Store
+
+if TYPE_CHECKING:
+    from .distributed.restoring import RankState
 
 log = logging.getLogger("ckptlib")
 T = TypeVar("T")
@@ -119,13 +124,19 @@ class Checkpointer:
     ``max_upload_bytes_per_s`` (upload bandwidth limit; None = unlimited), ``reuse_buffers``
     (keep a background save's staging buffers for the next one: faster snapshots, one more copy of
     the state in memory; default: only for GPU states, whose pinned buffers are slow to allocate).
+
+    ``process_group``: a collective Checkpointer (docs/distributed.md). Every rank of the group
+    constructs one (it creates a gloo group of its own over the same ranks); ``save``,
+    ``save_async``, ``restore`` and ``write_fragment`` are then collective: every rank calls them with
+    its own state (DTensors, DDP replicas, per-rank values), one checkpoint holds all ranks or none.
+    ``group_timeout_s``: how long a rank waits for the others (a hung rank fails the call then).
     """
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
                  chunk_bytes: int | None = None, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
-                 reuse_buffers: bool | None = None):
+                 reuse_buffers: bool | None = None, process_group: Any = None, group_timeout_s: float = 600.0):
         self.options = WriteOptions.checked(chunk_bytes, keyframe_every, delta_budget, zstd_level,
                                             max_upload_bytes_per_s)
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
@@ -136,11 +147,16 @@ class Checkpointer:
         # Manifests are read afresh by every call: GC (maybe another process's) drops steps, and a
         # step dropped may be committed again with another state. Fragments a manifest names are
         # immutable by their checksum, so the last few are kept.
-        self._fragments: OrderedDict[tuple, Fragment] = OrderedDict()
+        self._fragments: OrderedDict[tuple, AnyFragment] = OrderedDict()
         self._inflight: SaveFuture | None = None
         self._marked = False
         self._closed = False
         self._lock = threading.Lock()
+        self._collective = None
+        if process_group is not None:
+            from .distributed.collective import Collective
+
+            self._collective = Collective(process_group, group_timeout_s)
 
     @property
     def url(self) -> str:
@@ -157,6 +173,8 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
+        if self._collective is not None:
+            return self._group_persist(self._group_begin(step, state, meta, copy=False), t0, blocked=None)
         snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False,
                              buffers=self._bases.buffers(SINGLE_PART).take)
         return self._persist(step, snap, meta, t0, blocked=None)
@@ -169,16 +187,23 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
+        if self._collective is not None:
+            pending = self._group_begin(step, state, meta, copy=True)
+            blocked = time.perf_counter() - t0
+            return self._in_background(step, lambda: self._group_persist(pending, t0, blocked))
         buffers = self._bases.buffers(SINGLE_PART).take
         snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers)
         secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
+        return self._in_background(step, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
+
+    def _in_background(self, step: int, persist: Callable[[], CommitInfo]) -> SaveFuture:
         fut = SaveFuture(step)
 
         def run() -> None:
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                fut.set_result(self._persist(step, snap, meta, t0, blocked=snap.seconds))
+                fut.set_result(persist())
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 fut.set_exception(e)
 
@@ -204,17 +229,24 @@ class Checkpointer:
                 fut.observed = True
                 raise CheckpointError(f"the background save of step {fut.step} failed: {e}") from e
 
-    def _committed_base(self, part: str) -> Base | None:
+    def _committed_base(self, key: str) -> Base | None:
         """The delta base of a part this writer has neither saved nor restored yet: the blob table of
         the latest committed checkpoint, so its unchanged chunks are referenced instead of re-encoded
-        (deltas need the base bytes, which only a save or a restore brings)."""
+        (deltas need the base bytes, which only a save or a restore brings). ``key``: a part, or a
+        rank's part (``part#r<rank>``: that rank's fragment of a group's part)."""
+        part, _, rank = key.partition("#r")
         latest = self.latest_step()
         if latest is None:
             return None
         m = self._read_manifest(latest)
         if part not in m.parts:
             return None
-        return base_of(self._fragment(m, part), self.options.chunk_bytes)
+        frag = self._fragment(m, part)
+        if rank or isinstance(frag, GroupFragment):
+            from .distributed.restoring import rank_base
+
+            return rank_base(frag, self.store, self._pool, int(rank or 0), self.options.chunk_bytes)
+        return base_of(frag, self.options.chunk_bytes)
 
     def _chunk_size(self, part: str) -> int | Any:
         """The chunk size of ``part``'s next save: the option, else its base's (so deltas line up),
@@ -231,14 +263,16 @@ class Checkpointer:
             commit.ensure_marker(self.store)
             self._marked = True
 
-    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T],
-                   **kw: Any) -> T:
+    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T], *,
+                   base_key: str | None = None, **kw: Any) -> T:
         """The one save path of a part: under a save lease, encode ``snap`` against the part's base,
         make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
         manifest, or write a fragment). Only once that succeeded does the result become the part's
         next base; a failure forgets the base's bytes (a save that read the caller's memory in place
-        may have written over them)."""
-        base = self._bases.get(part)
+        may have written over them). ``base_key``: whose base it is, when not the part's (a rank's
+        fragment of a group's part)."""
+        key = base_key or part
+        base = self._bases.get(key)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
             try:
@@ -259,10 +293,10 @@ class Checkpointer:
                                          "vanished as they were written: is another program deleting in this store?")
                 result = publish(enc)
             except BaseException:
-                self._bases.forget_bytes(part)
+                self._bases.forget_bytes(key)
                 raise
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
-        self._bases.adopt(part, enc.next_base, base, keep_spare)  # type: ignore[arg-type]
+        self._bases.adopt(key, enc.next_base, base, keep_spare)  # type: ignore[arg-type]
         return result
 
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
@@ -274,6 +308,24 @@ class Checkpointer:
         manifest, created = self._save_part(snap, SINGLE_PART, step, publish)
         if not created:
             log.info("step %d was already committed with the same digest: nothing new published", step)
+        durable = time.perf_counter() - t0
+        return self._info(manifest, created, durable if blocked is None else blocked, durable)
+
+    def _group_begin(self, step: int, state: Any, meta: dict | None, *, copy: bool, target: Any = None) -> Any:
+        """A collective save's foreground half (``distributed.saving.begin``)."""
+        from .distributed import saving
+
+        assert self._collective is not None
+        return saving.begin(self, self._collective, step, state, target or saving.Target(SINGLE_PART), meta, copy=copy)
+
+    def _group_persist(self, pending: Any, t0: float, blocked: float | None) -> CommitInfo:
+        """A collective save's background half: this rank's fragment, the leader's commit."""
+        from .distributed import saving
+
+        assert self._collective is not None
+        out = saving.persist(self, self._collective, pending)
+        assert isinstance(out, tuple)
+        manifest, created = out
         durable = time.perf_counter() - t0
         return self._info(manifest, created, durable if blocked is None else blocked, durable)
 
@@ -289,24 +341,26 @@ class Checkpointer:
         return commit.committed_steps(self.store)
 
     def latest_step(self, *, healthy: bool = False) -> int | None:
-        """The newest committed step (``healthy``: the newest whose validation passed), or None.
-        One listing of the manifests; ``healthy`` then reads verdicts from the newest step back
-        until one passed (not every step's, as ``healthy_steps`` does)."""
+        """The newest committed step (``healthy``: the newest whose validation passed and whose
+        manifest reads: what a resume restores), or None. One listing of the manifests; ``healthy``
+        then reads verdicts from the newest step back until one passed (not every step's, as
+        ``healthy_steps`` does), and that step's manifest: a damaged one is skipped with a warning."""
         steps = self.steps()
         if not healthy:
             return steps[-1] if steps else None
-        return next((step for step in reversed(steps) if self._healthy(step)), None)
+        return next((step for step in reversed(steps) if self._healthy(step) and self._readable(step)), None)
 
     def manifest(self, step: int | None = None) -> Manifest:
         return self._read_manifest(self._resolve(step, healthy=False))
 
-    def fragment(self, step: int, part: str) -> Fragment:
-        """The fragment of one part of committed ``step`` (checked against its manifest)."""
+    def fragment(self, step: int, part: str) -> AnyFragment:
+        """The fragment of one part of committed ``step`` (checked against its manifest): a
+        ``Fragment``, or a ``GroupFragment`` for a part saved by a group of ranks."""
         return self._fragment(self._read_manifest(commit.check_step(step)), part)
 
     def restore(self, step: int | None = None, *, healthy: bool = False, part: str | None = None,
                 device: Any = "cpu", into: Any = None, select: list[str] | None = None,
-                keep_base: bool = False) -> Any:
+                keep_base: bool = False, rank: int | None = None) -> Any:
         """The state of ``step`` (None = the latest committed; ``healthy=True``: the latest that
         passed validation), bit-exact and checked against the manifest's digests. Tensors land on
         ``device`` (CPU by default).
@@ -326,9 +380,18 @@ class Checkpointer:
         memory; without it, the next save writes changed chunks as keyframes). Chunks this
         Checkpointer holds already (its base) are copied, not fetched: a follower that restores
         every new step with ``keep_base=True`` decodes one link per changed chunk.
+
+        A part saved by a group of ranks (docs/distributed.md) comes back as saved rank ``rank``
+        (default 0) had it, its DTensors as full tensors, or filled into ``into``'s tensors. In a
+        collective Checkpointer the call is collective: every rank restores the same step into its
+        own state, DTensor shards filled in place from the saved pieces whatever the layout at save
+        time, and ``rank`` defaults to the caller's own (rank 0's values for a rank the checkpoint
+        has no counterpart for, unless they differ per rank: then it is refused).
         """
         self._check_open()
         self._drain()
+        if self._collective is not None:
+            return self._restore_collective(step, healthy, part, device, into, select, keep_base, rank)
         lease = None
         if step is not None and step != self.latest_step():
             # GC never drops the newest step; an older one may be dropped while it is read: a read lease
@@ -343,6 +406,9 @@ class Checkpointer:
             out = {}
             for name in names:
                 frag = self._fragment(m, name)
+                if isinstance(frag, GroupFragment):
+                    out[name] = self._restore_group_part(frag, into_parts.get(name), select, device, rank)
+                    continue
                 held = self._bases.held(name)
                 state, raw = restore_part(frag, self.store, self._pool, device=device, into=into_parts.get(name),
                                           select=select, keep=keep_base,
@@ -369,32 +435,66 @@ class Checkpointer:
             except CorruptCheckpoint as e:
                 problems.append(Problem(m.step, name, "/", None, None, str(e)))
                 continue
+            if isinstance(frag, GroupFragment):  # every rank's fragment, and the ranks' fragments together
+                from .distributed.restoring import verify_group
+
+                problems += verify_group(frag, self.store, self._pool)
+                continue
             problems += inspect_part(frag, self.store, self._pool)[1]
         return problems
 
-    def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False) -> int:
-        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export);
-        returns its size. Refuses to overwrite ``path`` without ``force``."""
+    def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False,
+               convert: bool = False, select: list[str] | None = None) -> Exported:
+        """Write ``step`` (None = the latest) as a ``.pt`` or ``.safetensors`` file (ckptlib.export):
+        its size and the conversions made. A value the format cannot hold exactly is refused, or
+        with ``convert`` written as the nearest one it holds. Refuses to overwrite ``path`` without
+        ``force``.
+
+        ``select``: only these '/'-paths (as ``restore(select=)`` takes them; in a multi-part
+        checkpoint each starts with its part's name, e.g. ``coordinator/model``). With one path the
+        file holds that value itself, its names relative to it: ``["coordinator/model"]`` gives a
+        model's own ``state_dict`` names (``fc.weight``), what ``load_state_dict`` takes. With several,
+        names keep their whole path (``coordinator.model.fc.weight``). KeyError names a missing path."""
         from .export import format_of, write_export
 
         format_of(path)
         m = self.manifest(step)
-        state = self.restore(m.step, part=part)
-        return write_export(state, path, info={"url": self.url, "step": m.step, "digest": m.digest}, force=force)
+        if self._collective is not None:  # one process exports: never a collective restore
+            with Checkpointer(self.store) as reader:
+                return reader.export(m.step, path, part=part, force=force, convert=convert, select=select)
+        state = self.restore(m.step, part=part) if not select else self._selected(m, part, list(select))
+        info = {"url": self.url, "step": m.step, "digest": m.digest, **({"select": list(select)} if select else {})}
+        return write_export(state, path, info=info, force=force, convert=convert)
+
+    def _selected(self, m: Manifest, part: str | None, select: list[str]) -> Any:
+        """The values at ``select`` of step ``m`` (see ``export``)."""
+        if part is not None or m.single:
+            state = self.restore(m.step, part=part, select=select)
+        else:
+            by_part: dict[str, list[str]] = {}
+            for path in select:
+                name, _, rest = path.strip("/").partition("/")
+                if name not in m.parts:
+                    raise KeyError(f"'{path}' names no part of step {m.step}: its parts are {sorted(m.parts)}, and a "
+                                   "path of a multi-part checkpoint starts with its part (e.g. 'coordinator/model')")
+                by_part.setdefault(name, []).append(rest)
+            state = {name: self.restore(m.step, part=name, select=None if "" in rest else rest)
+                     for name, rest in by_part.items()}
+        return _value_at(state, select[0]) if len(select) == 1 else state
 
     def _read_manifest(self, step: int) -> Manifest:
         """The committed manifest of ``step``, as the store has it now."""
         return commit.read_manifest(self.store, step)
 
-    def _fragment(self, m: Manifest, part: str) -> Fragment:
+    def _fragment(self, m: Manifest, part: str) -> AnyFragment:
         ref = m.parts.get(part)
         if ref is None or ref.fragment is not None:
-            return commit.load_part(self.store, m, part)  # embedded (or a clear error)
+            return commit.load_any_part(self.store, m, part)  # embedded (or a clear error)
         key = (m.step, part, ref.key, ref.checksum)
         if key in self._fragments:
             self._fragments.move_to_end(key)
         else:
-            self._fragments[key] = commit.load_part(self.store, m, part)
+            self._fragments[key] = commit.load_any_part(self.store, m, part)
             while len(self._fragments) > _FRAGMENTS_KEPT:
                 self._fragments.popitem(last=False)
         return self._fragments[key]
@@ -414,10 +514,10 @@ class Checkpointer:
         """The validation verdict of ``step``; None if there is none or it is not a valid verdict
         document (then the step counts as not validated, and a warning names the object)."""
         try:
-            doc = json.loads(self.store.get(commit.validation_key(step)))
+            doc = json.loads(self.store.get(commit.validation_key(step), max_bytes=commit.VERDICT_MAX_BYTES))
         except ObjectNotFound:
             return None
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, CorruptCheckpoint):  # not JSON, or larger than any verdict
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("passed"), bool):
             log.warning("%s/%s is not a valid verdict: step %d counts as not validated", self.url,
@@ -428,6 +528,17 @@ class Checkpointer:
     def healthy_steps(self) -> list[int]:
         """Committed steps whose validation passed, ascending. Failed ones are skipped (logged)."""
         return [step for step in self.steps() if self._healthy(step)]
+
+    def _readable(self, step: int) -> bool:
+        """Whether ``step``'s manifest reads; a damaged one is logged: it is being skipped."""
+        try:
+            self._read_manifest(step)
+        except NoCheckpoint:
+            return False  # dropped since the listing
+        except (CorruptCheckpoint, FormatVersionError) as e:
+            log.warning("skipping checkpoint step %d: %s", step, e)
+            return False
+        return True
 
     def _healthy(self, step: int) -> bool:
         """Whether ``step``'s validation passed. A failed one is logged: it is being skipped."""
@@ -444,12 +555,24 @@ class Checkpointer:
     # --- multi-writer: fragments and the coordinator's commit ------------------------------------
 
     def write_fragment(self, step: int, part: str, state: Any, *, generation: int = 0,
-                       config_hash: str | None = None, meta: dict | None = None) -> Fragment:
+                       config_hash: str | None = None, meta: dict | None = None) -> AnyFragment:
         """Save ``state`` as ``part`` of the cut at ``step`` (chunks, then the fragment), as
-        generation ``generation``. Raises FencedError if that generation is no longer live."""
+        generation ``generation``. Raises FencedError if that generation is no longer live.
+
+        In a collective Checkpointer every rank of the group calls it with its own state: each writes
+        its rank fragment, the leader the part's group fragment; every rank returns that
+        ``GroupFragment`` (or raises the same error)."""
         commit.check_step(step)
         commit.check_part_name(part)
         self._check_open()
+        if self._collective is not None:
+            from .distributed import saving
+
+            self._drain()
+            target = saving.Target(part, generation, config_hash, commit=False)
+            out = saving.persist(self, self._collective, self._group_begin(step, state, meta, copy=False, target=target))
+            assert isinstance(out, GroupFragment)
+            return out
         commit.check_live(self.store, part, generation)
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False, buffers=self._bases.buffers(part).take)
 
@@ -462,34 +585,39 @@ class Checkpointer:
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
                       device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
-                      fragment: Fragment | None = None) -> Any:
+                      fragment: AnyFragment | None = None, into: Any = None, rank: int | None = None) -> Any:
         """The state in a (possibly not yet committed) fragment; generation None = the live one.
         Used by a coordinator to combine the shards of a cut before it commits it. ``adopt=True``
         makes the fragment the delta base of this Checkpointer's next write of ``part`` (as
         ``restore(keep_base=True)`` does). ``select``: only these top-level keys or '/'-paths
         (as in ``restore``). ``fragment``: that fragment, already read (e.g. by ``commit.gather``):
-        it is not read again."""
+        it is not read again. ``into``: fill that state's tensors in place (as ``restore`` does).
+
+        A group's part comes back as saved rank ``rank`` had it (default: this process's rank in
+        its collective group, else 0), sharded tensors whole or filled into ``into``'s DTensor
+        shards; no collective call is made (each rank reads what it needs)."""
         gen = self.live_generation(part) if generation is None else generation
         key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
         frag = fragment
         if frag is None:
             try:
-                data = self.store.get(key)
+                frag, _ = commit.read_fragment(self.store, key)
             except ObjectNotFound:
                 raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                    f"written step {step} yet") from None
-            frag = loads_fragment(data, f"{self.url}/{key}")
         if (frag.step, frag.part, frag.generation) != (step, part, gen):
             raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
                                     f"{frag.generation}")
         if adopt and select is not None:
             raise ValueError("adopt=True needs the whole part (it becomes the delta base): drop select")
-        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select)
+        if isinstance(frag, GroupFragment):
+            return self._restore_group_part(frag, into, select, device, rank, keep=adopt)
+        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select, into=into)
         if raw is not None:
             self._bases.set(part, base_of(frag, self.options.chunk_bytes, raw))
         return state
 
-    def gather(self, step: int, parts: list[str], *, timeout: float = 600.0) -> dict[str, tuple[Fragment, str]]:
+    def gather(self, step: int, parts: list[str], *, timeout: float = 600.0) -> dict[str, tuple[AnyFragment, str]]:
         """Coordinator: wait until every part has a fragment of its live generation for ``step``;
         {part: (fragment, checksum of its stored bytes)} (``commit.gather``), what ``commit(fragments=)``
         then commits exactly."""
@@ -498,7 +626,7 @@ class Checkpointer:
 
     def commit(self, step: int, parts: list[str], *, timeout: float = 600.0, meta: dict | None = None,
                parent: int | None = None, lineage: dict | None = None,
-               fragments: dict[str, tuple[Fragment, str]] | None = None) -> CommitInfo:
+               fragments: dict[str, tuple[AnyFragment, str]] | None = None) -> CommitInfo:
         """Coordinator: wait for a fragment of the live generation of every part, then publish the
         cut. The manifest names each part's fragment object (it stays O(parts) in size).
 
@@ -522,6 +650,115 @@ class Checkpointer:
 
     def live_generation(self, part: str) -> int:
         return commit.live_generation(self.store, part)
+
+    # --- groups of ranks: docs/distributed.md --------------------------------------------------------
+
+    def read_rank(self, step: int, part: str = SINGLE_PART, rank: int = 0, *, generation: int | None = None,
+                  fragment: AnyFragment | None = None, select: list[str] | None = None) -> RankState:
+        """Saved rank ``rank``'s state of a group's ``part`` as plain values, in this one process: its
+        DTensors as the local tensors it held, with ``shards`` = {path: ShardInfo(global shape,
+        offsets)}. Of committed ``step``, or with ``generation`` (None = the live one, of a cut not
+        committed yet) or ``fragment`` given, of that fragment. What a coordinator averages piece by
+        piece; ``write_group`` writes such states back in the same layout."""
+        from .distributed.restoring import load_group, read_rank_state
+
+        self._check_open()
+        frag = fragment if fragment is not None else self._fragment_of(step, part, generation)
+        group = load_group(self.store, self._pool, frag)
+        if not 0 <= rank < group.world:
+            raise ValueError(f"rank={rank}: step {step}, part '{part}' was saved by ranks 0..{group.world - 1}")
+        return read_rank_state(group, self.store, self._pool, rank, select)
+
+    def write_group(self, step: int, part: str, ranks: list[RankState], *, generation: int = 0,
+                    config_hash: str | None = None, meta: dict | None = None) -> GroupFragment:
+        """Write ``part`` of the cut at ``step`` as a group of ``len(ranks)`` ranks from this one
+        process: each rank's state as plain values (``RankState``, as ``read_rank`` gives), stored as
+        a collective ``write_fragment`` of those ranks would store them (values equal on every rank
+        once, each rank's fragment a delta against the one this Checkpointer wrote for it before)."""
+        from .distributed.local import plain_state
+        from .distributed.saving import write_group
+
+        commit.check_step(step)
+        commit.check_part_name(part)
+        self._check_open()
+        if not ranks:
+            raise ValueError("write_group needs the state of at least one rank")
+        commit.check_live(self.store, part, generation)
+        locals_ = [plain_state(r.state, r.shards) for r in ranks]
+        return write_group(self, step, part, locals_, generation=generation, config_hash=config_hash, meta=meta)
+
+    def _fragment_of(self, step: int, part: str, generation: int | None) -> AnyFragment:
+        """Part ``part``'s fragment of committed ``step`` (``generation`` None), or of that generation."""
+        if generation is None:
+            return self.fragment(step, part)
+        key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), generation)
+        try:
+            return commit.read_fragment(self.store, key)[0]
+        except ObjectNotFound:
+            raise NoCheckpoint(f"no fragment {key} in {self.url}") from None
+
+    def _restore_group_part(self, frag: GroupFragment, into: Any, select: list[str] | None, device: Any,
+                            rank: int | None, *, keep: bool = False) -> Any:
+        """A group's part in this process (no collective call): saved rank ``rank``'s state."""
+        from .distributed.restoring import load_group, restore_group
+        from .distributed.saving import rank_base_key
+
+        group = load_group(self.store, self._pool, frag)
+        mine = self._collective.rank if self._collective is not None else 0
+        source = rank if rank is not None else (mine if mine < group.world else 0)
+        if not 0 <= source < group.world:
+            raise ValueError(f"rank={source}: step {frag.step}, part '{frag.part}' was saved by ranks 0..{group.world - 1}")
+        state, raw = restore_group(group, self.store, self._pool, rank=source, into=into, select=select, device=device,
+                                   keep=keep and source == mine)
+        if raw is not None:
+            self._bases.set(rank_base_key(frag.part, mine), base_of(group.fragments[source], self.options.chunk_bytes, raw))
+        return state
+
+    def _restore_collective(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
+                            select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
+        """``restore`` in a collective Checkpointer: the leader picks the step, every rank checks its
+        destination (all raise if one cannot be filled: nothing changes), then fills it."""
+        from .distributed.collective import Outcome, RemoteError
+        from .distributed.restoring import check_restore, load_group, restore_group, source_rank
+        from .distributed.saving import rank_base_key
+
+        coll = self._collective
+        assert coll is not None
+        if step is None:  # the latest (healthy) step: the leader's choice, so that every rank restores the same
+            chosen = None
+            if coll.leader:
+                try:
+                    chosen = Outcome(self._resolve(None, healthy=healthy))
+                except Exception as e:  # noqa: BLE001 - delivered to every rank
+                    chosen = Outcome(error=RemoteError.of(coll.rank, e))
+            resolved, lease = coll.broadcast(chosen, "choosing the step to restore").result(), None
+        else:
+            resolved = commit.check_step(step)
+            lease = Lease(self.store, "read", resolved).try_acquire() if resolved != self.latest_step() else None
+        try:
+            error: BaseException | None = None
+            try:
+                m = self._read_manifest(resolved)
+                name = part if part is not None else _only_part(m)
+                group = load_group(self.store, self._pool, self._fragment(m, name))
+                source = source_rank(group, coll.rank, coll.world, rank, select)
+                check_restore(group, source, into, select)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it
+                error = e
+            coll.agree(error, "checking the restore")
+            try:
+                state, raw = restore_group(group, self.store, self._pool, rank=source, into=into, select=select,
+                                           device=device, keep=keep_base and source == coll.rank)
+                if raw is not None:
+                    self._bases.set(rank_base_key(name, coll.rank),
+                                    base_of(group.fragments[source], self.options.chunk_bytes, raw))
+            except Exception as e:  # noqa: BLE001
+                error = e
+            coll.agree(error, "restoring")
+        finally:
+            if lease is not None:
+                lease.release()
+        return state
 
     # --- retention -------------------------------------------------------------------------------
 
@@ -556,6 +793,24 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _value_at(state: Any, path: str) -> Any:
+    """The value at '/'-path ``path`` of a (pruned) restored state: keys named as ``tree.key_name``
+    names them, a str key before an int's digits (as ``restore(select=)`` chose them)."""
+    from .tree import key_name
+
+    for name in (p for p in path.split("/") if p):
+        keys = [k for k in state if key_name(k) == name]
+        state = state[next((k for k in keys if isinstance(k, str)), keys[0])]
+    return state
+
+
+def _only_part(m: Manifest) -> str:
+    """The one part a collective restore of ``m`` restores when none is named."""
+    if m.single or len(m.parts) == 1:
+        return next(iter(m.parts))
+    raise ValueError(f"step {m.step} has parts {sorted(m.parts)}: pass part= to restore one of them")
 
 
 def _pinned(snap: Snapshot) -> bool:

@@ -28,8 +28,22 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from .errors import CommitConflict, CorruptCheckpoint, FencedError, NoCheckpoint, ObjectNotFound, StoreError
+from .distributed.documents import AnyFragment, GroupFragment, loads_any_fragment
+from .errors import (
+    CheckpointError,
+    CommitConflict,
+    CorruptCheckpoint,
+    DamagedStep,
+    FencedError,
+    FormatVersionError,
+    NoCheckpoint,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StoreError,
+)
 from .manifest import (
+    MAX_FRAGMENT_BYTES,
+    MAX_MANIFEST_BYTES,
     Fragment,
     Manifest,
     PartRef,
@@ -37,7 +51,6 @@ from .manifest import (
     document_checksum,
     dumps,
     fragment_key,
-    loads_fragment,
     loads_manifest,
 )
 from .store import Store
@@ -47,6 +60,11 @@ _MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
 
 
 STORE_MARKER = "ckptlib.json"  # written by the first save: what tells a store from any other folder
+
+# Caps of the small documents of a run (docs/format.md, "Caps"); manifests and fragments have theirs
+# in ckptlib.manifest. A verdict lists every integrity problem of its step (one line each).
+VERDICT_MAX_BYTES = 16 << 20
+FENCE_MAX_BYTES = 1 << 20
 
 
 def ensure_marker(store: Store) -> None:
@@ -92,43 +110,92 @@ def committed_steps(store: Store) -> list[int]:
     return sorted(steps)
 
 
+def damaged_step(store: Store, step: int, error: BaseException | str) -> DamagedStep:
+    """The one error of a committed step that cannot be read: what is wrong and what to do."""
+    reason = error.reason if isinstance(error, DamagedStep) else " ".join(str(error).split())
+    return DamagedStep(
+        f"step {step} of {store.url} is damaged: {reason}. Restore another step (`ckpt ls {store.url}` marks the "
+        f"damaged ones; a resume takes the newest healthy one), or move this one aside: "
+        f"`ckpt quarantine {store.url} --step {step}`", step, reason)
+
+
 def read_manifest(store: Store, step: int) -> Manifest:
+    """The committed manifest of ``step``: NoCheckpoint when it is not committed, CorruptCheckpoint
+    (``damaged_step``) when its manifest cannot be read."""
     key = manifest_key(step)
     try:
-        data = store.get(key)
+        data = store.get(key, max_bytes=MAX_MANIFEST_BYTES)
+        m = loads_manifest(data, f"{store.url}/{key}")
     except ObjectNotFound:
         raise NoCheckpoint(f"step {step} is not committed in {store.url} (no {key}); `ckpt ls {store.url}` lists the committed steps") from None
-    m = loads_manifest(data, f"{store.url}/{key}")
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, step, e) from None
+    except FormatVersionError as e:
+        raise FormatVersionError(f"step {step} of {store.url}: {e}") from None
     if m.step != step:
-        raise CorruptCheckpoint(f"{store.url}/{key} describes step {m.step}, not {step}")
+        raise damaged_step(store, step, f"{store.url}/{key} describes step {m.step}")
     return m
 
 
 def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
-    """The fragment of part ``name`` of a committed manifest: embedded, or read from its object and
-    checked against the manifest (its bytes' checksum, step, part, generation and digest)."""
+    """The fragment of part ``name`` of a committed manifest (see ``load_any_part``); a part saved by
+    a group of ranks is refused, naming what reads it."""
+    frag = load_any_part(store, manifest, name)
+    if isinstance(frag, GroupFragment):
+        raise CheckpointError(f"part '{name}' of step {manifest.step} was saved by a group of {frag.world} ranks: "
+                              "read it with Checkpointer.restore (full tensors, or into a distributed state) or "
+                              "Checkpointer.read_rank")
+    return frag
+
+
+def part_keys(store: Store, manifest: Manifest, name: str) -> set[str]:
+    """Every object part ``name`` of a committed manifest needs: its fragment object, a group's rank
+    fragments, and the chunks (delta chains included) they name. What GC marks and a branch copies."""
+    frag = load_any_part(store, manifest, name)
+    keys = {b.key for b in frag.blobs.values()}
+    ref = manifest.parts[name]
+    if ref.key is not None:
+        keys.add(ref.key)
+    if isinstance(frag, GroupFragment):
+        keys.update(r.key for r in frag.ranks)
+    return keys
+
+
+def load_any_part(store: Store, manifest: Manifest, name: str) -> AnyFragment:
+    """The fragment of part ``name`` of a committed manifest, a part's or a group's: embedded, or read
+    from its object and checked against the manifest (its bytes' checksum, step, part, generation
+    and digest)."""
     ref = manifest.parts.get(name)
     if ref is None:
         raise NoCheckpoint(f"step {manifest.step} has no part '{name}'; it has {sorted(manifest.parts)}")
     if ref.fragment is not None:
         return ref.fragment
-    where = f"{store.url}/{ref.key}"
     try:
-        data = store.get(ref.key)  # type: ignore[arg-type]
+        return _read_part(store, manifest, name, ref)
+    except CorruptCheckpoint as e:
+        raise damaged_step(store, manifest.step, e) from None
+
+
+def _read_part(store: Store, manifest: Manifest, name: str, ref: PartRef) -> AnyFragment:
+    where = f"{store.url}/{ref.key}"
+    try:  # the size the manifest recorded (older manifests: what any fragment may hold)
+        data = store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES if ref.size is None else ref.size)  # type: ignore[arg-type]
     except ObjectNotFound:
         raise CorruptCheckpoint(f"{where}, part '{name}' of committed step {manifest.step}, is missing from the "
-                                "store (deleted?); restore another step") from None
+                                "store (deleted?)") from None
+    except ObjectTooLarge as e:
+        raise CorruptCheckpoint(f"part '{name}' of committed step {manifest.step}: {e}") from None
     if document_checksum(data) != ref.checksum:
         raise CorruptCheckpoint(f"{where} does not match the checksum committed for part '{name}' of step "
                                 f"{manifest.step}: it was replaced or damaged")
-    frag = loads_fragment(data, where)
+    frag = loads_any_fragment(data, where)
     if (frag.step, frag.part, frag.generation, frag.digest) != (manifest.step, name, ref.generation, ref.digest):
         raise CorruptCheckpoint(f"{where} describes step {frag.step}, part '{frag.part}', generation "
                                 f"{frag.generation}, not what step {manifest.step} committed")
     return frag
 
 
-def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragment, str | None]], single: bool,
+def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[AnyFragment, str | None]], single: bool,
                    meta: dict[str, Any] | None = None, lineage: dict[str, Any] | None = None) -> Manifest:
     """A manifest of ``parts`` (name -> (fragment, checksum of its stored bytes, or None to embed it))."""
     refs = {name: PartRef.of(name, frag, embed=checksum is None, checksum=checksum)
@@ -139,7 +206,7 @@ def build_manifest(step: int, parent: int | None, parts: dict[str, tuple[Fragmen
                     parts=refs, meta=dict(meta or {}), lineage=lineage, stored_bytes=stored)
 
 
-def commit_step(store: Store, step: int, parts: dict[str, tuple[Fragment, str | None]], *, parent: int | None,
+def commit_step(store: Store, step: int, parts: dict[str, tuple[AnyFragment, str | None]], *, parent: int | None,
                 single: bool = False, meta: dict[str, Any] | None = None,
                 lineage: dict[str, Any] | None = None) -> tuple[Manifest, bool]:
     """The one commit of the protocol: the manifest of exactly ``parts`` (name -> (fragment, checksum
@@ -214,10 +281,10 @@ def fence(store: Store, part: str, generation: int, reason: str = "", by: str = 
 def read_fence(store: Store, part: str, generation: int) -> dict[str, Any] | None:
     """The fence document of ``part``'s generation ``generation`` (None if absent or not JSON)."""
     try:
-        doc = json.loads(store.get(fence_key(part, generation)))
+        doc = json.loads(store.get(fence_key(part, generation), max_bytes=FENCE_MAX_BYTES))
     except ObjectNotFound:
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, ObjectTooLarge):
         return {"part": part, "generation": generation}
     return doc if isinstance(doc, dict) else {"part": part, "generation": generation}
 
@@ -231,15 +298,14 @@ def check_live(store: Store, part: str, generation: int) -> None:
         )
 
 
-def put_fragment(store: Store, fragment: Fragment) -> str:
+def put_fragment(store: Store, fragment: AnyFragment) -> str:
     """Write a fragment with put_if_absent (an identical one already there is success); returns
     the checksum of the stored bytes, which the manifest that commits it records."""
     key = fragment_key(fragment.step, fragment.part, fragment.generation)
     data = dumps(fragment)
     if store.put_if_absent(key, data):
         return document_checksum(data)
-    stored = store.get(key)
-    existing = loads_fragment(stored, f"{store.url}/{key}")
+    existing, stored = read_fragment(store, key)
     if existing.digest != fragment.digest:
         raise CommitConflict(
             f"{store.url}/{key} already holds a different state (digest {existing.digest} != "
@@ -249,8 +315,16 @@ def put_fragment(store: Store, fragment: Fragment) -> str:
     return document_checksum(stored)
 
 
+def read_fragment(store: Store, key: str) -> tuple[AnyFragment, bytes]:
+    """The fragment stored under ``key``, a part's or a group's (read with the fragment cap, checked
+    as it is parsed), and its bytes; ObjectNotFound when there is none, CorruptCheckpoint when it is
+    not a fragment."""
+    data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
+    return loads_any_fragment(data, f"{store.url}/{key}"), data
+
+
 def gather(store: Store, step: int, parts: list[str], *, timeout: float,
-           poll: float = 0.2) -> dict[str, tuple[Fragment, str]]:
+           poll: float = 0.2) -> dict[str, tuple[AnyFragment, str]]:
     """Wait until every part has a fragment of its live generation for ``step``; return them with
     the checksums of their stored bytes.
 
@@ -259,20 +333,19 @@ def gather(store: Store, step: int, parts: list[str], *, timeout: float,
     of N parts costs N fragment reads plus a listing per look, not a listing per part.
     """
     deadline = time.monotonic() + timeout
-    found: dict[str, tuple[Fragment, str]] = {}
+    found: dict[str, tuple[AnyFragment, str]] = {}
     while True:
         live = live_generations(store)
         for part in parts:
             gen = live.get(part, 0)
             if part in found and found[part][0].generation == gen:
                 continue
-            key = fragment_key(step, part, gen)
             try:
-                data = store.get(key)
+                frag, data = read_fragment(store, fragment_key(step, part, gen))
             except ObjectNotFound:
                 found.pop(part, None)
                 continue
-            found[part] = (loads_fragment(data, f"{store.url}/{key}"), document_checksum(data))
+            found[part] = (frag, document_checksum(data))
         if len(found) == len(parts):
             live = live_generations(store)  # fenced while we read? then look again
             if all(found[p][0].generation == live.get(p, 0) for p in parts):

@@ -12,6 +12,7 @@ A document class is a frozen dataclass that also derives from ``Document``::
 
     Beat("shard-0", 12.5).to_json()   # b'{"format": 1, "part": "shard-0", "time": 12.5, "loss": null}'
     Beat.from_json(data, where="s3://b/run/heartbeats/shard-0.json")
+    Beat.read(store, "heartbeats/shard-0.json")   # a bounded read of the store, then from_json
     Beat.json_schema()                # JSON Schema of the same fields
 
 Guarantees
@@ -20,6 +21,9 @@ Guarantees
   wrong type or another format raise ``DocumentError`` naming the document, where it was read, the
   field and what was found. Never a KeyError or a TypeError from deep inside a caller.
 * Unknown fields are ignored: a newer writer may add some. A change of meaning bumps ``FORMAT``.
+* Bounded: a kind's ``MAX_BYTES`` (1 MiB unless it says otherwise) caps what ``from_json`` parses,
+  and ``read`` refuses a larger stored document before reading it whole (``Store.get(key,
+  max_bytes=)``): ``DocumentError`` naming the object, its size and the cap.
 * ``to_json`` then ``from_json`` gives an equal object (tuples stay tuples).
 
 Field types understood: ``bool``, ``int``, ``float`` (an int is accepted), ``str``, ``None``,
@@ -35,12 +39,14 @@ import types
 import typing
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
+from .errors import CorruptCheckpoint
+
 D = TypeVar("D", bound="Document")
 
 __all__ = ["Document", "DocumentError"]
 
 
-class DocumentError(ValueError):
+class DocumentError(CorruptCheckpoint, ValueError):
     """A JSON document is malformed: not JSON, a field missing, a value of the wrong type, another format."""
 
 
@@ -49,6 +55,7 @@ class Document:
 
     KIND: ClassVar[str] = "document"
     FORMAT: ClassVar[int | None] = None
+    MAX_BYTES: ClassVar[int] = 1 << 20  # the largest document of this kind a reader accepts
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {} if self.FORMAT is None else {"format": self.FORMAT}
@@ -80,7 +87,23 @@ class Document:
             raise DocumentError(f"{cls.KIND} document{at} is inconsistent: {e}") from None
 
     @classmethod
+    def read(cls: type[D], store: Any, key: str) -> D:
+        """The document under ``key`` of ``store`` (a ``ckptlib.store.Store``), read with this kind's
+        cap. ObjectNotFound when there is none; DocumentError when it is larger or malformed."""
+        from .errors import ObjectTooLarge
+
+        try:
+            data = store.get(key, max_bytes=cls.MAX_BYTES)
+        except ObjectTooLarge as e:
+            raise DocumentError(f"{cls.KIND} document {e}") from None
+        return cls.from_json(data, f"{store.url}/{key}")
+
+    @classmethod
     def from_json(cls: type[D], data: bytes | str, where: str = "") -> D:
+        if len(data) > cls.MAX_BYTES:
+            at = f" at {where}" if where else ""
+            raise DocumentError(f"{cls.KIND} document{at} is {len(data)} bytes, more than the {cls.MAX_BYTES} a reader "
+                                "accepts: it was not written by ckptlib")
         try:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -29,6 +29,35 @@ class Damaged(CorruptCheckpoint):
         super().__init__(f"object {key} {reason}" if key else reason)
         self.key, self.reason = key, reason
 
+    def __reduce__(self) -> tuple:  # pickles (across processes, e.g. a task's error) with its fields
+        return type(self), (self.key, self.reason)
+
+
+class DamagedStep(CorruptCheckpoint):
+    """A committed step whose manifest (or a fragment it names) cannot be read: ``step``, and
+    ``reason``, what is wrong (the message adds what to do)."""
+
+    def __init__(self, message: str, step: int, reason: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.step, self.reason)
+
+
+class ObjectTooLarge(CorruptCheckpoint):
+    """A stored object is larger than any its kind ckptlib writes (``Store.get(key, max_bytes=)``):
+    refused before it is read whole (``size``: its size when the store could tell, else None)."""
+
+    def __init__(self, where: str, size: int | None, cap: int):
+        shown = f"{size} bytes" if size is not None else f"more than {cap} bytes"
+        super().__init__(f"{where} is {shown}, more than the {cap} bytes a reader of it accepts: it was not "
+                         "written by ckptlib (a damaged or planted object); it was refused unread")
+        self.where, self.size, self.cap = where, size, cap
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.where, self.size, self.cap)
+
 
 class FormatVersionError(CheckpointError):
     """A manifest written by a format this version cannot read."""

@@ -7,8 +7,9 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
    time); read the live leases, THEN list the committed steps. Steps a lease names (a save's delta
    base, a step being read) and the newest committed step are kept whatever the policy says.
 1. Plan without deleting anything: read every committed manifest (a damaged one aborts the GC
-   before any delete) and mark every object any of them needs, delta chains included, and every
-   object a pending fragment (of a step after the newest commit) needs.
+   before any delete, naming ``ckpt quarantine``) and mark every object any of them needs, delta
+   chains included, every object a pending fragment (of a step after the newest commit) needs, and
+   every object a quarantined step names (``ckptlib.quarantine``).
 2. Sweep garbage: unmarked objects under ``chunks/`` and ``fragments/`` older than ``grace_s``,
    temp files of killed writes, expired leases. Only while no save holds a lease (a save that
    re-uses an unreferenced object would otherwise lose it); the leases are read again before each
@@ -33,11 +34,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, is_store, load_part, manifest_key, read_manifest, validation_key
+from .commit import committed_steps, is_store, manifest_key, part_keys, read_fragment, read_manifest, validation_key
 from .concurrency import map_ahead
+from .distributed.documents import GroupFragment
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
-from .manifest import loads_fragment
+from .quarantine import quarantined_objects
 from .retention import RetentionPolicy
 from .store import Store
 from .store.base import is_clean_key
@@ -45,7 +47,8 @@ from .store.base import is_clean_key
 log = logging.getLogger("ckptlib")
 
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
-_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json$")
+# a part's fragment, or a rank's fragment of a group's part (.r<rank>.<save id>: docs/format.md)
+_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+(\.r\d+\.[0-9a-f]{16})?\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
 # A temp file lives for one put (seconds); some puts (the store marker, a lease's own document, a
 # validation report) are not covered by a save lease, so a grace of 0 must still not reach them.
@@ -142,7 +145,7 @@ class _Marks:
                     raise CheckpointError(f"garbage collection of {store.url} lost its lock while reading manifests; "
                                           "nothing was deleted: run it again")
         marks = cls(kept, dropped - kept, set(steps))
-        marks.kept |= _pending_fragment_marks(store, marks.newest)
+        marks.kept |= _pending_fragment_marks(store, marks.newest) | quarantined_objects(store)
         return marks
 
     def catch_up(self, store: Store) -> list[int]:
@@ -280,14 +283,14 @@ def _needed(store: Store, step: int) -> set[str]:
     try:
         m = read_manifest(store, step)
         keys: set[str] = set()
-        for name, ref in m.parts.items():
-            if ref.key is not None:
-                keys.add(ref.key)
-            keys.update(b.key for b in load_part(store, m, name).blobs.values())
+        for name in m.parts:
+            keys |= part_keys(store, m, name)
         return keys
     except CorruptCheckpoint as e:
-        raise CheckpointError(f"garbage collection stopped before deleting anything: committed step {step} cannot "
-                              f"be read ({e}). Repair or remove that manifest first.") from None
+        raise CheckpointError(
+            f"garbage collection stopped before deleting anything (it must know what every committed step needs): "
+            f"{e}; then run GC again (a quarantine deletes nothing, and GC keeps what a quarantined step names)"
+        ) from None
 
 
 def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
@@ -301,8 +304,10 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
                 continue  # not a fragment (the sweep reports it)
             keys.add(info.key)
             try:
-                frag = loads_fragment(store.get(info.key), f"{store.url}/{info.key}")
+                frag, _ = read_fragment(store, info.key)
             except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
                 continue  # unreadable: it can never be committed; its chunks are not protected by it
             keys.update(b.key for b in frag.blobs.values())
+            if isinstance(frag, GroupFragment):
+                keys.update(r.key for r in frag.ranks)
     return keys

@@ -37,8 +37,9 @@ Document ``heartbeats/<part>.json`` (JSON, replaced on every beat; ``Beat`` is i
 position), ``round_step`` the steps done in this round (both null while the attempt still loads its state);
 ``status`` is running | finished | failed | fenced; ``loss`` the running mean loss of the round
 (or null); ``error`` says why a final beat is failed or fenced. ``meta`` belongs to the caller (a
-training run keeps what a watchdog needs there). A beat that does not parse is read as no beat
-(logged): it cannot say when its writer lived.
+training run keeps what a watchdog needs there). A beat that does not parse, or is larger than
+``HEARTBEAT_MAX_BYTES`` (4 MiB: refused unread), is read as no beat (logged): it cannot say when
+its writer lived.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ from .store import Store
 log = logging.getLogger("ckptlib.heartbeat")
 
 HEARTBEAT_FORMAT = 1
+# A beat is a few KiB (a coordinator's meta holds the run's spec and its cut: O(shards) names); a
+# larger one was not written here and is refused unread (docs/format.md, "Caps").
+HEARTBEAT_MAX_BYTES = 4 << 20
 Status = Literal["running", "finished", "failed", "fenced"]
 STATUSES: tuple[Status, ...] = ("running", "finished", "failed", "fenced")
 
@@ -74,6 +78,7 @@ class Beat(Document):
 
     KIND = "heartbeat"
     FORMAT = HEARTBEAT_FORMAT
+    MAX_BYTES = HEARTBEAT_MAX_BYTES
 
     part: str
     generation: int
@@ -180,11 +185,15 @@ class Heartbeat:
             doc = replace(doc, loss=doc.loss if loss is None else float(loss), error=error)
         self._last_write = self._monotonic()
         self._beats += 1
+        data = doc.to_json()
+        if len(data) > HEARTBEAT_MAX_BYTES:
+            raise ValueError(f"the heartbeat of {self.part} would be {len(data)} bytes, more than the {HEARTBEAT_MAX_BYTES} "
+                             "a reader accepts: keep its meta to what a watchdog needs (kilobytes)")
         if check_fence:  # before the write: a fenced attempt must not overwrite the live attempt's beat
             self.check_fence()
         if store:
             try:
-                self.store.put(self.key, doc.to_json())
+                self.store.put(self.key, data)
             except StoreError as e:
                 log.warning("heartbeat of %s could not be written to %s (%s); training goes on", self.part,
                             self.store.url, e)
@@ -207,9 +216,8 @@ class Heartbeat:
 
 def read_heartbeat(store: Store, part: str) -> Beat | None:
     """The latest beat of ``part``, or None if it never beat (or its document is unreadable: logged)."""
-    key = heartbeat_key(part)
     try:
-        return Beat.from_json(store.get(key), f"{store.url}/{key}")
+        return Beat.read(store, heartbeat_key(part))
     except ObjectNotFound:
         return None
     except (DocumentError, StoreError) as e:

@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ObjectNotFound, StoreError
+from .errors import ObjectNotFound, ObjectTooLarge, StoreError
 from .store import ObjectInfo, Store
 
 log = logging.getLogger("ckptlib")
@@ -52,6 +52,7 @@ DEFAULT_LEASE_TTL_S = 3600.0
 # was killed expires within two minutes and nothing waits on it longer than that.
 GC_LOCK_TTL_S = 120.0
 GC_WAIT_S = 600.0
+LEASE_MAX_BYTES = 64 << 10  # a lease or the lock is a few hundred bytes; a larger one is malformed
 _LEASE_KEY = re.compile(r"^leases/(save|read)-[0-9a-f]{32}\.json$")  # how long a save waits for a GC that keeps renewing its lock before it gives up
 
 
@@ -161,10 +162,10 @@ class Lease:
 
 def read_gc_lock(store: Store) -> dict[str, Any] | None:
     try:
-        doc = json.loads(store.get(GC_LOCK))
+        doc = json.loads(store.get(GC_LOCK, max_bytes=LEASE_MAX_BYTES))
     except ObjectNotFound:
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, ObjectTooLarge):
         return {"expires": 0.0}  # unreadable: an expired lock
     return doc if isinstance(doc, dict) else {"expires": 0.0}
 
@@ -179,8 +180,8 @@ def live_leases(store: Store) -> list[LeaseDoc]:
     now, out = _now(), []
     for info in _lease_keys(store):
         try:
-            doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
-        except (ObjectNotFound, ValueError, RecursionError):
+            doc = LeaseDoc.from_json(json.loads(store.get(info.key, max_bytes=LEASE_MAX_BYTES)))
+        except (ObjectNotFound, ValueError, RecursionError, ObjectTooLarge):
             continue
         if doc is not None and doc.expires > now:
             out.append(doc)
@@ -194,10 +195,10 @@ def expired_leases(store: Store, older_than: float) -> list[str]:
         if info.modified >= older_than:
             continue
         try:
-            doc = LeaseDoc.from_json(json.loads(store.get(info.key)))
+            doc = LeaseDoc.from_json(json.loads(store.get(info.key, max_bytes=LEASE_MAX_BYTES)))
         except ObjectNotFound:
             continue
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, ObjectTooLarge):
             doc = None
         if doc is None or doc.expires <= now:
             out.append(info.key)

@@ -34,19 +34,42 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .errors import CorruptCheckpoint, FormatVersionError
+from .errors import CorruptCheckpoint, FormatVersionError, UnsupportedState
 from .types import MAX_LEAF_BYTES, LeafSpec
+
+if TYPE_CHECKING:
+    from .distributed.documents import AnyFragment, GroupFragment
 
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 CHECKSUM = "xxh3-128"  # the hash of chunk checksums and leaf digests, recorded in every fragment
 MAX_CHAIN = 1024  # deepest delta chain a manifest may declare (keyframe_every is at most this)
-MAX_DOCUMENT_BYTES = 1 << 30  # a manifest or fragment larger than this is refused unread
+
+# Caps of the documents (docs/format.md, "Caps"), checked before a document is read whole and by
+# the writer, which refuses to write what a reader would refuse. A fragment costs about 290 bytes
+# per chunk and 270 per leaf: 128 MiB holds some 450,000 chunks (1.7 TiB in 4 MiB chunks) per part.
+MAX_FRAGMENT_BYTES = 128 << 20
+MANIFEST_FIELDS_BYTES = 1 << 20  # a manifest's own fields and its meta
+PART_REF_BYTES = 4 << 10  # one part's entry in a multi-part manifest (digest, sizes, stats, key)
+MAX_MANIFEST_BYTES = MAX_FRAGMENT_BYTES + MANIFEST_FIELDS_BYTES  # a single-writer one embeds its fragment
+# What a stored object may hold for ``nbytes`` raw bytes: a keyframe is at most the raw bytes (stored
+# raw when zstd does not pay), a delta smaller than a keyframe; format 1's tiny zstd frames had headers.
+STORED_SLACK_BYTES = 64 << 10
+
+
+def multi_part_cap(parts: int) -> int:
+    """The largest multi-part manifest of ``parts`` parts: O(parts), it names their fragments."""
+    return MANIFEST_FIELDS_BYTES + parts * PART_REF_BYTES
+
+
+def max_stored_bytes(nbytes: int) -> int:
+    """The largest object an encoding of ``nbytes`` raw bytes is stored as."""
+    return 2 * nbytes + STORED_SLACK_BYTES
 
 _BLOB_KEY = re.compile(r"^chunks/([0-9a-f]{2})/(\1[0-9a-f]{30})$")
 _CHECKSUM = re.compile(r"^[0-9a-f]{32}$")
@@ -90,8 +113,9 @@ class Blob:
         base = d["base"]
         if base is not None:
             _checksum(base, "blob base")
-        return cls(d["key"], _int(d["size"], "blob size"), _int(d["nbytes"], "blob nbytes"), tuple(codecs),
-                   base, _int(d["depth"], "blob depth", 0, MAX_CHAIN))
+        nbytes = _int(d["nbytes"], "blob nbytes")
+        size = _int(d["size"], "blob size", 0, max_stored_bytes(nbytes))
+        return cls(d["key"], size, nbytes, tuple(codecs), base, _int(d["depth"], "blob depth", 0, MAX_CHAIN))
 
 
 @dataclass(frozen=True)
@@ -154,6 +178,7 @@ class Fragment:
     meta: dict[str, Any] = field(default_factory=dict)
     format: int = FORMAT_VERSION
     chunk_bytes: int | None = None  # the writer's chunk size (format 2); its next save plans alike
+    document_bytes: int | None = field(default=None, compare=False)  # bytes of the object it was read from
 
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, "checksum": CHECKSUM, "step": self.step, "part": self.part,
@@ -183,9 +208,13 @@ class Fragment:
         return frag
 
     def check_consistent(self) -> None:
-        """Every chunk a leaf names is in the blob table with the right size, every delta chain ends
-        at a keyframe of the table, and the digest matches the skeleton and leaves (ValueError)."""
+        """Every chunk a leaf names is in the blob table with the size its leaves need (a chunk its
+        leaf's length, a pack exactly the end of its last leaf, and no more than the writer's chunk
+        size), every delta chain ends at a keyframe of the table, and the digest matches the
+        skeleton and leaves (ValueError)."""
+        pack_end: dict[str, int] = {}
         for leaf in self.leaves:
+            self._check_chunking(leaf)
             for digest, _start, at, length in leaf.segments():
                 blob = self.blobs.get(digest)
                 if blob is None:
@@ -193,6 +222,15 @@ class Fragment:
                 if at + length > blob.nbytes or (leaf.pack is None and blob.nbytes != length):
                     raise ValueError(f"'{leaf.spec.path}' takes bytes {at}..{at + length} of chunk {digest}, which "
                                      f"holds {blob.nbytes}")
+                if leaf.pack is not None:
+                    pack_end[digest] = max(pack_end.get(digest, 0), at + length)
+        if len({b.key for b in self.blobs.values()}) != len(self.blobs):  # a key is a hash of its raw checksum
+            raise ValueError("two chunks of its blob table name the same stored object")
+        for digest, end in pack_end.items():
+            nbytes = self.blobs[digest].nbytes
+            if nbytes != end or (self.chunk_bytes is not None and nbytes > self.chunk_bytes):
+                raise ValueError(f"pack {digest} declares {nbytes} bytes; its leaves end at byte {end} and a pack holds "
+                                 f"at most the chunk size ({self.chunk_bytes})")
         ok: set[str] = set()  # chunks whose chains were checked already
         for digest, blob in self.blobs.items():
             chain, d, b = [digest], digest, blob
@@ -209,6 +247,13 @@ class Fragment:
             ok.update(chain)
         if part_digest(self.skeleton, list(self.leaves), self.format) != self.digest:
             raise ValueError("its digest does not match its skeleton and leaves")
+
+    def _check_chunking(self, leaf: Leaf) -> None:
+        """A chunked leaf's chunks are no larger than the writer's chunk size (or one element)."""
+        if leaf.pack is None and self.chunk_bytes is not None and leaf.chunk_bytes is not None \
+                and leaf.chunk_bytes > max(self.chunk_bytes, leaf.spec.itemsize):
+            raise ValueError(f"'{leaf.spec.path}' is cut in chunks of {leaf.chunk_bytes} bytes; the part's chunk size "
+                             f"is {self.chunk_bytes}")
 
     @property
     def stored_bytes(self) -> int:
@@ -228,15 +273,17 @@ class PartRef:
     stored_bytes: int
     stats: dict[str, int]
     config_hash: str | None = None
-    fragment: Fragment | None = None  # embedded (single-writer manifests, and every format 1 one)
+    fragment: Fragment | GroupFragment | None = None  # embedded (single-writer manifests, and every format 1 one)
     key: str | None = None
     checksum: str | None = None
+    size: int | None = None  # bytes of the fragment object (recorded since ckptlib 0.3): its read's cap
 
     @classmethod
-    def of(cls, name: str, frag: Fragment, *, embed: bool, checksum: str | None = None) -> PartRef:
+    def of(cls, name: str, frag: AnyFragment, *, embed: bool, checksum: str | None = None) -> PartRef:
         return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
                    dict(frag.stats), frag.config_hash, frag if embed else None,
-                   None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum)
+                   None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum,
+                   None if embed else getattr(frag, "document_bytes", None))
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"digest": self.digest, "generation": self.generation,
@@ -246,20 +293,26 @@ class PartRef:
             d["fragment"] = self.fragment.to_json()
         else:
             d.update(key=self.key, checksum=self.checksum)
+            if self.size is not None:
+                d["size"] = self.size
         return d
 
     @classmethod
     def from_json(cls, name: str, d: dict[str, Any]) -> PartRef:
-        frag = Fragment.from_json(d["fragment"]) if "fragment" in d else None
-        key = checksum = None
+        from .distributed.documents import parse_any_fragment  # a group's part (docs/format.md, "Group fragments")
+
+        frag = parse_any_fragment(d["fragment"]) if "fragment" in d else None
+        key = checksum = size = None
         if frag is None:
             key, checksum = d["key"], _checksum(d["checksum"], "fragment checksum")
             if not isinstance(key, str) or not _FRAGMENT_KEY.match(key):
                 raise ValueError(f"part {name!r} names fragment {str(key)[:80]!r}, not fragments/<step>/<part>.g<gen>.json")
+            if d.get("size") is not None:
+                size = _int(d["size"], "fragment size", 2, MAX_FRAGMENT_BYTES)
         return cls(name, _checksum(d["digest"], "part digest"), _int(d["generation"], "generation", 0, 2**63),
                    _int(d["logical_bytes"], "logical_bytes", 0, 2**63), _int(d["bytes_written"], "bytes_written", 0, 2**63),
                    _int(d["stored_bytes"], "stored_bytes", 0, 2**63), dict(d.get("stats", {})), d.get("config_hash"),
-                   frag, key, checksum)
+                   frag, key, checksum, size)
 
     @classmethod
     def from_v1(cls, name: str, d: dict[str, Any]) -> PartRef:
@@ -372,9 +425,28 @@ def combined_digest(part_digests: dict[str, str], single: bool) -> str:
     return h.hexdigest()
 
 
-def dumps(doc: Fragment | Manifest) -> bytes:
+def dumps(doc: AnyFragment | Manifest) -> bytes:
+    """The stored bytes of a document; UnsupportedState when a reader would refuse them (its cap)."""
     # key order is part of a state; NaN cannot appear (non-finite floats are tagged in the skeleton)
-    return json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
+    data = json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
+    cap = document_cap(doc)
+    if len(data) > cap:
+        what = (f"the manifest of step {doc.step} ({len(doc.parts)} parts)" if isinstance(doc, Manifest)
+                else f"the fragment of part '{doc.part}'")
+        raise UnsupportedState(
+            f"{what} would be {len(data)} bytes, more than the {cap} a reader accepts (docs/format.md, \"Caps\"): "
+            "save with a larger chunk_bytes (fewer chunks), split the state into parts, or keep meta and "
+            "config_hash small")
+    return data
+
+
+def document_cap(doc: AnyFragment | Manifest) -> int:
+    """The most bytes a reader accepts for ``doc``'s kind and shape."""
+    if not isinstance(doc, Manifest):  # a part's, a rank's or a group's fragment
+        return MAX_FRAGMENT_BYTES
+    if doc.single or doc.format == 1 or any(p.fragment is not None for p in doc.parts.values()):
+        return MAX_MANIFEST_BYTES  # it embeds fragments
+    return multi_part_cap(len(doc.parts))
 
 
 def document_checksum(data: bytes) -> str:
@@ -382,17 +454,22 @@ def document_checksum(data: bytes) -> str:
 
 
 def loads_manifest(data: bytes, where: str) -> Manifest:
-    return _parse(Manifest, data, where)
+    m = _parse(Manifest, data, where, MAX_MANIFEST_BYTES)
+    if len(data) > document_cap(m):  # a multi-part manifest names its parts' fragments: O(parts)
+        raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than the {document_cap(m)} a manifest of "
+                                f"{len(m.parts)} parts may hold: it was not written by ckptlib")
+    return m
 
 
 def loads_fragment(data: bytes, where: str) -> Fragment:
-    return _parse(Fragment, data, where)
+    frag = _parse(Fragment, data, where, MAX_FRAGMENT_BYTES)
+    return replace(frag, document_bytes=len(data))  # what a manifest committing it records
 
 
-def _parse(cls: Any, data: bytes, where: str) -> Any:
-    if len(data) > MAX_DOCUMENT_BYTES:
-        raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than any {cls.__name__.lower()} ckptlib "
-                                f"writes ({MAX_DOCUMENT_BYTES}); it was not written by ckptlib")
+def _parse(cls: Any, data: bytes, where: str, cap: int) -> Any:
+    if len(data) > cap:
+        raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than the {cap} any {cls.__name__.lower()} "
+                                "ckptlib writes may hold: it was not written by ckptlib")
     try:
         return cls.from_json(json.loads(data))
     except (FormatVersionError, CorruptCheckpoint) as e:
@@ -401,8 +478,8 @@ def _parse(cls: Any, data: bytes, where: str) -> Any:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpoint(
-            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {str(e)[:300]}). It was damaged "
-            "or written by something else; restore an older step (ckpt ls shows them) and check the store."
+            f"{where} is not a valid {cls.__name__.lower()} ({type(e).__name__}: {str(e)[:300]}): it was damaged "
+            "or written by something else"
         ) from None
 
 

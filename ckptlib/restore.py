@@ -10,7 +10,9 @@ Called by ``Checkpointer`` (restore, verify) and validation. Contract:
   manifest are caught, not returned). A missing, truncated or altered object raises
   ``CorruptCheckpoint`` naming the step, part, tensor, chunk and object key.
 * Declared sizes are checked before anything is allocated: a manifest cannot make a restore
-  allocate more than its leaves' (checked) sizes, nor more than this machine's memory.
+  allocate more than its leaves' (checked) sizes and the chunks that serve them (``restore_bytes``;
+  the fragment's parse checked every chunk against its leaves and every pack against the chunk
+  size), nor more than this machine's memory; no object is read past the size the manifest records.
 * Nothing is ever written to the store.
 """
 
@@ -28,12 +30,13 @@ from typing import Any
 import numpy as np
 
 from . import codecs
-from .bind import bind_into
-from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound
+from .bind import Alias, bind_into, fill_aliases
+from .errors import CheckpointError, CorruptCheckpoint, Damaged, ObjectNotFound, ObjectTooLarge
 from .leaves import empty_leaf, finish_leaf, raw_view
 from .manifest import Blob, Fragment, Leaf
 from .store import Store
 from .tree import MISSING, leaf_indices, prune, unflatten
+from .types import LeafSpec
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,21 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def restore_bytes(fragment: Fragment, wanted: list[int], dests: Mapping[int, Any], tops: Mapping[str, list],
+                  shared: set[str], keep: bool) -> int:
+    """The most memory a restore of leaves ``wanted`` allocates, from the sizes the fragment declares
+    (checked against memory before anything is allocated): the leaves it builds, a buffer per chunk
+    not decoded in place (packs, chunks several leaves share), the chunks several chains share
+    (kept while it runs), every chunk once more with ``keep``, and a chunk's worth per decoding core."""
+    blobs = fragment.blobs
+    leaves = sum(fragment.leaves[i].spec.nbytes for i in wanted if i not in dests)
+    buffered = sum(blobs[d].nbytes for d, places in tops.items()
+                   if len(places) > 1 or places[0][2] != 0 or places[0][3] != blobs[d].nbytes)
+    largest = max((blobs[d].nbytes for d in tops), default=0)
+    return (leaves + buffered + sum(blobs[d].nbytes for d in shared if d in blobs)
+            + (sum(blobs[d].nbytes for d in tops) if keep else 0) + min(len(tops), os.cpu_count() or 2) * largest)
 
 
 def check_fits(nbytes: int, what: str) -> None:
@@ -106,10 +124,12 @@ class _ChainDecoder:
         return blob
 
     def _payload(self, blob: Blob) -> np.ndarray:
-        try:
-            payload = np.frombuffer(self.store.get(blob.key), dtype=np.uint8)
+        try:  # never more than the manifest says: an object replaced by a huge one is refused unread
+            payload = np.frombuffer(self.store.get(blob.key, max_bytes=blob.size), dtype=np.uint8)
         except ObjectNotFound:
             raise Damaged(blob.key, "is missing from the store (deleted, or never uploaded)") from None
+        except ObjectTooLarge as e:
+            raise Damaged(blob.key, f"has {e.size or 'more'} bytes, the manifest says {blob.size} (replaced?)") from None
         if payload.nbytes != blob.size:
             raise Damaged(blob.key, f"has {payload.nbytes} bytes, the manifest says {blob.size} (truncated?)")
         return payload
@@ -267,8 +287,6 @@ def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list
     ``known``: raw chunks the caller already holds, by checksum (a chain stops there)."""
     dests = dests or {}
     leaves = fragment.leaves
-    check_fits(sum(leaves[i].spec.nbytes for i in wanted if i not in dests), f"step {fragment.step}, part '{fragment.part}'")
-    targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
     # chunk checksum -> [(leaf, start in leaf, start in chunk, length)]
     placements: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     index_of: dict[tuple[int, str], int] = {}
@@ -277,6 +295,9 @@ def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list
             placements[digest].append((i, start, at, length))
             index_of[(i, digest)] = n
     decoder = _ChainDecoder(fragment, store, list(placements), known)
+    check_fits(restore_bytes(fragment, wanted, dests, placements, decoder._shared, keep),
+               f"step {fragment.step}, part '{fragment.part}'")
+    targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
     kept: dict[str, np.ndarray] | None = {} if keep else None
     kept_lock = threading.Lock()
     problems: list[Problem] = []
@@ -354,35 +375,55 @@ def restore_part(
     ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
     restored): a chain stops there, so following a stream of checkpoints decodes one link per
     changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
-    specs = [leaf.spec for leaf in fragment.leaves]
-    skeleton = fragment.skeleton
+    b = bind_selection(fragment.skeleton, [leaf.spec for leaf in fragment.leaves], fragment.step, fragment.part,
+                       into=into, select=select)
+    objects, problems, kept = decode_leaves(fragment, store, pool, b.wanted, dests=b.dests, known=known, keep=keep)
+    _raise(problems)
+    return assemble(b, objects, device), kept
+
+
+@dataclass
+class Binding:
+    """What a restore reads and where it goes: the (pruned, bound) skeleton, the leaves' specs, the
+    leaves wanted, their destinations in ``into`` and the tied leaves whose destinations are distinct
+    objects (``bind.bind_into``)."""
+
+    skeleton: Any
+    specs: list[LeafSpec]
+    wanted: list[int]
+    dests: dict[int, Any]
+    aliases: list[Alias]
+
+
+def bind_selection(skeleton: Any, specs: list[LeafSpec], step: int, part: str, *, into: Any = None,
+                   select: list[str] | None = None, detail: str = "") -> Binding:
+    """``skeleton`` pruned to ``select`` (KeyError naming a path the state lacks) and bound to ``into``
+    (ValueError listing every mismatch, before anything is read). ``detail``: said after the part."""
     if select is not None:
         try:
             skeleton = prune(skeleton, list(select))
         except KeyError as e:
-            raise KeyError(f"step {fragment.step}, part '{fragment.part}': {e.args[0]}") from None
+            raise KeyError(f"step {step}, part '{part}': {e.args[0]}") from None
     wanted = sorted(i for i in leaf_indices(skeleton) if 0 <= i < len(specs))
     dests: dict[int, Any] = {}
-    aliases: list[tuple[int, int, Any]] = []
+    aliases: list[Alias] = []
     if into is not None:
         skeleton, dests, aliases, mismatches = bind_into(skeleton, specs, into)
         if mismatches:
             listing = "\n  ".join(mismatches[:50]) + (f"\n  ... and {len(mismatches) - 50} more" if len(mismatches) > 50 else "")
-            raise ValueError(f"cannot restore step {fragment.step} (part '{fragment.part}') into the given state: "
+            raise ValueError(f"cannot restore step {step} (part '{part}'{detail}) into the given state: "
                              f"{len(mismatches)} mismatch(es); nothing was changed:\n  {listing}")
-    objects, problems, kept = decode_leaves(fragment, store, pool, wanted, dests=dests, known=known, keep=keep)
-    _raise(problems)
-    leaves: list[Any] = [MISSING] * (len(specs) + len(aliases))
+    return Binding(skeleton, specs, wanted, dests, aliases)
+
+
+def assemble(b: Binding, objects: Mapping[int, Any], device: Any = "cpu") -> Any:
+    """The restored state: the filled destinations as they are, new leaves finished (on ``device``, a
+    Parameter again, ...), tied leaves copied into their distinct destinations."""
+    leaves: list[Any] = [MISSING] * (len(b.specs) + len(b.aliases))
     for i, obj in objects.items():
-        leaves[i] = obj if i in dests else finish_leaf(obj, specs[i], device)
-    for j, source, obj in aliases:
-        src = objects[source]
-        if fragment.leaves[source].spec.kind == "torch":
-            obj.detach().copy_(src.detach().to(obj.device))
-        else:
-            obj[...] = src
-        leaves[j] = obj
-    return unflatten(skeleton, leaves, specs), kept
+        leaves[i] = obj if i in b.dests else finish_leaf(obj, b.specs[i], device)
+    fill_aliases(b.aliases, objects, b.specs, leaves)
+    return unflatten(b.skeleton, leaves, b.specs)
 
 
 def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list[Any], list[Problem]]:
@@ -399,3 +440,68 @@ def inspect_part(fragment: Fragment, store: Store, pool: Executor) -> tuple[list
         except CorruptCheckpoint as e:
             problems.append(Problem(fragment.step, fragment.part, "/", None, None, str(e)))
     return leaves, problems
+
+
+# --- byte ranges of leaves (a rank's shard of a saved piece: ckptlib.distributed) -------------------
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Bytes ``start``..``stop`` of leaf ``leaf`` of a fragment, to be written into ``out`` (uint8,
+    ``stop - start`` bytes)."""
+
+    leaf: int
+    start: int
+    stop: int
+    out: np.ndarray
+
+
+def _damage(fragment: Fragment, digest: str, e: CorruptCheckpoint, tensors: list[str]) -> list[Problem]:
+    """The problems of chunk ``digest``, which did not decode, for each tensor it was read for."""
+    key = (e.key if isinstance(e, Damaged) else None) or fragment.blobs[digest].key
+    return [Problem(fragment.step, fragment.part, t, None, key, e.reason if isinstance(e, Damaged) else str(e))
+            for t in tensors]
+
+
+def decode_ranges(fragment: Fragment, store: Store, pool: Executor, ranges: list[ByteRange], *,
+                  known: Mapping[str, np.ndarray] | None = None) -> list[Problem]:
+    """Fill each range's ``out`` with those bytes of its leaf, reading only the chunks that cover
+    them: a chunk inside a range is decoded in place, one at a range's edge is decoded whole and the
+    part needed copied (rows of a dim-0 shard are contiguous: the chunks of those rows only). A chunk
+    several ranges need is fetched and decoded once. Every chunk is checked against its raw checksum,
+    and a range that is its whole leaf against the leaf's digest; problems are returned, not raised."""
+    leaves = fragment.leaves
+    # chunk checksum -> [(range, start in chunk, length, start in out)]
+    placements: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, rng in enumerate(ranges):
+        if rng.out.nbytes != rng.stop - rng.start or not 0 <= rng.start <= rng.stop <= leaves[rng.leaf].spec.nbytes:
+            raise ValueError(f"byte range {rng.start}..{rng.stop} of '{leaves[rng.leaf].spec.path}' is not in the leaf "
+                             f"or does not fit its buffer of {rng.out.nbytes} bytes")
+        for digest, leaf_start, at, length in leaves[rng.leaf].segments():
+            lo, hi = max(rng.start, leaf_start), min(rng.stop, leaf_start + length)
+            if lo < hi:
+                placements[digest].append((r, at + lo - leaf_start, hi - lo, lo - rng.start))
+    decoder = _ChainDecoder(fragment, store, list(placements), known)
+
+    def fill(digest: str) -> list[Problem]:
+        places = placements[digest]
+        size = fragment.blobs[digest].nbytes
+        whole = places[0] if len(places) == 1 and places[0][1] == 0 and places[0][2] == size else None
+        # a chunk inside one range is decoded into it; any other into a buffer, then the parts copied
+        buf = ranges[whole[0]].out[whole[3]:whole[3] + size] if whole else np.empty(size, dtype=np.uint8)
+        try:
+            decoder.fill(digest, buf)
+        except CorruptCheckpoint as e:
+            return _damage(fragment, digest, e, [leaves[ranges[r].leaf].spec.path for r, *_ in places])
+        for r, at, length, pos in places if whole is None else ():
+            ranges[r].out[pos:pos + length] = buf[at:at + length]
+        return []
+
+    problems = [p for found in pool.map(fill, list(placements)) for p in found]
+    bad = {p.tensor for p in problems}
+    for rng in ranges:
+        leaf = leaves[rng.leaf]
+        whole = rng.start == 0 and rng.stop == leaf.spec.nbytes
+        if whole and leaf.spec.path not in bad and codecs.checksum(rng.out) != leaf.digest:
+            problems.append(Problem(fragment.step, fragment.part, leaf.spec.path, None, None,
+                                    "tensor digest does not match the manifest (chunks reordered, swapped or relabelled)"))
+    return problems

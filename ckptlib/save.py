@@ -43,7 +43,7 @@ from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
 from .store import Store
 from .throttle import RateLimiter
 from .tree import flatten
-from .types import LeafSpec
+from .types import TORCH_KINDS, LeafSpec
 
 __all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Snapshot", "WriteOptions",
            "encode_part", "take_snapshot"]
@@ -127,7 +127,8 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int],
     if callable(chunk_bytes):
         chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
     units = plan_units(specs, chunk_bytes)
-    on_gpu = any(spec.kind == "torch" and obj.is_cuda for spec, obj in leaves)
+    on_gpu = any(spec.kind in TORCH_KINDS and obj.is_cuda for spec, obj in leaves)
+
     def buffer(nbytes: int) -> np.ndarray:
         return buffers(nbytes, on_gpu) if buffers is not None else host_buffer(nbytes, pinned=on_gpu)
 
@@ -198,7 +199,7 @@ def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor,
     few elements changed, the changes are written into the base's buffer, which becomes the unit's
     snapshot, and the old values are kept beside it (``snap.changes``, what its sparse delta is
     made of). A comparison reads two streams and writes nothing: no page of fresh memory is touched,
-    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 23). Every
+    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 34). Every
     other unit is copied into a buffer from ``buffers`` (the writer's pool: pages already faulted
     in). If anything fails, the base's bytes are dropped (some may be patched)."""
     t0 = time.perf_counter()

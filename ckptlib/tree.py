@@ -16,6 +16,8 @@ The grammar (format 2; a superset of format 1's, so one decoder reads both) is w
     dict       {"k": ..} (no key is a tag)                dict of str keys, in order
     leaf       {"__leaf__": i}                            array leaf i
     ref        {"__ref__": i}                             the same tensor as leaf i (tied weights)
+    view       {"__view__": {"storage": i, "offset", "shape", "stride", "dtype", flags}}
+                                                          a tensor viewing storage leaf i (``types.View``)
     attrs      {"__attrs__": [node, {name: node}]}        a tensor with Python attributes
     tuple      {"__tuple__": [..]}                        tuple
     set        {"__set__": [..]}, {"__frozenset__": [..]}  set, frozenset (canonical order)
@@ -28,11 +30,17 @@ The grammar (format 2; a superset of format 1's, so one decoder reads both) is w
     dtype      {"__dtype__": "float32"}                   torch.dtype
     device     {"__device__": "cuda:0"}                   torch.device
 
+Tensors that share memory without being the same view (``w`` and ``w.view(20)``, slices, another
+dtype over the same bytes) and tensors with a lazy conjugate/negative bit are patched after the
+walk into one *storage* leaf (the bytes they span) and a ``__view__`` node each, as ``torch.save``
+keeps them: a state without such tensors is flattened exactly as before (same skeleton, digest).
+
 The decoder builds only what ``flatten`` writes (a store is not trusted: anyone who can write it
 can recompute the digests): attributes only on tensors (and on the maps, as their ``__dict__``),
 never with a name the type itself defines (``data``, ``shape``, ``items``); dict keys only of the
 kinds a dict key may be here (None, bool, numbers, str, numpy scalars, tuples/frozensets of those);
-set items only of the kinds a set may hold (those, bytes, torch dtypes and devices); each leaf once.
+set items only of the kinds a set may hold (those, bytes, torch dtypes and devices); each leaf once;
+a storage leaf only under views that fit inside it, and views only of storage leaves.
 Anything else is ``CorruptCheckpoint`` naming the path. Decoding is linear in the skeleton's size:
 paths are strings only when an error names one.
 
@@ -43,6 +51,7 @@ torch is imported only when the state holds torch objects (on save) or the skele
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
 import struct
@@ -53,7 +62,8 @@ from typing import Any
 import numpy as np
 
 from .errors import CorruptCheckpoint, UnsupportedState
-from .types import NUMPY_KINDS, TORCH_DTYPES, LeafSpec, dense_strides
+from .leaves import span_of, view_of, without_flags
+from .types import NUMPY_KINDS, REFUSED_TORCH_DTYPES, TORCH_DTYPES, LeafSpec, View, dense_strides
 
 # Deepest nesting of containers a state may have. Real states are a handful of levels deep; the
 # limit keeps encoding and decoding (of hostile manifests too) far from Python's recursion limit.
@@ -75,7 +85,7 @@ _DEVICE = re.compile(r"^[a-z_]{1,32}(:\d{1,6})?$")
 # --- the grammar -----------------------------------------------------------------------------------
 
 # kind -> tag, for every tagged kind; "list", "dict" and "scalar" are plain JSON.
-_TAG = {"leaf": "__leaf__", "ref": "__ref__", "attrs": "__attrs__", "tuple": "__tuple__", "set": "__set__",
+_TAG = {"leaf": "__leaf__", "ref": "__ref__", "view": "__view__", "attrs": "__attrs__", "tuple": "__tuple__", "set": "__set__",
         "frozenset": "__frozenset__", "items": "__items__", "map": "__map__", "float": "__float__",
         "complex": "__complex__", "np": "__np__", "size": "__size__", "dtype": "__dtype__", "device": "__device__"}
 _KIND = {tag: kind for kind, tag in _TAG.items()}
@@ -90,8 +100,8 @@ class _Bad(Exception):
 
 @dataclass(frozen=True)
 class Node:
-    """One skeleton node, parsed. ``value``: a scalar's value, a leaf's index, an atom's raw tag
-    value, a map's ``(type, factory)``. ``items``: a sequence's child nodes, or a keyed container's
+    """One skeleton node, parsed. ``value``: a scalar's value, a leaf's index, a view's ``View``, an
+    atom's raw tag value, a map's ``(type, factory)``. ``items``: a sequence's child nodes, or a keyed container's
     ``(key, child)`` pairs (str keys for a dict, key *nodes* for items/map). ``attrs``: ``(name,
     node)`` pairs of a tensor's or a map's attributes; ``inner``: the tensor node of attrs."""
 
@@ -124,6 +134,8 @@ class Node:
             return {"__map__": doc}
         if k == "attrs":
             return {"__attrs__": [self.inner, dict(self.attrs)]}
+        if k == "view":
+            return {"__view__": self.value.to_json()}
         return {_TAG[k]: self.value}
 
 
@@ -155,6 +167,13 @@ def _index(kind: str, v: Any) -> Node:
     if type(v) is not int or v < 0:
         raise _Bad(f"leaf index {v!r} is not a non-negative int")
     return Node(kind, v)
+
+
+def _view(kind: str, v: Any) -> Node:
+    try:
+        return Node(kind, View.from_json(v))
+    except ValueError as e:
+        raise _Bad(f"malformed __view__: {e}") from None
 
 
 def _list(kind: str, v: Any) -> Node:
@@ -198,7 +217,7 @@ def _items(kind: str, v: Any) -> Node:
     return Node(kind, items=_pairs(v))
 
 
-_PARSERS = {"leaf": _index, "ref": _index, "tuple": _list, "set": _list, "frozenset": _list, "items": _items,
+_PARSERS = {"leaf": _index, "ref": _index, "view": _view, "tuple": _list, "set": _list, "frozenset": _list, "items": _items,
             "map": _map, "attrs": _attrs, "float": _atom, "complex": _atom, "np": _atom, "size": _atom,
             "dtype": _atom, "device": _atom}
 assert set(_PARSERS) == set(_TAG)
@@ -264,10 +283,15 @@ def attribute_problem(cls: type, name: Any) -> str | None:
 
 # --- flatten (save) --------------------------------------------------------------------------------
 
-def flatten(state: Any) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
-    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState."""
+def flatten(state: Any, *, subclass: Any = None) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
+    """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState.
+    ``subclass(obj, path)``: the plain tensor to store for a tensor subclass (a DTensor's local
+    shard, for ``ckptlib.distributed``), or None to refuse it."""
     enc = _Encoder()
-    return enc.walk(state, "", 0), enc.leaves
+    enc.subclass = subclass
+    skeleton = enc.walk(state, "", 0)
+    enc.share_storages()
+    return skeleton, enc.leaves
 
 
 def _refuse(path: str, obj: Any, hint: str) -> UnsupportedState:
@@ -287,6 +311,9 @@ class _Encoder:
         self.tensor_types = _torch_types()
         self.ties: dict[Any, int] = {}  # tensor identity -> leaf index
         self.on_path: set[int] = set()  # ids of the containers being walked: a repeat is a cycle
+        self.nodes: list[dict[str, Any]] = []  # every leaf and ref node made (patched by share_storages)
+        self.storages: dict[tuple, list[int]] = {}  # (device, storage) -> leaf indices of its tensors
+        self.subclass: Any = None  # flatten's hook for tensor subclasses
 
     def walk(self, obj: Any, path: str, depth: int) -> Any:
         cls = type(obj)
@@ -324,12 +351,15 @@ class _Encoder:
             return tagged("size", [int(v) for v in obj])
         if cls is dtype:
             name = str(obj).removeprefix("torch.")
-            if name not in TORCH_DTYPES:
-                raise _refuse(path, obj, f"torch dtype {name} is not supported")
+            if name not in TORCH_DTYPES and name not in REFUSED_TORCH_DTYPES:
+                raise _refuse(path, obj, f"torch dtype {name} is new to ckptlib (not in its dtype tables)")
             return tagged("dtype", name)
         if cls is device:
             return tagged("device", str(obj))
         if isinstance(obj, tensor):
+            plain = self.subclass(obj, path) if self.subclass is not None else None
+            if plain is not None:
+                return self.add_tensor(plain, path)
             raise _refuse(path, obj, "tensor subclasses (DTensor, FakeTensor, ...) are not stored; convert "
                                      "it to a plain tensor (e.g. .full_tensor(), .to_local() or .detach()), or "
                                      "save a DTensor state through Checkpointer(process_group=...)")
@@ -383,9 +413,11 @@ class _Encoder:
         _check_key(key, f"{path}/<key>")
         return self.walk(key, f"{path}/<key>", depth)
 
-    def add_leaf(self, spec: LeafSpec, obj: Any) -> dict[str, int]:
+    def add_leaf(self, spec: LeafSpec, obj: Any) -> dict[str, Any]:
         self.leaves.append((spec, obj))
-        return tagged("leaf", len(self.leaves) - 1)
+        node = tagged("leaf", len(self.leaves) - 1)
+        self.nodes.append(node)
+        return node
 
     def add_tensor(self, t: Any, path: str) -> dict[str, Any]:
         spec = _torch_spec(t, path)
@@ -396,13 +428,78 @@ class _Encoder:
             tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, tuple(t.stride()),
                    str(t.device), spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
             if tie in self.ties:
-                return tagged("ref", self.ties[tie])
+                ref = tagged("ref", self.ties[tie])
+                self.nodes.append(ref)
+                return ref
         node = self.add_leaf(spec, t)
         if tie is not None:
             self.ties[tie] = node["__leaf__"]
+            self.storages.setdefault((str(t.device), tie[0]), []).append(node["__leaf__"])
+        elif t.is_conj() or t.is_neg():  # an empty tensor with a bit: its own (empty) storage
+            self.storages[("empty", node["__leaf__"])] = [node["__leaf__"]]
         if getattr(t, "__dict__", None):  # Python attributes set on the tensor: kept, as torch.save keeps them
             return Node("attrs", attrs=self.attributes(t, type(t), path, 1), inner=node).json()
         return node
+
+
+    def share_storages(self) -> None:
+        """After the walk: tensors that share a storage without being the same view, and tensors
+        with a conjugate/negative bit, become one storage leaf (at the place of the first) and a
+        ``__view__`` node each; the other leaves move up. Nothing changes for other states."""
+        groups = [g for g in self.storages.values() if len(g) > 1 or _has_bits(self.leaves[g[0]][1])]
+        if not groups:
+            return
+        views: dict[int, View] = {}  # leaf index -> its view, of the storage at the group's first index
+        storages: dict[int, tuple[LeafSpec, Any]] = {}
+        for group in groups:
+            storage, group_views = _storage_leaf([self.leaves[i] for i in group], group[0])
+            storages[group[0]] = storage
+            views.update(zip(group, group_views))
+        moved: dict[int, int] = {}
+        leaves: list[tuple[LeafSpec, Any]] = []
+        for i, leaf in enumerate(self.leaves):
+            if i in storages or i not in views:
+                moved[i] = len(leaves)
+                leaves.append(storages.get(i, leaf))
+        self.leaves = leaves
+        for node in self.nodes:  # the skeleton holds these very dicts: patch them in place
+            ((tag, i),) = node.items()
+            node.clear()
+            if i in views:
+                node["__view__"] = dataclasses.replace(views[i], storage=moved[views[i].storage]).to_json()
+            else:
+                node[tag] = moved[i]
+
+
+def _has_bits(t: Any) -> bool:
+    return bool(t.is_conj() or t.is_neg())
+
+
+def _storage_leaf(members: list[tuple[LeafSpec, Any]], index: int) -> tuple[tuple[LeafSpec, Any], list[View]]:
+    """One storage leaf for tensors that share memory (or one tensor with a bit), and their views
+    of it. The storage holds the bytes the views span, from an offset aligned to every view's
+    element size (so every view's offset is whole elements), in the views' dtype when they share
+    one (deltas then see floats as floats), else as bytes. A lone tensor with a bit whose layout
+    has gaps is stored as a contiguous copy of its memory (a slice's storage is not saved whole)."""
+    torch = _torch()
+    bases = [t for _, t in members]
+    if len(members) == 1:
+        t = without_flags(bases[0])
+        bases = [t if dense_strides(tuple(t.shape), tuple(t.stride())) else t.contiguous()]
+    dtypes = {t.dtype for t in bases}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+    align = math.lcm(dtype.itemsize, *(t.element_size() for t in bases))
+    geometry = [View(index, t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
+                for t in bases]
+    lo = min(v.offset * v.itemsize for v in geometry) // align * align
+    hi = max(v.end for v in geometry)
+    count = (hi - lo) // dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
+    spec = LeafSpec(f"{members[0][0].path}#storage", "storage", name, (count,), hi - lo, dtype.itemsize)
+    views = [dataclasses.replace(v, offset=(v.offset * v.itemsize - lo) // v.itemsize, param=s.param,
+                                 requires_grad=s.requires_grad, conj=bool(t.is_conj()), neg=bool(t.is_neg()))
+             for v, (s, t) in zip(geometry, members)]
+    return (spec, span_of(bases[0], lo // dtype.itemsize, count, dtype)), views
 
 
 def _check_key(key: Any, path: str) -> None:
@@ -501,7 +598,8 @@ def _torch_spec(t: Any, path: str) -> LeafSpec:
                                "indices()/values() as separate tensors")
     dtype = str(t.dtype).removeprefix("torch.")
     if dtype not in TORCH_DTYPES:
-        raise UnsupportedState(f"tensor at '{path}' has dtype {t.dtype}, which ckptlib cannot store")
+        why = REFUSED_TORCH_DTYPES.get(dtype, "a dtype new to ckptlib (not in its dtype tables)")
+        raise UnsupportedState(f"tensor at '{path}' has dtype {t.dtype}, which ckptlib does not store: {why}")
     shape = tuple(t.shape)
     stride = tuple(t.stride())
     keep = None if t.is_contiguous() or t.numel() == 0 or not dense_strides(shape, stride) else stride
@@ -543,6 +641,7 @@ class _Decoder:
     def __init__(self, leaves: list[Any], specs: list[LeafSpec]):
         self.leaves, self.specs = leaves, specs
         self.placed: set[int] = set()
+        self.views: dict[View, Any] = {}  # a view built already: the same node is the same tensor
 
     def kind(self, i: int) -> str | None:
         """Leaf ``i``'s kind ("torch", "numpy", "bytes", ...), or None when unknown (a placeholder)."""
@@ -582,6 +681,8 @@ class _Decoder:
             return self.tensor_attrs(n, path, depth)
         if k in ("leaf", "ref"):
             return self.leaf(n, path)
+        if k == "view":
+            return self.view(n.value, path)
         return _ATOMS[k](n.value, path)
 
     def leaf(self, n: Node, path: Path) -> Any:
@@ -589,6 +690,8 @@ class _Decoder:
         if i >= len(self.leaves):
             raise _bad(path, f"leaf index {i} out of range (the part has {len(self.leaves)} leaves)")
         obj = self.leaves[i]
+        if self.kind(i) == "storage":
+            raise _bad(path, f"{_TAG[n.kind]} {i} names a storage leaf: save writes storages only under __view__")
         if n.kind == "leaf":
             if i in self.placed:
                 raise _bad(path, f"leaf {i} is placed twice (a second place would be a __ref__)")
@@ -596,6 +699,27 @@ class _Decoder:
         elif self.kind(i) not in ("torch", None):
             raise _bad(path, f"__ref__ {i} names a {self.kind(i)} leaf: only tensors are tied")
         return obj
+
+    def view(self, v: View, path: Path) -> Any:
+        """The tensor a ``__view__`` node describes: of a storage leaf, inside it."""
+        s = v.storage
+        if s >= len(self.leaves):
+            raise _bad(path, f"__view__ of leaf {s}, out of range (the part has {len(self.leaves)} leaves)")
+        if self.kind(s) not in ("storage", None):
+            raise _bad(path, f"__view__ of a {self.kind(s)} leaf: save writes views only of storage leaves")
+        size = self.specs[s].nbytes if s < len(self.specs) else None
+        if size is not None and v.end > size:
+            raise _bad(path, f"the view ends at byte {v.end} of a {size}-byte storage")
+        obj = self.leaves[s]
+        if not _is_tensor(obj):  # a placeholder: the view is checked, not built
+            return obj
+        built = self.views.get(v)
+        if built is None:
+            try:
+                built = self.views[v] = view_of(obj, v)
+            except (ValueError, RuntimeError) as e:
+                raise _bad(path, f"the view does not fit its storage ({str(e)[:120]})") from None
+        return built
 
     def pairs(self, items: tuple, path: Path, depth: int) -> list[tuple[Any, Any]]:
         out = []
@@ -650,12 +774,15 @@ class _Decoder:
 
     def tensor_attrs(self, n: Node, path: Path, depth: int) -> Any:
         inner = self.parse(n.inner, path, depth + 1)
-        if inner.kind not in ("leaf", "ref"):
+        if inner.kind not in ("leaf", "ref", "view"):
             raise _bad(path, f"__attrs__ on a {inner.kind}: save writes attributes only on tensors")
-        obj = self.leaf(inner, path)
-        kind = self.kind(inner.value) if inner.value < len(self.leaves) else None
-        if kind not in ("torch", None):
-            raise _bad(path, f"__attrs__ on a {kind} leaf: save writes attributes only on tensors")
+        if inner.kind == "view":
+            obj = self.view(inner.value, path)
+        else:
+            obj = self.leaf(inner, path)
+            kind = self.kind(inner.value)
+            if kind not in ("torch", None):
+                raise _bad(path, f"__attrs__ on a {kind} leaf: save writes attributes only on tensors")
         if not _is_tensor(obj):  # a placeholder: the attributes are checked, not set
             for name, _ in n.attrs:
                 why = attribute_problem(_torch_types()[0] if _torch_types() else object, name)
@@ -720,9 +847,11 @@ def _size(v: Any, path: Path) -> Any:
 
 
 def _dtype(v: Any, path: Path) -> Any:
-    if v not in TORCH_DTYPES:
+    torch = _torch()
+    dtype = getattr(torch, v, None) if v in TORCH_DTYPES or v in REFUSED_TORCH_DTYPES else None
+    if not isinstance(dtype, torch.dtype):
         raise _bad(path, f"unknown torch dtype {str(v)[:40]!r}")
-    return getattr(_torch(), v)
+    return dtype
 
 
 def _device(v: Any, path: Path) -> Any:
@@ -751,6 +880,8 @@ def leaf_indices(skeleton: Any) -> set[int]:
             continue
         if n.kind in ("leaf", "ref"):
             found.add(n.value)
+        elif n.kind == "view":
+            found.add(n.value.storage)
         elif n.kind in _SEQUENCES:
             stack.extend(n.items)
         elif n.kind in _KEYED:
@@ -760,6 +891,38 @@ def leaf_indices(skeleton: Any) -> set[int]:
         if n.kind == "attrs":
             stack.append(n.inner)
     return found
+
+
+def view_paths(skeleton: Any) -> list[tuple[str, View]]:
+    """Each distinct ``__view__`` of a skeleton with the path of its first place, spelled as leaf
+    paths are (``/model/w``), in walk order; malformed nodes are skipped (``unflatten`` reports them)."""
+    found: dict[View, str] = {}
+    stack: list[tuple[Any, str]] = [(skeleton, "")]
+    while stack:
+        node, path = stack.pop()
+        try:
+            n = parse(node)
+        except _Bad:
+            continue
+        children: list[tuple[Any, str]] = []
+        if n.kind == "view":
+            found.setdefault(n.value, path or "/")
+        elif n.kind in ("list", "tuple"):
+            children = [(x, f"{path}/{i}") for i, x in enumerate(n.items)]
+        elif n.kind == "dict":
+            children = [(v, f"{path}/{k}") for k, v in n.items]
+        elif n.kind in ("items", "map"):
+            for k, v in n.items:
+                try:
+                    children.append((v, f"{path}/{decode_key(k)}"))
+                except (CorruptCheckpoint, TypeError):
+                    continue
+        elif n.kind == "attrs":
+            children = [(n.inner, path)]
+        if n.kind in ("attrs", "map"):
+            children += [(v, f"{path}/.{name}") for name, v in n.attrs]
+        stack.extend(reversed(children))
+    return [(p, v) for v, p in found.items()]
 
 
 def decode_key(node: Any) -> Any:

@@ -50,6 +50,19 @@ class S3Location(NamedTuple):
     storage_options: dict
 
 
+@pytest.fixture(autouse=True)
+def _storage_options_env_stays_as_it_was():
+    """``ckpt train``/``ckpt watchdog`` run in-process export their storage options to this
+    process's environment (for the flows they run here); a test must not hand them to the next one,
+    whose subprocesses (a saver, a Prefect worker) would then reach for a store that is gone."""
+    before = os.environ.get("CKPT_STORAGE_OPTIONS")
+    yield
+    if before is None:
+        os.environ.pop("CKPT_STORAGE_OPTIONS", None)
+    else:
+        os.environ["CKPT_STORAGE_OPTIONS"] = before
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if "seaweedfs" in getattr(item, "fixturenames", ()):

@@ -19,12 +19,13 @@ ALLOWED = {
     "trainrun": {"ckptlib", "workloads"},
     "tasks": {"ckptlib", "workloads", "trainrun"},
     "flows": {"ckptlib", "workloads", "trainrun", "tasks"},
-    "ckpt": {"ckptlib", "workloads", "trainrun", "flows", "deployments"},  # never tasks: flows run them
+    "bench": {"ckptlib", "workloads", "trainrun", "deployments"},  # deployments: SeaweedFS for the S3 runs
+    "ckpt": {"ckptlib", "workloads", "trainrun", "flows", "deployments", "bench"},  # never tasks: flows run them
 }
 PROJECT = set(ALLOWED) | {"deployments"}
 # third-party packages a layer must never import
 FORBIDDEN = {"ckptlib": {"prefect", "prefect_dask", "typer", "rich"}, "trainrun": {"prefect", "prefect_dask", "typer"},
-             "workloads": {"prefect"}}
+             "workloads": {"prefect"}, "bench": {"prefect", "prefect_dask"}}
 
 
 def _imports(path: Path) -> set[str]:
@@ -141,3 +142,34 @@ def test_no_function_is_longer_than_a_page():
                     if lines > MAX_FUNCTION_LINES:
                         long[(str(path.relative_to(ROOT)), node.name)] = lines
     assert not long, long
+
+
+# --- one error tree -------------------------------------------------------------------------------------
+
+# Raised on purpose but never meant to be caught as an error: a simulated process death (the protocol kits).
+NOT_ERRORS = {"ckptlib.testing.faulty.SimulatedCrash"}
+
+
+def test_every_public_error_class_is_a_checkpoint_error():
+    """Every exception class the project defines is in ckptlib's tree (stdlib mixins allowed), so a
+    caller catches one tree; private ones (``_Stop``) are control flow that never leaves its module."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from ckptlib import CheckpointError
+
+    outside = []
+    for name in ("ckptlib", "trainrun", "tasks", "flows", "ckpt", "bench", "deployments", "workloads"):
+        package = importlib.import_module(name)
+        for info in pkgutil.walk_packages(package.__path__, name + "."):
+            if info.name.endswith(".__main__"):  # runs the command
+                continue
+            module = importlib.import_module(info.name)
+            for attr, obj in vars(module).items():
+                qualname = f"{module.__name__}.{attr}"
+                if (inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module.__name__
+                        and not attr.startswith("_") and not issubclass(obj, CheckpointError)
+                        and qualname not in NOT_ERRORS):
+                    outside.append(qualname)
+    assert not outside, f"error classes outside ckptlib.errors.CheckpointError: {outside}"

@@ -1,5 +1,6 @@
 """Checkpointer behaviour on real stores: round trips, increments, commit rules, async, GC."""
 
+import os
 import random
 import threading
 import uuid
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from ckptlib import (CheckpointError, Checkpointer, CommitConflict, CorruptCheckpoint, NoCheckpoint, RetentionPolicy,
                      UnsupportedState)
+from ckptlib.store import Store, WrapperStore
 
 
 def assert_same(a, b, path="state"):
@@ -450,3 +452,48 @@ def test_dense_units_keep_no_base_bytes_and_snapshots_reuse_the_pool(tmp_path):
         after = ck._bases.held("state")
         assert sparse_buffers <= {b.__array_interface__["data"][0] for b in after.raw.values()}  # patched in place
         assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
+
+
+def _objects(root) -> int:
+    return sum(len(files) for _, _, files in os.walk(os.path.join(root, "chunks")))
+
+
+def _blocks(n: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)) for _ in range(n)])
+
+
+class _Named(torch.nn.Module):  # torchvision-like names: conv1, bn1, layer1.0..., fc
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)
+        self.layer1, self.layer2 = _blocks(12), _blocks(12)
+        self.fc = torch.nn.Linear(8, 4)
+
+
+@pytest.mark.parametrize("model", [_blocks, lambda n: _Named()], ids=["sequential", "named"])
+def test_a_flat_state_dict_is_packed_like_a_nested_one(tmp_path, model):
+    """save(step, model.state_dict()) (a flat dict of dotted names: the most common save) stored
+    one object per tensor; its small leaves are packed by name prefix now, about bytes / chunk
+    objects as {"model": sd} is, and a restore of one key still reads one object."""
+    torch.manual_seed(0)
+    sd = model(24).state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    with Checkpointer(str(tmp_path / "flat"), chunk_bytes=4096) as ck:
+        ck.save(1, sd)
+    with Checkpointer(str(tmp_path / "nested"), chunk_bytes=4096) as ck:
+        ck.save(1, {"model": sd})
+    flat, nested = _objects(tmp_path / "flat"), _objects(tmp_path / "nested")
+    prefixes = {k.split(".")[0] for k in sd if not k[0].isdigit()} | ({"0"} if any(k[0].isdigit() for k in sd) else set())
+    # a pack per prefix, element size and kind at most, beside the nested form's packs
+    assert len(sd) > 150 and flat <= nested + 2 * len(prefixes) and flat < nbytes // 4096 + 12, (len(sd), flat, nested)
+
+    class Counting(WrapperStore):
+        def _forward(self, op, key, *args):
+            reads.append(key) if op == "get" and key.startswith("chunks/") else None
+            return super()._forward(op, key, *args)
+
+    reads: list[str] = []
+    key = next(k for k in sd if k.endswith("running_var"))
+    with Checkpointer(Counting(Store.from_url(str(tmp_path / "flat")))) as ck:
+        got = ck.restore(1, select=[key])
+    assert list(got) == [key] and torch.equal(got[key], sd[key]) and len(reads) == 1, reads

@@ -7,6 +7,7 @@ and no traceback.
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -178,6 +179,80 @@ def test_verify_step_and_all_together_is_an_error(store):
     assert_clean_error(ckpt("verify", store, "--step", "1", "--all"), 2, "--all")
 
 
+def test_verify_checks_every_committed_step(tmp_path):
+    """A chunk of step 2 (of 3) damaged: `ckpt verify URL` checks every step and says so (before: it
+    checked the latest only and said "intact", exit 0). --step checks one step; --all is the default."""
+    url = str(tmp_path / "run")
+    with Checkpointer(url, chunk_bytes=4096, keyframe_every=1) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, make_state(step))
+        own = {b.key for b in ck.fragment(2, "state").blobs.values()} - {
+            b.key for s in (1, 3) for b in ck.fragment(s, "state").blobs.values()}
+    key = sorted(own)[0]
+    path = tmp_path / "run" / key
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    for args in ((), ("--all",)):
+        result = ckpt("verify", url, *args)
+        assert result.exit_code == 1, result.output
+        lines = result.stdout.splitlines()
+        assert "step 1: intact" in lines and "step 3: intact" in lines and "step 2: damaged (1 problem(s))" in lines
+        assert any(line.startswith("step 2, part 'state'") and key in line for line in lines), result.stdout
+        assert result.stderr.startswith("error: 1 problem(s) in step(s) 2 ") and "2 of 3 intact" in result.stderr
+    one = ckpt("verify", url, "--step", "3")
+    assert one.exit_code == 0 and one.stdout.splitlines() == ["step 3: intact", "intact: 1 checkpoint(s) verified"]
+    assert ckpt("verify", url, "--step", "2").exit_code == 1
+    assert_clean_error(ckpt("verify", url, "--step", "9"), 2, "step 9 is not committed")
+
+
+# --- damaged steps, quarantine -------------------------------------------------------------------
+
+def test_a_damaged_manifest_is_one_damaged_step_and_quarantine_moves_it_aside(store, tmp_path):
+    """Step 3's manifest is not JSON: ls lists 1 and 2 and marks 3, gc refuses naming the file and
+    the command to run; quarantine moves it aside (printing the undo), then gc runs, and --undo puts
+    it back exactly (before: ls, restore of the latest and gc failed; the error said ls shows them)."""
+    manifest = tmp_path / "run" / "manifests" / "3.json"
+    manifest.write_bytes(b"\x89PNG not a manifest")
+    ls = ckpt("ls", store)
+    assert ls.exit_code == 0, ls.output
+    assert "DAMAGED" in next(line for line in ls.stdout.splitlines() if line.split("│")[1:2] == ["    3 "])
+    assert "damaged: step 3: " in ls.stdout and "manifests/3.json" in ls.stdout
+    assert f"ckpt quarantine file://{tmp_path / 'run'} --step 3" in ls.stdout
+    assert sum(1 for line in ls.stdout.splitlines() if "keyframe" in line or "delta" in line) == 2
+    assert_clean_error(ckpt("gc", store, "--keep-last", "1", "--grace-seconds", "0"), 2,
+                       "manifests/3.json", "ckpt quarantine", "--step 3")
+    assert_clean_error(ckpt("export", store, "--out", str(tmp_path / "x.pt")), 2, "step 3", "is damaged")
+
+    assert_clean_error(ckpt("quarantine", store, "--step", "2"), 2, "verifies intact", "--force")
+    moved = ckpt("quarantine", store, "--step", "3", "--reason", "disk error")
+    assert moved.exit_code == 0, moved.output
+    assert "moved to" in moved.stdout and "quarantine/3/" in moved.stdout and "disk error" in moved.stdout
+    assert f"--step 3 --undo" in moved.stdout and "nothing was deleted" in moved.stdout
+    assert not manifest.exists() and (tmp_path / "run" / "quarantine" / "3" / "manifests" / "3.json").exists()
+    listing = ckpt("ls", store).stdout
+    assert "in quarantine: step 3" in listing and "DAMAGED" not in listing
+    assert "step 3: in quarantine since" in ckpt("quarantine", store).stdout
+    gc = ckpt("gc", store, "--keep-last", "1", "--grace-seconds", "0")
+    assert gc.exit_code == 0 and "drop 1 step(s): 1" in gc.stdout, gc.output
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [2] and first_difference(make_state(2), ck.restore()) is None
+    back = ckpt("quarantine", store, "--step", "3", "--undo")
+    assert back.exit_code == 0 and "committed again" in back.stdout, back.output
+    assert manifest.read_bytes() == b"\x89PNG not a manifest"
+    assert_clean_error(ckpt("quarantine", store, "--step", "3", "--undo"), 2, "not in quarantine")
+
+
+def test_quarantine_of_an_intact_step_needs_force(store):
+    forced = ckpt("quarantine", store, "--step", "2", "--force")
+    assert forced.exit_code == 0 and "not verified" in forced.stdout, forced.output
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [1, 3]
+    assert ckpt("quarantine", store, "--step", "2", "--undo").exit_code == 0
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [1, 2, 3] and ck.verify(2) == []
+
+
 # --- gc ------------------------------------------------------------------------------------------
 
 def test_gc_dry_run_then_real(store):
@@ -201,14 +276,29 @@ def test_gc_rejects_a_bad_policy(store):
 
 # --- export --------------------------------------------------------------------------------------
 
+def test_export_refuses_what_the_format_would_change_naming_it(store, tmp_path):
+    """numpy arrays (an RNG state's), numpy scalars: weights_only gives them back as other types,
+    so an export without --convert refuses, naming the first, and writes nothing."""
+    out = tmp_path / "state.pt"
+    assert_clean_error(ckpt("export", store, "--out", str(out)), 2, "/rng/numpy/1", "numpy.ndarray", "--convert")
+    assert_clean_error(ckpt("export", store, "--out", str(tmp_path / "s.safetensors")), 2,
+                       "/optimizer/param_groups", "--convert")
+    assert os.listdir(tmp_path) == ["run"]
+
+
 def test_export_pt_loads_with_weights_only_and_equals_the_restore(store, tmp_path):
     out = tmp_path / "state.pt"
-    result = ckpt("export", store, "--out", str(out))
+    result = ckpt("export", store, "--out", str(out), "--convert")
     assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["converted /rng/numpy/1: numpy.ndarray -> torch.Tensor",
+                         "converted /np_scalar: numpy.float32 -> float", "converted /array: numpy.ndarray -> torch.Tensor"]
+    assert lines[-1].endswith(", 3 values converted"), lines
     loaded = torch.load(out, weights_only=True)
     with Checkpointer(store) as ck:
         restored = ck.restore()
-    assert first_difference(to_weights_only(restored), loaded) is None
+    expected, converted = to_weights_only(restored, convert=True)
+    assert len(converted) == 3 and first_difference(expected, loaded) is None
     assert loaded["rng"]["numpy"][1].dtype == torch.uint32  # numpy arrays became tensors
     assert isinstance(loaded["rng"]["python"], tuple) and loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert torch.equal(loaded["model"]["w"], make_state(3)["model"]["w"])
@@ -219,8 +309,10 @@ def test_export_safetensors_flattens_to_dotted_names(store, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "state.safetensors"
-    result = ckpt("export", store, "--step", "2", "--out", str(out))
+    result = ckpt("export", store, "--step", "2", "--out", str(out), "--convert")
     assert result.exit_code == 0, result.output
+    assert "converted /optimizer/param_groups: list -> its nearest JSON in the metadata" in result.stdout
+    assert "converted /note" not in result.stdout and "converted /data_position" not in result.stdout
     tensors = load_file(str(out))
     expected = make_state(2)
     assert torch.equal(tensors["model.w"], expected["model"]["w"])
@@ -232,6 +324,71 @@ def test_export_safetensors_flattens_to_dotted_names(store, tmp_path):
     assert json.loads(meta["data_position"]) == 2 and json.loads(meta["note"]) == "hello"
     assert json.loads(meta["optimizer.param_groups"])[0]["lr"] == 0.01
     assert json.loads(meta["__ckpt__"])["step"] == 2
+
+
+def _training_like_run(url: str) -> torch.nn.Module:
+    """A multi-part cut shaped like a training run's: the coordinator's model and outer optimizer,
+    each shard's model and Adam moments."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with Checkpointer(url, chunk_bytes=4096) as ck:
+        ck.write_fragment(3, "coordinator", {"model": model.state_dict(), "outer_optimizer": {"momentum": 0.9},
+                                             "round": 3})
+        for i in range(2):
+            opt = torch.optim.Adam(model.parameters())
+            model(torch.ones(1, 8)).sum().backward()
+            opt.step()
+            ck.write_fragment(3, f"shard-{i}", {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        ck.commit(3, ["coordinator", "shard-0", "shard-1"])
+    return model
+
+
+def test_export_select_gives_the_trained_models_weights_under_their_own_names(tmp_path):
+    """`--select coordinator/model`: the coordinator's model alone, named as its state_dict (before: the
+    file mixed the coordinator's model, every shard's model and the Adam moments, and names had to be
+    stripped of `coordinator.model.` by hand). Several paths keep their whole names."""
+    from safetensors.torch import load_file
+
+    url = str(tmp_path / "run")
+    _training_like_run(url)
+    with Checkpointer(url) as ck:
+        expected = ck.restore(3, part="coordinator")["model"]
+    out = tmp_path / "model.safetensors"
+    result = ckpt("export", url, "--select", "coordinator/model", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "exported coordinator/model of step 3" in result.stdout
+    weights = load_file(str(out))
+    assert sorted(weights) == sorted(expected) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fresh.load_state_dict(weights)
+    assert all(torch.equal(fresh.state_dict()[k], expected[k]) for k in expected)
+    pt = tmp_path / "model.pt"
+    assert ckpt("export", url, "--select", "coordinator/model", "--out", str(pt)).exit_code == 0
+    fresh.load_state_dict(torch.load(pt, weights_only=True))
+
+    both = tmp_path / "both.safetensors"
+    result = ckpt("export", url, "--select", "coordinator/model", "--select", "shard-1/optimizer/state",
+                  "--out", str(both))
+    assert result.exit_code == 0, result.output
+    names = sorted(load_file(str(both)))
+    assert "coordinator.model.0.weight" in names and "shard-1.optimizer.state.0.exp_avg" in names
+    assert not any(n.startswith(("shard-0", "coordinator.outer")) for n in names), names
+    assert_clean_error(ckpt("export", url, "--select", "model", "--out", str(tmp_path / "m.pt")), 2,
+                       "'model' names no part of step 3", "coordinator/model")
+    assert_clean_error(ckpt("export", url, "--select", "coordinator/nope", "--out", str(tmp_path / "m.pt")), 2,
+                       "/nope", "not in the saved state")
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_export_select_of_a_single_writer_checkpoint(store, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "w.safetensors"
+    assert ckpt("export", store, "--select", "model", "--out", str(out)).exit_code == 0
+    tensors = load_file(str(out))
+    assert sorted(tensors) == ["b", "frozen", "w"] and torch.equal(tensors["w"], make_state(3)["model"]["w"])
+    one = tmp_path / "w.pt"
+    assert ckpt("export", store, "--select", "model/w", "--out", str(one)).exit_code == 0
+    assert torch.equal(torch.load(one, weights_only=True), make_state(3)["model"]["w"])
 
 
 def test_export_other_suffix_is_a_clear_error(store, tmp_path):
@@ -289,7 +446,7 @@ def test_s3_store_with_storage_options(s3_url, tmp_path):
     assert f"digest: {digest}" in ckpt("show", s3_url.url, "--storage-options", options).stdout.splitlines()
     assert ckpt("verify", s3_url.url, "--storage-options", options).exit_code == 0
     out = tmp_path / "s3.pt"
-    assert ckpt("export", s3_url.url, "--storage-options", options, "--out", str(out)).exit_code == 0
+    assert ckpt("export", s3_url.url, "--storage-options", options, "--out", str(out), "--convert").exit_code == 0
     assert torch.load(out, weights_only=True)["data_position"] == 7
     wrong = json.dumps({**s3_url.storage_options, "secret": "wrong-secret"})
     assert_clean_error(ckpt("ls", s3_url.url, "--storage-options", wrong), 2, "credentials")

@@ -286,7 +286,7 @@ def test_export_refuses_to_overwrite_without_force(exported_run, tmp_path):
         with pytest.raises(FileExistsError, match="force"):
             ck.export(2, str(out))
         assert out.read_bytes() == b"precious"
-        size = ck.export(2, str(out), force=True)
+        size = ck.export(2, str(out), force=True).size
     assert size == out.stat().st_size
     assert torch.equal(torch.load(out, weights_only=True)["w"], second["w"])
 

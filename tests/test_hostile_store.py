@@ -68,10 +68,14 @@ def _run_template(tmp_path_factory) -> Path:
     return root
 
 
+def _copy_of(template: Path, tmp_path: Path, name: str) -> Path:
+    shutil.copytree(template, tmp_path / name, symlinks=True)
+    return tmp_path / name
+
+
 @pytest.fixture
 def run(_run_template, tmp_path) -> Path:
-    shutil.copytree(_run_template, tmp_path / "run", symlinks=True)
-    return tmp_path / "run"
+    return _copy_of(_run_template, tmp_path, "run")
 
 
 PARTS = ("shard-0", "shard-1")
@@ -94,8 +98,7 @@ def _cut_template(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cut_run(_cut_template, tmp_path) -> Path:
-    shutil.copytree(_cut_template, tmp_path / "cut", symlinks=True)
-    return tmp_path / "cut"
+    return _copy_of(_cut_template, tmp_path, "cut")
 
 
 # ----------------------------------------------------------------------------- manifest surgery
@@ -430,17 +433,127 @@ FORGED_TREES = {
 }
 
 
+def assert_forgery_refused(run: Path, tmp_path: Path, edit, intact: dict) -> None:
+    """Step 1 with ``edit`` applied and its digests recomputed is refused by the decoder, naming where."""
+    doc = load(run, 1)
+    edit(doc, fragment_of(doc))
+    reseal(doc)
+    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
+    err = assert_refused(run, 1, tmp_path, intact=intact)
+    assert isinstance(err, CorruptCheckpoint), err
+    assert "skeleton" in str(err) and "at '/" in str(err), err
+
+
 @pytest.mark.parametrize("name", list(FORGED_TREES))
 def test_a_forged_tree_is_refused_naming_where(run, tmp_path, name):
     """The decoder builds only what save writes: restore, verify and export refuse with a
     CorruptCheckpoint that names the path, whatever the digests say."""
-    doc = load(run, 1)
-    FORGED_TREES[name](doc, fragment_of(doc))
+    assert_forgery_refused(run, tmp_path, FORGED_TREES[name], {2: state(2)})
+
+
+# --- forged views: a storage leaf is viewed only by __view__ nodes that fit inside it, and a
+# __view__ views only a storage leaf (save writes nothing else)
+
+def views_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(40, 40, generator=g)  # 6400 bytes: a storage of two chunks
+    if step >= 2:
+        base[:3] += 1.0
+    z = torch.randn(8, dtype=torch.complex64, generator=g)
+    return {"w": base, "rows": base[5:9], "flat": base.view(-1)[100:300], "z": z.conj(),
+            "plain": torch.arange(5.0), "step": step}
+
+
+@pytest.fixture(scope="module")
+def _views_template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hostile-views") / "run"
+    with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
+        for step in (1, 2):
+            ck.save(step, views_state(step))
+    return root
+
+
+@pytest.fixture
+def views_run(_views_template, tmp_path) -> Path:
+    return _copy_of(_views_template, tmp_path, "run")
+
+
+def _index(frag: dict, path: str) -> int:
+    return next(i for i, x in enumerate(frag["leaves"]) if x["path"] == path)
+
+
+def _view(frag: dict, key: str) -> dict:
+    return frag["skeleton"][key]["__view__"]
+
+
+def _set_view(key: str, **fields):
+    def edit(doc, frag):
+        _view(frag, key).update(fields)
+    return edit
+
+
+def _drop_view_field(doc, frag):
+    del _view(frag, "rows")["stride"]
+
+
+def _view_of_a_tensor_leaf(doc, frag):
+    frag["skeleton"]["rows"] = {"__view__": {**_view(frag, "rows"), "storage": _index(frag, "/plain")}}
+
+
+def _leaf_of_a_storage(doc, frag):
+    frag["skeleton"]["plain"] = {"__leaf__": _view(frag, "w")["storage"]}
+
+
+def _ref_of_a_storage(doc, frag):
+    frag["skeleton"]["plain"] = {"__ref__": _view(frag, "w")["storage"]}
+
+
+def _data_attribute_on_a_view(doc, frag):
+    frag["skeleton"]["rows"] = {"__attrs__": [frag["skeleton"]["rows"], {"data": frag["skeleton"]["plain"]}]}
+
+
+def _view_not_an_object(doc, frag):
+    frag["skeleton"]["rows"] = {"__view__": [0, 0]}
+
+
+FORGED_VIEWS = {
+    "view-of-a-tensor-leaf": _view_of_a_tensor_leaf,
+    "view-of-a-leaf-out-of-range": _set_view("rows", storage=999),
+    "view-past-its-storage": _set_view("rows", offset=1600 - 3),
+    "view-stride-past-its-storage": _set_view("rows", stride=[10**6, 1]),
+    "view-negative-offset": _set_view("rows", offset=-1),
+    "view-float-offset": _set_view("rows", offset=1.0),
+    "view-unknown-field": _set_view("rows", data=1),
+    "view-missing-field": _drop_view_field,
+    "view-shape-and-stride-lengths-differ": _set_view("rows", stride=[1]),
+    "view-unknown-dtype": _set_view("rows", dtype="float128"),
+    "view-flag-not-a-bool": _set_view("z", conj=1),
+    "view-conj-bit-on-floats": _set_view("rows", conj=True),
+    "view-int-requires-grad": _set_view("rows", dtype="int32", requires_grad=True),
+    "view-of-2^62-bytes": _set_view("rows", shape=[2**40, 2**20], stride=[0, 0]),
+    "view-not-an-object": _view_not_an_object,
+    "leaf-of-a-storage": _leaf_of_a_storage,
+    "ref-of-a-storage": _ref_of_a_storage,
+    "data-attribute-on-a-view": _data_attribute_on_a_view,
+}
+
+
+@pytest.mark.parametrize("name", list(FORGED_VIEWS))
+def test_a_forged_view_is_refused_naming_where(views_run, tmp_path, name):
+    assert_forgery_refused(views_run, tmp_path, FORGED_VIEWS[name], {2: views_state(2)})
+
+
+@pytest.mark.parametrize("field,value", [("shape", [40, 40]), ("param", True), ("requires_grad", True),
+                                         ("stride", [1]), ("dtype", "int4"), ("kind", "torch")])
+def test_a_forged_storage_leaf_is_refused(views_run, tmp_path, field, value):
+    """A storage leaf is one-dimensional bytes of a stored dtype, never a parameter; relabelled a
+    tensor, its views are views of a tensor leaf (save never writes those)."""
+    doc = load(views_run, 1)
+    frag = fragment_of(doc)
+    leaf(frag, "/w#storage")[field] = value
     reseal(doc)
-    (run / "manifests" / "1.json").write_text(json.dumps(doc))  # NaN as the literal json writes
-    err = assert_refused(run, 1, tmp_path, intact={2: state(2)})
-    assert isinstance(err, CorruptCheckpoint), err
-    assert "skeleton" in str(err) and "at '/" in str(err), err
+    store_doc(views_run, 1, doc)
+    assert isinstance(assert_refused(views_run, 1, tmp_path, intact={2: views_state(2)}), CorruptCheckpoint)
 
 
 EDITS = {
@@ -539,9 +652,210 @@ def test_huge_tensor_is_refused_before_allocating(run, tmp_path):
         first = x["chunks"][0]
         x["shape"], x["nbytes"], x["chunk_bytes"], x["chunks"] = [2**28, 1024], 2**40, 2**40, [first]
         frag["blobs"][first]["nbytes"] = 2**40
+        frag["chunk_bytes"] = 2**40  # self-consistent: the writer's chunk size (a chunk is no larger)
 
     err = edit_and_check(run, tmp_path, 1, edit, resealed=True)
     assert "GiB" in str(err) or "memory" in str(err)
+
+
+# ----------------------------------------------------------------------------- bounded work
+
+
+def peak_bytes(call) -> tuple[int, object]:
+    """(the peak of Python allocations during ``call()`` (every byte a store returns is one), its
+    outcome: the value, or the exception it raised)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            outcome = call()
+        except Exception as e:  # noqa: BLE001 - returned: the caller asserts what it is
+            outcome = e
+        return tracemalloc.get_traced_memory()[1], outcome
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_pack_declaring_2_45_bytes_is_refused_before_allocating(run, tmp_path):
+    """The pack of small leaves declares 2^45 bytes: its leaves end at byte 40, so it is refused
+    when the fragment is parsed (before: numpy's MemoryError from restore, a traceback from verify)."""
+
+    def edit(doc, frag):
+        frag["blobs"][leaf(frag, "/model/small")["pack"]]["nbytes"] = 2**45
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "pack" in str(err) and str(2**45) in str(err), err
+
+
+def test_a_self_consistent_2_45_byte_pack_is_refused_against_memory(run, tmp_path):
+    """The same pack with its leaf at its end and the writer's chunk size raised to match: every
+    check of the document passes, and the restore counts the pack's buffer against memory."""
+
+    def edit(doc, frag):
+        small = leaf(frag, "/model/small")
+        frag["blobs"][small["pack"]]["nbytes"] = 2**45
+        small["offset"] = 2**45 - small["nbytes"]
+        frag["chunk_bytes"] = 2**45
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "GiB" in str(err) and "memory" in str(err), err
+
+
+def test_a_pack_larger_than_the_chunk_size_is_refused(run, tmp_path):
+    def edit(doc, frag):
+        frag["chunk_bytes"] = 16  # the pack of "small" holds 40 bytes
+
+    err = edit_and_check(run, tmp_path, 1, edit)
+    assert "chunk size" in str(err), err
+
+
+def test_a_chunk_declaring_a_huge_stored_size_is_refused_unread(run, tmp_path):
+    """A 4 KiB chunk whose object was replaced by 64 MiB and whose declared size says so: no
+    encoding of 4 KiB is that large, the manifest is refused before any object is read."""
+    doc = load(run, 1)
+    frag = fragment_of(doc)
+    blob = frag["blobs"][leaf(frag, "/model/a")["chunks"][0]]
+    (run / blob["key"]).write_bytes(bytes(64 << 20))
+    blob["size"] = 64 << 20
+    store_doc(run, 1, doc)
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+    assert isinstance(outcome, CorruptCheckpoint) and "blob size" in str(outcome), outcome
+    assert peak < 8 << 20, peak
+    assert_refused(run, 1, tmp_path)  # (step 2's deltas build on that object: it is damaged too)
+
+
+def test_a_chunk_object_larger_than_its_manifest_says_is_not_read(run, tmp_path):
+    """The object of a chunk replaced by 64 MiB, the manifest untouched: the restore reads no more
+    than the size the manifest records (before: all 64 MiB, then a size mismatch)."""
+    with Checkpointer(str(run)) as ck:
+        frag = ck.fragment(1, "state")
+    key = frag.blobs[frag.leaves[0].chunks[0]].key
+    (run / key).write_bytes(bytes(64 << 20))
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+        assert isinstance(outcome, CorruptCheckpoint) and key in str(outcome), outcome
+        assert peak < 8 << 20, peak
+        problems = ck.verify(1)
+    assert problems and key in str(problems[0]), problems
+
+
+def _write_junk(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)  # sparse: the test writes no data, the reader would read it all
+
+
+def test_a_manifest_larger_than_any_is_refused_unread(run, tmp_path):
+    """A manifest past the manifest cap (a fragment's cap and the manifest's own fields) is refused
+    before it is read (before: read and parsed whole: 1.5 GB of memory for a 500 MB one)."""
+    from ckptlib.manifest import MAX_MANIFEST_BYTES
+
+    _write_junk(run / "manifests" / "1.json", MAX_MANIFEST_BYTES + 1)
+    with Checkpointer(str(run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(1))
+        assert isinstance(outcome, CorruptCheckpoint), outcome
+        assert str(MAX_MANIFEST_BYTES + 1) in str(outcome) and str(MAX_MANIFEST_BYTES) in str(outcome), outcome
+        assert peak < 1 << 20, peak
+        assert_same_state(state(2), ck.restore(2))
+
+
+def test_a_multi_part_manifest_is_capped_by_its_parts(cut_run, tmp_path):
+    """A manifest naming 2 fragments holds a few KiB: padded past what 2 parts may hold (its meta
+    grown to 2 MiB, digests untouched), it is refused; and a commit never writes one."""
+    from ckptlib import UnsupportedState
+    from ckptlib.manifest import multi_part_cap
+
+    doc = load(cut_run, 2)
+    doc["meta"] = {"junk": "x" * (2 << 20)}
+    store_doc(cut_run, 2, doc)
+    err = assert_refused(cut_run, 2, tmp_path, part="shard-0")
+    assert str(multi_part_cap(2)) in str(err) and "2 parts" in str(err), err
+    with Checkpointer(str(cut_run)) as ck, pytest.raises(UnsupportedState, match="meta"):
+        ck.commit(1, list(PARTS), timeout=5, meta={"junk": "x" * (2 << 20)})
+
+
+def test_a_fragment_is_read_with_the_size_its_manifest_records(cut_run, tmp_path):
+    """A multi-part manifest records each fragment's size; a fragment object grown past it (64 MiB of
+    JSON whitespace: still the same document) is refused having read no more than that."""
+    doc = load(cut_run, 2)
+    ref = doc["parts"]["shard-0"]
+    target = cut_run / ref["key"]
+    assert ref["size"] == target.stat().st_size
+    with open(target, "ab") as f:
+        f.write(b" " * (64 << 20))
+    with Checkpointer(str(cut_run)) as ck:
+        peak, outcome = peak_bytes(lambda: ck.restore(2, part="shard-0"))
+    assert isinstance(outcome, CorruptCheckpoint) and "shard-0" in str(outcome), outcome
+    assert str(ref["size"]) in str(outcome), outcome
+    assert peak < 8 << 20, peak
+
+
+def test_a_manifest_without_fragment_sizes_still_restores(cut_run):
+    """Manifests written before sizes were recorded read their fragments with the fragment cap."""
+    doc = load(cut_run, 2)
+    for ref in doc["parts"].values():
+        del ref["size"]
+    store_doc(cut_run, 2, doc)
+    with Checkpointer(str(cut_run)) as ck:
+        expected = state(2)
+        expected["model"]["a"] += 1
+        assert_same_state(expected, ck.restore(2, part="shard-1"))
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_huge_heartbeat_is_ignored_unread(run, kind, request):
+    """A heartbeat is kilobytes: one of 64 MiB is refused before it is read whole (logged, read as
+    no beat; before: read and parsed: `ckpt status` took 1.1 GB for a 300 MB beat)."""
+    from ckptlib.heartbeat import HEARTBEAT_MAX_BYTES, Heartbeat, read_heartbeats
+
+    if kind == "s3":
+        loc = request.getfixturevalue("s3_url")
+        store = Store.from_url(loc.url, loc.storage_options)
+    else:
+        store = Store.from_url(str(run))
+    Heartbeat(store, "shard-0", generation=0, round=0).start(step=1)
+    Heartbeat(store, "shard-1", generation=0, round=0).start(step=1)
+    junk = b'{"format": 1, "pad": "' + b"x" * (64 << 20) + b'"}'
+    store.put("heartbeats/shard-1.json", junk)
+    del junk
+    peak, beats = peak_bytes(lambda: read_heartbeats(store))
+    assert isinstance(beats, dict) and sorted(beats) == ["shard-0"], beats
+    assert peak < 2 * HEARTBEAT_MAX_BYTES + (1 << 20), peak
+
+
+def test_a_heartbeat_is_never_written_larger_than_a_reader_accepts(tmp_path):
+    from ckptlib.heartbeat import Heartbeat
+
+    hb = Heartbeat(Store.from_url(str(tmp_path / "run")), "shard-0", generation=0, round=0,
+                   meta={"junk": "x" * (5 << 20)})
+    with pytest.raises(ValueError, match="heartbeat of shard-0 would be .* bytes, more than the 4194304"):
+        hb.start(step=0)
+
+
+def test_huge_verdicts_leases_and_fences_are_refused_unread(run):
+    """Small documents have small caps: a 32 MiB verdict reads as not validated (and as failed to
+    ckptlib.validate), a 32 MiB lease as malformed (it protects nothing), a 32 MiB fence as a fence
+    with no details; none is read whole."""
+    from ckptlib import commit
+    from ckptlib.leases import live_leases
+    from ckptlib.validate.verdict import read_verdict
+
+    _write_junk(run / "validations" / "1.json", 32 << 20)
+    _write_junk(run / "leases" / ("save-" + "0" * 32 + ".json"), 32 << 20)
+    _write_junk(run / "fences" / "shard-0" / "1", 32 << 20)
+    store = Store.from_url(str(run))
+    with Checkpointer(store) as ck:
+        for call, check in ((lambda: ck.verdict(1), lambda v: v is None),
+                            (lambda: read_verdict(store, 1), lambda v: v.passed is False),
+                            (lambda: live_leases(store), lambda v: v == []),
+                            (lambda: commit.read_fence(store, "shard-0", 1),
+                             lambda v: v == {"part": "shard-0", "generation": 1})):
+            peak, outcome = peak_bytes(call)
+            assert check(outcome), outcome
+            assert peak < 1 << 20, (outcome, peak)
+        assert ck.latest_step(healthy=True) is None
 
 
 def test_manifest_that_is_not_a_manifest(run, tmp_path):
@@ -614,7 +928,9 @@ def test_fragment_object_replaced(cut_run, tmp_path, replacement):
 
 @pytest.fixture(scope="module")
 def zstd_bombs(tmp_path_factory) -> dict[str, bytes]:
-    """4 GiB of zeros in one zstd frame (about 130 KB), with and without a declared content size."""
+    """2 GiB of zeros in one zstd frame (about 65 KB, which an object of a 4 KiB chunk may be: see
+    ckptlib.manifest.max_stored_bytes), with and without a declared content size; twice the address
+    space the restore is given."""
     import zstandard
 
     zeros = bytes(1 << 20)
@@ -623,10 +939,10 @@ def zstd_bombs(tmp_path_factory) -> dict[str, bytes]:
         cctx = zstandard.ZstdCompressor(level=1, write_content_size=declared, write_checksum=True)
         chunks = []
         if declared:
-            comp = cctx.compressobj(size=4 << 30)
+            comp = cctx.compressobj(size=2 << 30)
         else:
             comp = cctx.compressobj()
-        for _ in range(4096):
+        for _ in range(2048):
             chunks.append(comp.compress(zeros))
         chunks.append(comp.flush())
         out[name] = b"".join(chunks)
@@ -1085,3 +1401,263 @@ def test_a_manifest_of_long_paths_restores_in_time_linear_in_its_size(run):
         assert restored[key] == [0] * 1_000_000
         assert ck.restore(1, into=state(1))[key] == [0] * 1_000_000
         assert ck.verify(1) == []
+
+
+# ----------------------------------------------------------------------------- every command, one line
+
+
+def _junk(data: bytes):
+    def edit(run: Path, step: int) -> None:
+        (run / "manifests" / f"{step}.json").write_bytes(data)
+    return edit
+
+
+def _edited(edit, resealed: bool):
+    def apply(run: Path, step: int) -> None:
+        doc = load(run, step)
+        edit(doc, fragment_of(doc))
+        if resealed:
+            reseal(doc)
+        store_doc(run, step, doc)
+    return apply
+
+
+def _sized(field: str, value):
+    def edit(doc, frag):
+        leaf(frag, "/model/a" if field != "dtype" else "/n")[field] = value
+    return _edited(edit, True)
+
+
+DAMAGED_STEPS = {  # name: (damage(run, step), step): every store the tests above build, applied for the CLI
+    **{f"forged-{name}": (_edited(fn, True), 1) for name, fn in FORGED_TREES.items()},
+    **{f"edit-{name}": (_edited(edit, resealed), step) for name, (edit, step, resealed) in EDITS.items()},
+    **{f"leaf-{name}": (_sized(*SIZES[name]), 1) for name in SIZES},
+    **{f"junk-{i}": (_junk(data), 2) for i, data in enumerate(
+        [b"", b"\x00\xff" * 100, b"[]", b"null", b'{"format": 2}', b"{" * 100000, b"1e999999"])},
+    "pack-2^45": (_edited(lambda doc, frag: frag["blobs"][leaf(frag, "/model/small")["pack"]].update(nbytes=2**45),
+                          False), 1),
+}
+# report (half a second: it draws the run's plot) on every kind of damage a listing can see, and on a
+# sample of the others; validate (seconds) on one case of each kind
+_REPORTED = {n for n in DAMAGED_STEPS if n.startswith(("forged-", "junk-"))} | {
+    "edit-chunks-reordered", "edit-unknown-codec", "edit-parts-empty", "edit-future-format", "edit-base-cycle-of-two",
+    "leaf-nbytes-huge", "leaf-dtype-object", "pack-2^45"}
+_VALIDATED = {"forged-bad-device", "edit-chunks-reordered", "junk-2"}
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def table_rows(output: str) -> dict[str, str]:
+    """{first cell: the line} of the rows of a rich table (continuation lines have an empty first cell)."""
+    rows = {}
+    for line in output.splitlines():
+        cells = line.split("│")
+        if len(cells) > 2 and cells[1].strip():
+            rows[cells[1].strip()] = line
+    return rows
+
+
+def assert_one_line(result, codes: tuple[int, ...], *, what: str, verdict: int | None = None) -> None:
+    """Exit code in ``codes``; on failure exactly one ``error:`` line on stderr (``verdict``: the
+    exit code of a verdict printed on stdout instead); never a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), (what, repr(result.exception),
+                                                                                  result.output[-2000:])
+    assert "Traceback" not in result.output, (what, result.output[-2000:])
+    assert result.exit_code in codes, (what, result.exit_code, result.output[-2000:])
+    lines = result.stderr.strip().splitlines()
+    if result.exit_code not in (0, verdict):
+        assert len(lines) == 1 and lines[0].startswith("error: "), (what, result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("name", list(DAMAGED_STEPS))
+def test_every_command_reports_a_damaged_step_and_goes_on(run, tmp_path, name):
+    """Whatever is wrong with one step, every command answers in one line, and the others go on:
+    ls lists every step (a step whose manifest is not read is marked DAMAGED, with its reason),
+    show of it is one error: line or its details, verify checks every step (exit 1, the other intact),
+    export refuses, report lists every step, validate gives a verdict or one error: line."""
+    damage, bad = DAMAGED_STEPS[name]
+    good = 2 if bad == 1 else 1
+    damage(run, bad)
+    url = str(run)
+
+    ls = _cli("ls", url)
+    assert_one_line(ls, (0,), what="ls")
+    rows = table_rows(ls.stdout)
+    assert set(rows) == {str(good), str(bad)}, ls.stdout
+    if "DAMAGED" in rows[str(bad)] or "UNREADABLE" in rows[str(bad)]:
+        assert f"damaged: step {bad}: " in ls.stdout, ls.stdout
+    assert "DAMAGED" not in rows[str(good)]
+
+    show = _cli("show", url, "--step", str(bad))
+    assert_one_line(show, (0, 2), what="show")
+    if show.exit_code == 2:
+        assert f"step {bad}" in show.stderr, show.stderr
+        assert "quarantine" in show.stderr or "install the ckptlib version" in show.stderr, show.stderr
+    if "DAMAGED" in rows[str(bad)] or name.startswith("forged"):
+        assert show.exit_code == 2, show.output
+
+    for args in (("verify", url), ("verify", url, "--step", str(bad))):
+        verify = _cli(*args)
+        assert_one_line(verify, (1,), what=" ".join(args[:1] + args[2:]))
+        assert f"step {bad}: damaged" in verify.stdout, verify.stdout
+    assert f"step {good}: intact" in _cli("verify", url).stdout
+
+    out = tmp_path / "exports" / "x.pt"
+    out.parent.mkdir()
+    assert_one_line(_cli("export", url, "--step", str(bad), "--out", str(out)), (2,), what="export")
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+    if name not in _REPORTED:
+        return
+    report = _cli("report", url)
+    assert_one_line(report, (0,), what="report")
+    listed = table_rows(report.stdout)
+    assert set(listed) == {str(good), str(bad)}, report.stdout
+    if "DAMAGED" in rows[str(bad)] or name.startswith("forged"):
+        assert "damaged" in listed[str(bad)] and f"damaged: step {bad}: " in report.stdout, report.stdout
+
+    if name in _VALIDATED:
+        validate = _cli("validate", url, "--step", str(bad))
+        assert_one_line(validate, (1, 2), what="validate", verdict=1)
+        if validate.exit_code == 1:
+            assert f"step {bad}: FAILED" in validate.stdout, validate.stdout
+
+
+# ----------------------------------------------------------------------------- one damaged step
+
+
+@pytest.fixture
+def three_steps(tmp_path) -> Path:
+    """Steps 1, 2, 3 (3 writes new keyframes of its own), every one validated as passed."""
+    root = tmp_path / "three"
+    with Checkpointer(str(root), chunk_bytes=CHUNK) as ck:
+        for step in (1, 2, 3):
+            s = state(step)
+            if step == 3:
+                s["model"]["b"] = torch.randn(3072, generator=torch.Generator().manual_seed(3))
+            ck.save(step, s)
+    (root / "validations").mkdir()
+    for step in (1, 2, 3):
+        (root / "validations" / f"{step}.json").write_text('{"passed": true, "failed": []}')
+    return root
+
+
+def test_a_damaged_latest_step_is_skipped_by_a_resume_and_named_by_a_restore(three_steps, caplog):
+    (three_steps / "manifests" / "3.json").write_bytes(b"{not json")
+    with Checkpointer(str(three_steps)) as ck:
+        assert ck.latest_step() == 3 and ck.steps() == [1, 2, 3]  # still committed: listed, not hidden
+        with caplog.at_level("WARNING", logger="ckptlib"):
+            assert ck.latest_step(healthy=True) == 2
+        assert any("skipping checkpoint step 3" in r.getMessage() and "damaged" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert_same_state(state(2), ck.restore(healthy=True))
+        with pytest.raises(CorruptCheckpoint) as err:
+            ck.restore()
+        text = str(err.value)
+        assert "step 3" in text and "manifests/3.json" in text and f"ckpt quarantine {ck.url} --step 3" in text, text
+        with pytest.raises(CheckpointError) as err:
+            ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        assert "manifests/3.json" in str(err.value) and "ckpt quarantine" in str(err.value), err.value
+        assert ck.steps() == [1, 2, 3]  # GC deleted nothing
+
+
+def test_quarantine_moves_a_damaged_step_aside_gc_keeps_its_objects_and_undo_puts_it_back(three_steps):
+    """A step whose chunk is damaged, moved aside: restores and GC go on without it, GC keeps every
+    object it names (its own keyframes included), and undo brings back exactly what was there."""
+    from ckptlib import quarantine as q
+
+    with Checkpointer(str(three_steps)) as ck:
+        frag = ck.fragment(3, "state")
+        own = {b.key for b in frag.blobs.values()} - {b.key for b in ck.fragment(2, "state").blobs.values()}
+        assert own  # keyframes only step 3 needs
+        victim = frag.blobs[leaf_of(frag, "/model/b").chunks[0]].key
+        data = bytearray((three_steps / victim).read_bytes())
+        data[len(data) // 2] ^= 1
+        (three_steps / victim).write_bytes(bytes(data))
+        before = [str(p) for p in ck.verify(3)]
+        manifest = (three_steps / "manifests" / "3.json").read_bytes()
+        q.quarantine_step(ck.store, 3, "chunk flipped")
+        assert ck.steps() == [1, 2] and ck.latest_step(healthy=True) == 2
+        assert_same_state(state(2), ck.restore())
+        assert sorted(q.quarantined(ck.store)) == [3] and q.quarantined(ck.store)[3].reason == "chunk flipped"
+        assert not (three_steps / "validations" / "3.json").exists()
+        report = ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        assert report.dropped_steps == [1] and ck.steps() == [2]
+        assert all((three_steps / key).exists() for key in own), "GC swept objects of a quarantined step"
+        with pytest.raises(NoCheckpoint, match="in quarantine already"):
+            q.quarantine_step(ck.store, 3, "again")
+        q.release_step(ck.store, 3)
+        assert ck.steps() == [2, 3] and (three_steps / "manifests" / "3.json").read_bytes() == manifest
+        assert (three_steps / "validations" / "3.json").exists() and q.quarantined(ck.store) == {}
+        assert [str(p) for p in ck.verify(3)] == before  # the same damage, nothing more
+
+
+def test_undo_never_replaces_a_step_committed_again(three_steps):
+    from ckptlib import quarantine as q
+
+    with Checkpointer(str(three_steps), chunk_bytes=CHUNK) as ck:
+        q.quarantine_step(ck.store, 3, "by hand")
+        ck.save(3, state(1))  # another state under the same step
+        with pytest.raises(CheckpointError, match="committed again"):
+            q.release_step(ck.store, 3)
+        assert_same_state(state(1), ck.restore(3))
+        assert sorted(q.quarantined(ck.store)) == [3]
+
+
+def test_a_quarantine_interrupted_after_its_record_finishes_when_run_again(three_steps):
+    """The record is the quarantine's commit point: run again after a crash that left the manifest
+    in place, it finishes the move (and never takes a different step for the quarantined one)."""
+    from ckptlib import quarantine as q
+    from ckptlib.testing import FaultyStore, SimulatedCrash
+
+    store = FaultyStore(Store.from_url(str(three_steps)))
+    store.crash_after("put_if_absent", "record.json")
+    with pytest.raises(SimulatedCrash):
+        q.quarantine_step(store, 3, "flipped")
+    plain = Store.from_url(str(three_steps))
+    assert plain.exists("manifests/3.json") and q.read_record(plain, 3) is not None
+    q.quarantine_step(plain, 3, "flipped")
+    assert not plain.exists("manifests/3.json") and plain.exists("quarantine/3/manifests/3.json")
+    q.release_step(plain, 3)
+    with Checkpointer(plain) as ck:
+        assert ck.steps() == [1, 2, 3] and ck.verify(3) == []
+
+
+def leaf_of(frag, path: str):
+    return next(x for x in frag.leaves if x.spec.path == path)
+
+
+MALFORMED_DOCUMENTS = {  # key: bytes nobody's writer wrote
+    "verdict-not-json": ("validations/1.json", b"not json"),
+    "verdict-deep": ("validations/1.json", b'{"passed": true, "nested": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    "verdict-wrong-types": ("validations/1.json", b'{"passed": "yes", "failed": {"a": 1}}'),
+    "verdict-huge": ("validations/1.json", b'{"passed": true, "pad": "' + b"x" * (20 << 20) + b'"}'),
+    "beat-not-json": ("heartbeats/shard-0.json", b"\xff\xfe"),
+    "beat-wrong-format": ("heartbeats/shard-0.json", b'{"format": 9, "part": "shard-0"}'),
+    "beat-huge": ("heartbeats/shard-0.json", b'{"format": 1, "pad": "' + b"x" * (20 << 20) + b'"}'),
+    "lease-huge": ("leases/save-" + "0" * 32 + ".json", b"{" + b" " * (1 << 20) + b"}"),
+    "fence-junk": ("fences/shard-0/1", b"\x00" * 100),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED_DOCUMENTS))
+def test_every_command_reads_a_malformed_small_document_as_unknown(run, name):
+    """A verdict, beat, lease or fence nobody wrote: every command goes on, reading it as unknown (a
+    verdict as not validated, a beat as no beat, a lease as protecting nothing)."""
+    key, data = MALFORMED_DOCUMENTS[name]
+    (run / key).parent.mkdir(parents=True, exist_ok=True)
+    (run / key).write_bytes(data)
+    url = str(run)
+    for args in (("ls", url), ("verify", url), ("show", url, "--step", "1"), ("report", url), ("status", url)):
+        result = _cli(*args)
+        assert_one_line(result, (0,), what=" ".join(args[:1]))
+    assert "passed" not in table_rows(_cli("ls", url).stdout)["1"]
+    with Checkpointer(url) as ck:
+        assert ck.latest_step(healthy=True) is None
+        assert_same_state(state(2), ck.restore(2))

@@ -18,11 +18,13 @@ value from the same deterministic factory, compares with ``ckptlib.testing.compa
 bits, strides, requires_grad, Parameter-ness, attributes, key order, ties) and prints per-case results
 as JSON. Each case is then one pytest test reading its result.
 
-What the expected value is: the saved value itself, except for what docs promise to change:
-views that do not cover their storage (gaps, broadcast strides) come back C-contiguous; tensors
-that are the same memory (same storage, offset, shape, strides, dtype, type, flags) come back as
-one tensor object; conjugate/negative views come back materialised (values equal); a non-leaf
-tensor comes back detached (a checkpoint holds no autograd graph).
+What the expected value is: the saved value itself, except for what docs promise to change: a
+lone tensor (no other tensor of the state shares its storage) whose layout has gaps or broadcast
+strides comes back C-contiguous (with its conjugate/negative bits); tensors that are the same
+memory (same storage, offset, shape, strides, dtype, type, flags) come back as one tensor object;
+tensors that share a storage otherwise come back sharing one storage, with their offsets, strides,
+dtypes and bits (as ``torch.save`` keeps them); a non-leaf tensor comes back detached (a
+checkpoint holds no autograd graph). The comparison checks the bits and the storage sharing.
 """
 
 from __future__ import annotations
@@ -51,16 +53,17 @@ import pytest
 import torch
 
 from ckptlib import Checkpointer, UnsupportedState
+from ckptlib.testing import compare as ckptlib_compare
 from ckptlib.testing.compare import assert_same_state, differences, tie_pattern
+from ckptlib.types import REFUSED_TORCH_DTYPES
 
 SMALL = 4096  # chunk_bytes that forces chunking and packing
 
 TORCH_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64,
                 torch.complex32, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32,
                 torch.uint16, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-                torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
-if hasattr(torch, "float8_e8m0fnu"):
-    TORCH_DTYPES.append(torch.float8_e8m0fnu)
+                torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
+                torch.bits8, torch.bits16, torch.bits1x8, torch.bits2x4, torch.bits4x2]
 
 NUMPY_DTYPES = ["<f8", "<f4", "<f2", "<f16", "<c8", "<c16", "<c32", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2",
                 "<u4", "<u8", "|b1", "<M8[ns]", "<M8[D]", "<m8[s]", "<U3", "|S5", ">f4", ">f8", ">i8", ">u2",
@@ -236,6 +239,10 @@ class Case:
     chunk_bytes: int = 4 << 20
     delta: bool = False  # also save a second step with every 7th element changed (delta encoding)
     check: Callable[[Any, Any], list[str]] | None = None  # extra check in the fresh process
+    second: Callable[[int], Any] | None = None  # the second step's state (delta), when _mix would lose sharing
+
+    def next_state(self) -> Any:
+        return self.second(0) if self.second is not None else _mix(self.make(0), self.make(1))
 
 
 def exact_cases() -> dict[str, Case]:
@@ -312,6 +319,7 @@ def exact_cases() -> dict[str, Case]:
     C["numpy_empty_str_scalars"] = Case(lambda s: {"str": np.str_(""), "bytes": np.bytes_(b"")})
     C["torch_objects"] = Case(lambda s: {
         "size": torch.Size([2, 3]), "size0": torch.Size([]), "dtypes": [getattr(torch, _name(d)) for d in TORCH_DTYPES],
+        "refused_dtypes": [torch.int4, torch.uint1, torch.qint8, torch.quint4x2],
         "devices": [torch.device("cpu"), torch.device("cuda:1"), torch.device("cuda"), torch.device("meta")]})
     C["top_level_int"] = Case(lambda s: 5)
     C["top_level_none"] = Case(lambda s: None)
@@ -371,6 +379,37 @@ def exact_cases() -> dict[str, Case]:
                                                           "other_dtype": p.detach().view(torch.int32)})(
         torch.nn.Parameter(rand_tensor(torch.float32, (3, 3), s))))
     C["tied_lm_state_dict"] = Case(_tied_lm)
+    C["overlapping_slices"] = Case(lambda s: (lambda b: {"a": b[0:60], "b": b[40:100], "inner": b[10:20],
+                                                         "every_third": b[::3], "rev_2d": b.view(10, 10).t()})(
+        rand_tensor(torch.float32, (100,), s)))
+    C["dtypes_viewing_one_storage"] = Case(lambda s: (lambda b: {
+        "f32": b, "i32": b.view(torch.int32)[3:9], "u8": b.view(torch.uint8)[5:77], "bf16": b.view(torch.bfloat16),
+        "c64_conj": b.view(torch.complex64)[2:6].conj(), "f64": b[2:10].view(torch.float64),
+        "bool": b.view(torch.bool)[1:3]})(rand_tensor(torch.float32, (32,), s)))
+    C["slices_without_their_base"] = Case(lambda s: (lambda big: {"x": big[:, :3], "y": big[:, 2:5]})(
+        rand_tensor(torch.float64, (50, 40), s)))
+    C["parameter_and_its_views"] = Case(lambda s: (lambda p: {
+        "p": p, "flat": p.detach().view(-1), "row": p[1], "tagged": _with_attrs(p.detach()[2:]),
+        "frozen_alias": torch.nn.Parameter(p.detach()[0], requires_grad=False)})(
+        torch.nn.Parameter(rand_tensor(torch.float32, (4, 5), s))))
+    C["expanded_view_beside_its_base"] = Case(lambda s: (lambda r: {"row": r, "expanded": r.expand(3, 4)})(
+        rand_tensor(torch.int64, (1, 4), s)))
+    C["views_nested_and_tied"] = Case(lambda s: (lambda b: (lambda v: {
+        "a": [v, v], "b": collections.OrderedDict(x=b), "c": (v,), 7: {"d": b[1:2]}})(b[3:]))(
+        rand_tensor(torch.int16, (9, 2), s)))
+    C["shared_storage_delta"] = Case(lambda s: _shared_state(rand_tensor(torch.float32, (64, 64), s)),
+                                     chunk_bytes=SMALL, delta=True,
+                                     second=lambda s: _shared_state(_mix(rand_tensor(torch.float32, (64, 64), s),
+                                                                         rand_tensor(torch.float32, (64, 64), s + 1))))
+    C["conj_neg_lone_layouts"] = Case(lambda s: (lambda z, x: {
+        "conj_t": z.t().conj(), "conj_strided": z[:, ::2].conj(), "neg_int": torch._neg_view(x),
+        "conj_and_neg": torch._neg_view(z.conj()), "conj_empty": torch.zeros(0, 3, dtype=torch.complex128).conj(),
+        "neg_param": torch.nn.Parameter(torch._neg_view(x.float()))})(
+        rand_tensor(torch.complex64, (6, 4), s), rand_tensor(torch.int32, (7,), s)))
+    C["low_precision_requires_grad"] = Case(lambda s: {
+        "fp8": rand_tensor(torch.float8_e4m3fn, (6,), s).requires_grad_(),
+        "fp8_param": torch.nn.Parameter(rand_tensor(torch.float8_e5m2, (3,), s)),
+        "fp4": rand_tensor(torch.float4_e2m1fn_x2, (4,), s).requires_grad_()})
 
     # real states (torchsnapshot test_snapshot.py, DCP test_state_dict.py)
     C["module_state_dicts"] = Case(lambda s: {"linear": _linear_sd(s), "seq": _small_model(s).state_dict(),
@@ -399,6 +438,11 @@ def exact_cases() -> dict[str, Case]:
                                                                                   (i % 5,), s + i) for i in range(60)},
                            chunk_bytes=SMALL, delta=True)
     return C
+
+
+def _shared_state(base: torch.Tensor) -> dict:
+    """Views of one storage large enough for chunks: the storage leaf is chunked and delta-encoded."""
+    return {"base": base, "flat": base.view(-1), "top": base[:16], "cols": base[:, 8:40], "bytes": base.view(torch.uint8)[7:]}
 
 
 class Color(enum.IntEnum):
@@ -519,30 +563,50 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _tie_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()),
+            type(t), t.requires_grad and t.is_leaf, t.is_conj(), t.is_neg())
+
+
+def _shared_storages(obj: Any) -> set[int]:
+    """The storages that more than one distinct view of ``obj``'s tensors use."""
+    views: dict[int, set[tuple]] = collections.defaultdict(set)
+    for _, t in ckptlib_compare._tensors_in_order(obj, "", 0):
+        if t.numel():
+            views[t.untyped_storage().data_ptr()].add(_tie_key(t))
+    return {ptr for ptr, keys in views.items() if len(keys) > 1}
+
+
+def _compacted(t: torch.Tensor) -> torch.Tensor:
+    """A lone tensor with gaps in its layout: a contiguous copy of its memory, with its bits."""
+    conj, neg = t.is_conj(), t.is_neg()
+    raw = t.conj() if conj else t
+    raw = torch._neg_view(raw) if neg else raw
+    new = raw.contiguous()
+    new = new.conj() if conj else new
+    return torch._neg_view(new) if neg else new
+
+
 def documented(obj: Any) -> Any:
     """``obj`` as the docs say a restore returns it (see the module docstring)."""
     memo: dict[tuple, torch.Tensor] = {}
     by_id: dict[int, torch.Tensor] = {}
+    shared = _shared_storages(obj)
 
     def tensor(t: torch.Tensor) -> torch.Tensor:
         if id(t) in by_id:
             return by_id[id(t)]
         key = None
         if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()),
-                   type(t), t.requires_grad and t.is_leaf, t.is_conj(), t.is_neg())
+            key = _tie_key(t)
             if key in memo:
                 by_id[id(t)] = memo[key]
                 return memo[key]
         new = t
         if not t.is_leaf:
             new = t.detach()
-        if new.is_conj():
-            new = new.resolve_conj()
-        if new.is_neg():
-            new = new.resolve_neg()
-        if not _dense(new):
-            new = new.contiguous()
+        if not _dense(new) and not (t.numel() and t.untyped_storage().data_ptr() in shared):
+            new = _compacted(new)
         if new is not t and type(t) is torch.nn.Parameter:
             new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
         if key is not None:
@@ -574,7 +638,7 @@ def documented(obj: Any) -> Any:
 
 def expected_value(case: Case, final: bool = True) -> Any:
     if case.delta and final:
-        return documented(_mix(case.make(0), case.make(1)))
+        return documented(case.next_state())
     return documented(case.make(0))
 
 
@@ -586,7 +650,7 @@ def _save_case(root: str, name: str, case: Case) -> str | None:
         with Checkpointer(os.path.join(root, name), chunk_bytes=case.chunk_bytes, threads=2) as ck:
             ck.save(1, case.make(0))
             if case.delta:
-                ck.save(2, _mix(case.make(0), case.make(1)))
+                ck.save(2, case.next_state())
     except Exception as e:
         return f"save raised {type(e).__name__}: {e}"
     return None
@@ -776,9 +840,8 @@ REFUSED: dict[str, tuple[Callable[[str], Any], list[str], str]] = {
     "nested_tensor": (lambda d: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), ["nested"], ""),
     "sparse_coo": (lambda d: torch.eye(3).to_sparse(), ["sparse"], ""),
     "sparse_csr": (lambda d: torch.eye(3).to_sparse_csr(), ["sparse"], ""),
-    "bits16_tensor": (lambda d: torch.zeros(2, dtype=torch.int16).view(torch.bits16), ["bits16"], ""),
-    "float4_tensor": (lambda d: torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), ["float4"], ""),
-    "unsupported_dtype_value": (lambda d: torch.bits8, ["bits8"], ""),
+    "int4_tensor": (lambda d: torch.empty(2, dtype=torch.int4), ["int4", "no kernels", "view(torch.uint8)"], ""),
+    "uint7_tensor": (lambda d: torch.empty(2, dtype=torch.uint7), ["uint7", "no kernels"], ""),
     "numpy_object_array": (lambda d: np.array([1, "a", None], dtype=object), ["object"], ""),
     "numpy_structured_array": (lambda d: np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]), ["dtype"], ""),
     "numpy_void_array": (lambda d: np.zeros(3, dtype="V4"), ["V4"], ""),
@@ -1042,6 +1105,60 @@ def test_restore_into_parameters_and_other_layouts(tmp_path):
     assert np.array_equal(got["a"], src["a"]) and got["a"].flags.f_contiguous
 
 
+def _views_of(base: torch.Tensor) -> dict:
+    return {"w": base, "rows": base[5:9], "flat": base.view(-1)[10:90], "ints": base.view(torch.int32)[2],
+            "z": base.view(torch.complex64)[1:3].conj(), "tied": [base[1], base[1]]}
+
+
+def test_restore_into_fills_destination_views_consistently(tmp_path):
+    """A destination that shares memory as the saved state did gets every view filled, and keeps
+    sharing it; a destination of separate tensors gets each its values; mismatched views are listed."""
+    saved = _views_of(rand_tensor(torch.float32, (12, 10), 0))
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, saved)
+    dest = _views_of(torch.zeros(12, 10))
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=dest)
+    assert got["w"] is dest["w"] and got["rows"] is dest["rows"] and got["z"] is dest["z"]
+    assert got["tied"][0] is dest["tied"][0] and got["tied"][1] is dest["tied"][1]
+    assert_same_state(saved, got)  # values, bits and the sharing itself
+    separate = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone() for k, v in _views_of(torch.zeros(12, 10)).items()}
+    separate["z"] = separate["z"].resolve_conj().conj()
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        got = ck.restore(into=separate)
+    for k in ("w", "rows", "flat", "ints", "z"):
+        assert got[k] is separate[k] and not differences(saved[k].resolve_conj(), got[k].resolve_conj(),
+                                                         exact_types=False), k
+    assert not differences(saved["tied"][1], got["tied"][1], exact_types=False)
+    with Checkpointer(str(tmp_path), threads=2) as ck:  # a partial restore of views reads their storage
+        part = ck.restore(select=["rows", "z"])
+    assert list(part) == ["rows", "z"] and part["z"].is_conj()
+    assert part["rows"].untyped_storage().data_ptr() == part["z"].untyped_storage().data_ptr()
+    assert_same_state({"rows": saved["rows"], "z": saved["z"]}, part)
+    bad = _views_of(torch.zeros(12, 10))
+    bad["rows"], bad["flat"] = torch.zeros(3, 10), np.zeros(80, np.float32)
+    with Checkpointer(str(tmp_path), threads=2) as ck, pytest.raises(ValueError) as err:
+        ck.restore(into=bad)
+    assert "/rows: shape [3, 10] in the destination, [4, 10] saved" in str(err.value)
+    assert "/flat: the checkpoint holds a torch tensor, the destination a ndarray" in str(err.value)
+    assert not bad["w"].any(), "a refused restore wrote into the destination"
+
+
+def test_storage_leaf_holds_only_the_bytes_its_views_span(tmp_path):
+    """Two slices of a tensor that is not in the state: the storage saved is their span (from an
+    aligned offset), not the whole storage (torch.save writes all of it)."""
+    big = rand_tensor(torch.float64, (50, 40), 0)
+    state = {"x": big[3:, 1:3], "y": big[3:, 2:5], "b": big.view(-1).view(torch.uint8)[3 * 320 + 9:3 * 320 + 20]}
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        ck.save(1, state)
+        (storage,) = [leaf.spec for leaf in ck.fragment(1, "state").leaves if leaf.spec.kind == "storage"]
+        got = ck.restore(1)
+    start, end = 3 * 320 + 8, 49 * 320 + 5 * 8  # bytes: row 3 column 1 (aligned to 8), to row 49's column 5
+    assert storage.dtype == "uint8" and storage.nbytes == end - start < big.numel() * 8
+    assert got["x"].untyped_storage().nbytes() == end - start
+    assert_same_state(state, got)
+
+
 def test_restore_into_lists_every_mismatch_and_changes_nothing(tmp_path):
     saved = {"model": {"w": torch.ones(3, 4), "b": torch.ones(4), "h": torch.ones(2, dtype=torch.float64),
                        "i": torch.ones(2)},
@@ -1171,12 +1288,32 @@ def _export_state() -> dict:
     return st
 
 
+def test_export_pt_refuses_what_weights_only_would_change(tmp_path):
+    """A .pt export is exact or refused: each value torch.load(weights_only=True) would give back
+    as another type is named, with its path and type, unless convert=True."""
+    cases = {"np": np.arange(3.0), "np_scalar": np.float32(0.5), "frozenset": frozenset({1}),
+             "defaultdict": collections.defaultdict(list, {"k": [1]}), "np_key": {np.int64(3): 1},
+             "np_in_set": {np.int8(1)}}
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        for i, (name, value) in enumerate(cases.items()):
+            ck.save(i, {"ok": torch.ones(1), "z": {name: value}})
+            with pytest.raises(UnsupportedState) as err:
+                ck.export(i, str(tmp_path / "x.pt"))
+            assert f"/z/{name}" in str(err.value) and "--convert" in str(err.value), (name, str(err.value))
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "a refused export left a file"
+
+
 def test_export_pt_loads_with_weights_only(tmp_path):
     st = _export_state()
     with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
         ck.save(3, st)
-        size = ck.export(3, str(tmp_path / "x.pt"))
-    assert size == os.path.getsize(tmp_path / "x.pt")
+        with pytest.raises(UnsupportedState):
+            ck.export(3, str(tmp_path / "x.pt"))
+        done = ck.export(3, str(tmp_path / "x.pt"), convert=True)
+    assert done.size == os.path.getsize(tmp_path / "x.pt")
+    assert done.converted == ("/np: numpy.ndarray -> torch.Tensor", "/np_scalar: numpy.float32 -> float",
+                              "/defaultdict: collections.defaultdict -> dict", "/dt: numpy.ndarray -> torch.Tensor",
+                              "/dt: numpy.ndarray -> its int64 ticks (datetime64[s])")
     got = torch.load(tmp_path / "x.pt", weights_only=True)
     assert_same_state(st["model"], got["model"])  # OrderedDict with _metadata, exact tensors
     model = _small_model(9)
@@ -1186,9 +1323,39 @@ def test_export_pt_loads_with_weights_only(tmp_path):
     for k in ("bf16", "fp8", "u16"):
         assert got[k].dtype == st[k].dtype and torch.equal(got[k].view(torch.uint8), st[k].view(torch.uint8)), k
     assert torch.equal(got["np"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
-    assert got["np_scalar"] == 0.5 and sorted(got["set"]) == [1, 2] and got["defaultdict"] == {"k": [1]}
+    assert got["np_scalar"] == 0.5 and got["defaultdict"] == {"k": [1]}
+    # what weights_only keeps is kept as it is, not converted
+    assert got["set"] == {1, 2} and got["bytes"] == b"\x01\x02" and type(got["bytes"]) is bytes
     assert got["big_int"] == 2**100 and got["size"] == torch.Size([2, 3]) and got["dtype"] is torch.float16
-    assert bytes(got["bytes"].numpy()) == b"\x01\x02"
+    unconverted = {k: v for k, v in st.items() if k not in ("np", "np_scalar", "defaultdict", "dt", "nan")}
+    assert_same_state(unconverted, {k: got[k] for k in unconverted})
+
+
+def test_export_pt_keeps_views_bits_and_new_dtypes(tmp_path):
+    """torch.save holds storage sharing, conjugate/negative bits, tensor attributes, Counter, bytes
+    and the float4/bits dtypes: an export of them is exact, with no conversion."""
+    base = rand_tensor(torch.float32, (6, 4), 0)
+    st = {"views": _views_of(rand_tensor(torch.float32, (12, 10), 1)), "neg": torch._neg_view(base),
+          "tagged": _with_attrs(base[1:3]), "counter": collections.Counter(a=2), "raw": bytearray(b"ab"),
+          "fp4": rand_tensor(torch.float4_e2m1fn_x2, (3,), 0), "bits16": rand_tensor(torch.bits16, (2,), 0),
+          "p": torch.nn.Parameter(base)}
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        ck.save(1, st)
+        with pytest.raises(UnsupportedState) as err:  # torch.save saves a storage as one dtype
+            ck.export(1, str(tmp_path / "x.pt"))
+        assert "/views/ints" in str(err.value) and "torch.float32 tensor views" in str(err.value)
+        done = ck.export(1, str(tmp_path / "x.pt"), convert=True)
+        del st["views"]["ints"], st["views"]["z"]
+        ck.save(2, st)
+        exact = ck.export(2, str(tmp_path / "y.pt"))
+    assert done.converted == ("/views/ints: torch.Tensor -> its own copy (it views memory that a torch.float32 "
+                              "tensor views)", "/views/z: torch.Tensor -> its own copy (it views memory that a "
+                              "torch.float32 tensor views)")
+    got = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert got["views"]["ints"].untyped_storage().data_ptr() != got["views"]["w"].untyped_storage().data_ptr()
+    assert got["views"]["z"].is_conj() and torch.equal(got["views"]["ints"], st["views"]["w"].view(torch.int32)[2])
+    assert exact.converted == ()
+    assert_same_state(documented(st), torch.load(tmp_path / "y.pt", weights_only=True))
 
 
 def test_export_safetensors(tmp_path):
@@ -1197,7 +1364,12 @@ def test_export_safetensors(tmp_path):
     st = _export_state()
     with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
         ck.save(3, st)
-        ck.export(None, str(tmp_path / "x.safetensors"))
+        with pytest.raises(UnsupportedState) as err:
+            ck.export(None, str(tmp_path / "x.safetensors"))
+        assert "/optimizer/param_groups" in str(err.value) and "tuple" not in str(err.value)
+        done = ck.export(None, str(tmp_path / "x.safetensors"), convert=True)
+    assert "/optimizer/param_groups: list -> its nearest JSON in the metadata" in done.converted
+    assert "/set: set -> its nearest JSON in the metadata" in done.converted and "/epoch" not in str(done.converted)
     with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
         names = set(f.keys())
         meta = f.metadata()
@@ -1205,6 +1377,27 @@ def test_export_safetensors(tmp_path):
         assert torch.equal(f.get_tensor("model.0.weight"), st["model"]["0.weight"])
         assert torch.equal(f.get_tensor("optimizer.state.0.exp_avg"), st["optimizer"]["state"][0]["exp_avg"])
     assert json.loads(meta["epoch"]) == 2 and "__ckpt__" in meta
+
+
+def test_export_safetensors_writes_views_as_copies_and_resolves_bits(tmp_path):
+    """safetensors holds no storage sharing and no lazy bits: each view is written as its own
+    values (conjugates resolved), and what the installed safetensors stores is probed, not assumed."""
+    from safetensors.torch import load_file
+
+    from ckptlib.export import safetensors_keeps
+
+    st = _views_of(rand_tensor(torch.float32, (12, 10), 1))
+    st["neg"] = torch._neg_view(torch.arange(3.0))
+    with Checkpointer(str(tmp_path / "ck"), threads=2) as ck:
+        ck.save(1, st)
+        assert ck.export(1, str(tmp_path / "x.safetensors")).converted == ()
+    got = load_file(str(tmp_path / "x.safetensors"))
+    for name in ("w", "rows", "flat", "ints", "z", "tied.0", "tied.1", "neg"):
+        want = st
+        for part in name.split("."):
+            want = want[int(part)] if isinstance(want, list) else want[part]
+        assert not differences(want.resolve_conj().resolve_neg(), got[name], exact_types=False), name
+    assert safetensors_keeps(torch.complex64) and not safetensors_keeps(torch.bits16)  # safetensors 0.8
 
 
 def test_export_safetensors_non_str_keys(tmp_path):
@@ -1238,7 +1431,8 @@ def test_export_safetensors_tied_weights(tmp_path):
 
 
 @pytest.mark.parametrize("suffix,value,words", [
-    (".safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, ["/z", "complex"]),
+    (".safetensors", {"z": torch.zeros(2, dtype=torch.complex128)}, ["/z", "complex128", "safetensors 0."]),
+    (".safetensors", {"z": rand_tensor(torch.bits8, (2,), 0)}, ["/z", "bits8"]),
     (".pt", {"z": np.zeros(2, dtype=np.longdouble)}, ["/z", "float128"]),
     (".safetensors", {"z": np.zeros(2, dtype=np.longdouble)}, ["/z", "float128"]),
     (".pt", {"z": np.longdouble(1.5)}, ["/z"]),
@@ -1268,3 +1462,49 @@ def test_export_existing_file_needs_force(tmp_path):
             ck.export(1, str(tmp_path / "x.bin"))
         ck.export(1, str(out), force=True)
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.ones(2))
+
+
+# --- the README's dtype table ------------------------------------------------------------------
+
+def _readme_dtype_table() -> dict[str, str]:
+    """{dtype name: "kept" | "refused"} from the README's torch dtype table."""
+    with open(os.path.join(_repo_root(), "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("**torch dtypes.**"):]
+    section = section[:section.index("\n\n", section.index("| torch dtype |"))]
+    table: dict[str, str] = {}
+    for row in section.splitlines():
+        if not row.startswith("| `"):
+            continue
+        names, verdict = row.strip("|").split("|")[:2]
+        for name in names.replace("`", " ").split():
+            assert name not in table, f"{name} is in the README's dtype table twice"
+            table[name] = verdict.strip().split()[0].rstrip(":,")
+    return table
+
+
+def test_readme_dtype_table_names_every_dtype_of_this_torch():
+    """Every torch.dtype of the installed torch is in the README's table, as kept or refused, and
+    the table says what ckptlib does: a torch with a new dtype fails here until the table (and
+    ckptlib's dtype tables) say what happens to it."""
+    from ckptlib.types import TORCH_DTYPES as STORED
+
+    every = {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    table = _readme_dtype_table()
+    assert set(table) == every, f"not in the README: {sorted(every - set(table))}; not torch's: {sorted(set(table) - every)}"
+    assert {n for n, v in table.items() if v == "kept"} == set(STORED)
+    assert {n for n, v in table.items() if v == "refused"} == set(REFUSED_TORCH_DTYPES)
+    assert {_name(d) for d in TORCH_DTYPES} == set(STORED), "every stored dtype has its round-trip case"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_TORCH_DTYPES))
+def test_every_refused_dtype_is_refused_with_its_reason(tmp_path, name):
+    dtype = getattr(torch, name)
+    t = torch.quantize_per_tensor(torch.rand(2), 0.1, 0, dtype) if name in ("qint8", "qint32", "quint8") else \
+        torch.empty(2, dtype=dtype)
+    with Checkpointer(str(tmp_path), threads=2) as ck:
+        with pytest.raises(UnsupportedState) as err:
+            ck.save(1, {"t": t})
+        ck.save(2, {"dtype": dtype})  # the dtype itself is a name: stored
+        assert ck.restore(2)["dtype"] is dtype
+    assert "/t" in str(err.value) and (REFUSED_TORCH_DTYPES[name] in str(err.value) or "quantized" in str(err.value))

@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor as ThreadPool
 
 import numpy as np
 import pytest
@@ -396,6 +397,43 @@ def test_single_part_checkpoints_get_the_generic_checks(tmp_path):
     assert validate_run_checkpoint(url, 2).passed
 
 
+def test_views_of_a_storage_are_measured_and_the_storage_is_not(tmp_path):
+    """Tensors sharing a storage are stored as one storage leaf: its bytes (a NaN in a gap no view
+    covers, here) are not a tensor of the model and fail no check; each view is measured as the
+    tensor it is, and a NaN inside one is found naming the view."""
+    from ckptlib.validate.measure import measure
+
+    url = str(tmp_path / "views")
+    buffer = torch.zeros(64)
+    buffer[30] = float("nan")  # in no view
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    z = torch.randn(5, dtype=torch.complex64)
+
+    def state(step: int) -> dict:
+        with torch.no_grad():
+            w.add_(0.01)
+        return {"model": {"w": w, "w_rows": w.detach()[1:3], "conj": z.conj()},
+                "buffers": {"head": buffer[:20], "tail": buffer[40:]}, "step": step}
+
+    with Checkpointer(url) as ck:
+        for step in range(2):
+            ck.save(step, state(step))
+        for step in range(2):
+            v = validate_checkpoint(url, step)
+            assert v.passed, v.failures
+        with ThreadPool() as pool:
+            rows = {r["tensor"]: r for r in measure(ck.store, 1, Thresholds(), pool, []).tensor_rows}
+        assert rows["model/w#storage"]["role"] == "storage" and rows["model/w#storage"].get("nan_count") is None
+        assert rows["buffers/head#storage"]["intact"] and rows["buffers/head#storage"].get("nan_count") is None
+        assert rows["model/w_rows"]["role"] == "param" and rows["model/w_rows"]["shape"] == "2x4"
+        assert rows["model/w_rows"]["rel_change"] is not None and rows["model/conj"]["nan_count"] == 0
+        assert rows["buffers/tail"]["nan_count"] == 0 and rows["model/w"]["spec_ok"]
+        buffer[45] = float("nan")  # inside /buffers/tail
+        ck.save(2, state(2))
+    v = validate_checkpoint(url, 2)
+    assert v.failed == ("no_nan",) and _where(v, "no_nan") == ["part 'state', tensor 'buffers/tail' (nan_count=1)"]
+
+
 # --- Prefect, CLI, S3 ----------------------------------------------------------------------------
 
 def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
@@ -465,6 +503,35 @@ def test_cli_validate_and_report(run):
     assert "reports/index.html" in rep.output and "no_nan" in rep.output
     index = (run / "reports" / "index.html").read_text()
     assert f"{ROUNDS + 1}/index.html" in index
+
+
+def test_report_lists_a_damaged_step_and_goes_on(run):
+    """Two committed steps nobody validated, one whose manifest is not JSON, one whose fragment is
+    garbage: `ckpt report` lists every step, the damaged ones as damaged with the reason (in its
+    table and in reports/index.html), and the others as they are (before: one bad step broke it)."""
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    commit_variant(str(run), ROUNDS + 1)
+    commit_variant(str(run), ROUNDS + 2)
+    (run / "manifests" / f"{ROUNDS + 1}.json").write_bytes(b"{truncated")
+    (run / "fragments" / str(ROUNDS + 2) / "shard-1.g0.json").write_bytes(b"garbage")
+    rep = CliRunner().invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0 and "Traceback" not in rep.output, rep.output
+    rows = {}
+    for line in rep.stdout.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[1].isdigit():
+            rows[int(cells[1])] = cells
+    assert sorted(rows) == list(range(ROUNDS + 3)), rep.stdout
+    assert all(rows[s][2] == "passed" for s in range(ROUNDS + 1)), rep.stdout
+    assert rows[ROUNDS + 1][2] == "damaged" and rows[ROUNDS + 2][2] == "damaged", rep.stdout
+    assert f"damaged: step {ROUNDS + 1}: " in rep.stdout and "not a valid manifest" in rep.stdout
+    assert f"damaged: step {ROUNDS + 2}: " in rep.stdout and "shard-1" in rep.stdout
+    index = (run / "reports" / "index.html").read_text()
+    assert "2 damaged" in index and "not a valid manifest" in index and "shard-1.g0.json" in index
+    assert index.count("<td class='pass'>passed</td>") == ROUNDS + 1
 
 
 def test_validation_on_s3(s3_url):

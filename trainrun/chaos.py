@@ -167,6 +167,7 @@ class Strike(Document):
     """``chaos/<part>.r<round>.a<attempt>.json``: when and where a chaos spec struck (once per run)."""
 
     KIND = "chaos strike"
+    MAX_BYTES = 64 << 10
 
     kind: str
     spec: str
@@ -182,7 +183,7 @@ def read_strike(store: Store, part: str, round_no: int, attempt: int) -> Strike 
     """The strike of this attempt, if a chaos spec struck it (None too when unreadable: it is for measures)."""
     key = strike_key(part, round_no, attempt)
     try:
-        return Strike.from_json(store.get(key), f"{store.url}/{key}")
+        return Strike.read(store, key)
     except (ObjectNotFound, StoreError, DocumentError):
         return None
 

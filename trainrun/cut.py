@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptlib import Checkpointer
 from ckptlib.concurrency import map_ahead
-from ckptlib.manifest import Fragment
+from ckptlib.distributed.documents import AnyFragment
 
 from .documents import Cut
 from .layout import COORDINATOR, shard_part
@@ -99,10 +99,10 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     return replace(result, seconds=clock.seconds())
 
 
-def _shard_models(ck: Checkpointer, step: int, frags: list[Fragment]) -> Iterator[dict[str, Any]]:
+def _shard_models(ck: Checkpointer, step: int, frags: list[AnyFragment]) -> Iterator[dict[str, Any]]:
     """``{"model", "loss"}`` of each fragment, in the order given, read ``READ_AHEAD`` at a time (the
     fragments are already read: only the models' chunks are fetched)."""
-    def read(f: Fragment) -> dict[str, Any]:
+    def read(f: AnyFragment) -> dict[str, Any]:
         return ck.read_fragment(step, f.part, generation=f.generation, fragment=f, select=["model", "loss"])
 
     with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="cut-read") as pool:

@@ -27,10 +27,10 @@ def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
     """The ``config`` of the coordinator part of committed ``step`` (its fragment; no chunk read)."""
     if COORDINATOR not in ck.manifest(step).parts:
         return None
-    frag = ck.fragment(step, COORDINATOR)
-    if not isinstance(frag.skeleton, dict) or "config" not in frag.skeleton:
+    skeleton = getattr(ck.fragment(step, COORDINATOR), "skeleton", None)  # None: a group's part (docs/distributed.md)
+    if not isinstance(skeleton, dict) or "config" not in skeleton:
         return None
-    config = unflatten(frag.skeleton["config"], [])
+    config = unflatten(skeleton["config"], [])
     return config if isinstance(config, dict) else None
 
 

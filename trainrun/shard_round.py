@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from ckptlib import Checkpointer, FencedError
+from ckptlib.distributed.documents import AnyFragment
 from ckptlib.heartbeat import Beat, Heartbeat
-from ckptlib.manifest import Fragment
 
 from .chaos import Chaos, strike
 from .documents import Cut, ShardInfo
@@ -191,7 +191,7 @@ def train_steps(a: ShardAttempt, wl: Workload, hb: Heartbeat) -> float:
     return math.fsum(losses) / len(losses)
 
 
-def write_round_fragment(a: ShardAttempt, wl: Workload, loss: float, clock: Stopwatch) -> Fragment:
+def write_round_fragment(a: ShardAttempt, wl: Workload, loss: float, clock: Stopwatch) -> AnyFragment:
     """``fragments/<round>/<part>.g<generation>.json``: the workload's state, the shard's generators,
     its round and loss (``docs/run-layout.md``); timings and host in ``meta``, outside the digest."""
     state = {**wl.checkpoint_state(), "rng": ShardRNG(a.spec.seed, a.shard, a.round_no).state(),

@@ -77,6 +77,16 @@ class ResNetTraining:
         self.opt.step()
         self.opt.zero_grad()
 
+    def state_flat(self) -> dict[str, Any]:
+        """The same 481 tensors as ``state`` as one flat dict of dotted names (a copy): the model's
+        ``state_dict()`` names and each parameter's momentum buffer as ``<name>.momentum_buffer``, as
+        ``ck.save(step, model.state_dict())``-style code saves it."""
+        sd = {k: v.clone() for k, v in self.model.state_dict().items()}
+        names = [name for name, _ in self.model.named_parameters()]
+        for i, s in self.opt.state_dict()["state"].items():
+            sd[f"{names[i]}.momentum_buffer"] = s["momentum_buffer"].clone()
+        return sd
+
     def state(self) -> dict[str, Any]:
         """Model state_dict + the optimizer's momentum buffers: 481 tensors (a copy)."""
         sd = {k: v.clone() for k, v in self.model.state_dict().items()}

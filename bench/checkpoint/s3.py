@@ -6,6 +6,8 @@ after one more training step), and restore the latest from a fresh reader:
 
 * ``ckptlib``: ``Checkpointer("s3://...").save`` (small tensors packed; the second save is a delta)
   and ``Checkpointer(...).restore()``; objects = what landed under the run's prefix.
+* ``ckptlib (flat)``: the same tensors as one flat dict of dotted names (``ResNetTraining.state_flat``:
+  a ``save(step, model.state_dict())``), side by side with the nested form in the same run.
 * ``torch.save+upload``: ``torch.save`` to a local file, then one upload with s3fs (multipart for
   large files); restore = download with s3fs to a local file, then ``torch.load(weights_only=True)``.
 
@@ -63,18 +65,21 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def _measure(options: dict, work: str, repeats: int, progress: Progress) -> dict[str, Any]:
     training = ResNetTraining()
     training.step()
-    states = [training.state()]
+    states, flat = [training.state()], [training.state_flat()]
     training.step()
     states.append(training.state())
+    flat.append(training.state_flat())
     count = len(tensors(states[-1]))
     nbytes = sum(t.numel() * t.element_size() for t in tensors(states[-1]))
     progress(f"state: {count} tensors, {nbytes / 2**20:.1f} MiB")
     return {"state": {"tensors": count, "bytes": nbytes},
             "systems": {"ckptlib": _measure_ckptlib(states, options, repeats, progress),
+                        "ckptlib (flat)": _measure_ckptlib(flat, options, repeats, progress, "ckptlib (flat)"),
                         "torch.save+upload": _measure_torch_save(states, options, work, repeats, progress)}}
 
 
-def _measure_ckptlib(states: list[Any], options: dict, repeats: int, progress: Progress) -> dict[str, float]:
+def _measure_ckptlib(states: list[Any], options: dict, repeats: int, progress: Progress,
+                     name: str = "ckptlib") -> dict[str, float]:
     from ckptlib import Checkpointer
     from ckptlib.store import Store
 
@@ -90,7 +95,7 @@ def _measure_ckptlib(states: list[Any], options: dict, repeats: int, progress: P
             restored, dt = _timed(reader.restore)
         restores.append(dt)
         del restored
-        progress(f"ckptlib run {r + 1}/{repeats}: save {saves[-2][1]:.2f}/{saves[-1][1]:.2f} s, restore {dt:.2f} s")
+        progress(f"{name} run {r + 1}/{repeats}: save {saves[-2][1]:.2f}/{saves[-1][1]:.2f} s, restore {dt:.2f} s")
     return _figures(saves, restores, statistics.median(objects))
 
 
@@ -135,14 +140,17 @@ def _figures(saves: list[tuple[int, float]], restores: list[float], objects: flo
 
 def render_s3(result: dict[str, Any]) -> str:
     st = result["state"]
-    ours, base = result["systems"]["ckptlib"], result["systems"]["torch.save+upload"]
+    base = result["systems"]["torch.save+upload"]
     lines = [f"S3 benchmark: {st['tensors']} tensors, {st['bytes'] / 2**20:.1f} MiB (ResNet-50 + SGD momentum)",
              "| system | first save s | second save s | restore s | objects per run |",
              "|---|---|---|---|---|"]
     for name, r in result["systems"].items():
         lines.append(f"| {name} | {r['save_first_s']:.2f} | {r['save_second_s']:.2f} | {r['restore_s']:.2f} | "
                      f"{r['objects']:g} |")
-    lines.append(f"ckptlib / torch.save+upload: first save {ours['save_first_s'] / base['save_first_s']:.2f}x, "
-                 f"second save {ours['save_second_s'] / base['save_second_s']:.2f}x, restore "
-                 f"{ours['restore_s'] / base['restore_s']:.2f}x (target: <= 1x)")
+    for name in ("ckptlib", "ckptlib (flat)"):
+        ours = result["systems"].get(name)
+        if ours is not None:
+            lines.append(f"{name} / torch.save+upload: first save {ours['save_first_s'] / base['save_first_s']:.2f}x, "
+                         f"second save {ours['save_second_s'] / base['save_second_s']:.2f}x, restore "
+                         f"{ours['restore_s'] / base['restore_s']:.2f}x (target: <= 1x)")
     return "\n".join(lines)

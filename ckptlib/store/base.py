@@ -19,6 +19,11 @@ What every backend guarantees:
   (``If-None-Match: *``). In memory: a process-wide lock.
 * ``get`` of a missing key raises :class:`~ckptlib.errors.ObjectNotFound`; every other failure is
   one :class:`~ckptlib.errors.StoreError` whose message names the cause and the fix.
+* ``get(key, max_bytes=n)`` is a bounded read: an object larger than ``n`` bytes raises
+  :class:`~ckptlib.errors.ObjectTooLarge` (naming the object, its size when known, and ``n``)
+  having read at most ``n + 1`` of its bytes: a local store and ``memory://`` look at the size
+  first and read none; S3 asks for the first ``n + 1`` bytes (one ranged GET, the same request as
+  a plain read). Every document a reader parses is read this way, with the cap of its kind.
 * ``scan`` yields every object under a folder with its size and modification time, page by page
   (memory stays bounded however many objects there are); ``list`` is its sorted keys.
 * Every call returns or raises in bounded time: S3 calls have connect/read timeouts and a bounded
@@ -56,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckptlib.errors import ObjectNotFound, StoreError
+from ckptlib.errors import ObjectNotFound, ObjectTooLarge, StoreError
 
 SUPPORTED_URLS = "a local path, file:///absolute/path, memory://name, s3://bucket[/prefix]"
 
@@ -106,6 +111,13 @@ def is_clean_key(key: str) -> bool:
     return True
 
 
+def check_max_bytes(max_bytes: int | None) -> int | None:
+    """``max_bytes`` of a bounded read: None (no bound) or an int >= 0."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be None or an int >= 0, got {max_bytes!r}")
+    return max_bytes
+
+
 def check_prefix(prefix: str) -> str:
     """A list prefix is a folder: '' (everything) or a relative path; a trailing '/' is optional."""
     prefix = prefix.rstrip("/") if isinstance(prefix, str) else prefix
@@ -146,8 +158,9 @@ class Store:
 
     # --- backend ----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
-        """The bytes stored under ``key``; ObjectNotFound if there are none."""
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The bytes stored under ``key``; ObjectNotFound if there are none. ``max_bytes``: refuse
+        an object larger than that (ObjectTooLarge) after reading at most ``max_bytes + 1`` bytes."""
         raise NotImplementedError
 
     def put(self, key: str, data: bytes) -> None:
@@ -203,6 +216,9 @@ class Store:
     def _not_found(self, key: str) -> ObjectNotFound:
         return ObjectNotFound(f"no object {key!r} in {self.url}")
 
+    def _too_large(self, key: str, size: int | None, max_bytes: int) -> ObjectTooLarge:
+        return ObjectTooLarge(f"{self.url}/{key}", size, max_bytes)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -232,8 +248,8 @@ class WrapperStore(Store):
     def _forward(self, op: str, key: str, *args: Any) -> Any:
         return getattr(self.inner, op)(key, *args)
 
-    def get(self, key: str) -> bytes:
-        return self._forward("get", key)
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self._forward("get", key) if max_bytes is None else self._forward("get", key, max_bytes)
 
     def put(self, key: str, data: bytes) -> None:
         return self._forward("put", key, data)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from ckptlib.errors import StoreError
 
-from .base import TMP_PREFIX, ObjectInfo, Store, StoreCapabilities, check_key, check_prefix
+from .base import TMP_PREFIX, ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
 
 
 def _fsync_dir(path: str) -> None:
@@ -97,15 +97,26 @@ class LocalStore(Store):
             raise
         return tmp
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
+        check_max_bytes(max_bytes)
         with self._os_errors("read", key):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
                 with os.fdopen(fd, "rb") as f:
-                    return f.read()
+                    if max_bytes is None:
+                        return f.read()
+                    size = os.fstat(f.fileno()).st_size
+                    if size > max_bytes:  # refused unread
+                        raise self._too_large(key, size, max_bytes)
+                    data = f.read(size + 1)  # (read(n) allocates n bytes first: not the cap)
+                    if len(data) > size:  # appended to since the stat (a put replaces the file whole)
+                        data += f.read(max_bytes + 1 - len(data))
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 raise self._not_found(key) from None  # a folder of keys is not an object
+        if len(data) > max_bytes:
+            raise self._too_large(key, None, max_bytes)
+        return data
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

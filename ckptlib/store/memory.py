@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_prefix
+from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
 
 # One lock for every memory store in the process: fsspec's memory filesystem is one global dict.
 _MEMORY_LOCK = threading.RLock()
@@ -26,9 +26,17 @@ class MemoryStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        path = self._path(key)
+        check_max_bytes(max_bytes)
         try:
-            return self.fs.cat_file(self._path(key))
+            if max_bytes is None:
+                return self.fs.cat_file(path)
+            with _MEMORY_LOCK:  # the size and the bytes of one version of the object
+                size = self.fs.info(path)["size"]
+                if size > max_bytes:
+                    raise self._too_large(key, size, max_bytes)
+                return self.fs.cat_file(path)
         except (FileNotFoundError, IsADirectoryError):
             raise self._not_found(key) from None
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptlib.errors import ObjectNotFound, StoreError
 
-from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_prefix
+from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
 
 # Bounded time for every request: a dead endpoint fails in seconds, a stalled one within a minute
 # (2 attempts x (5 s to connect + 20 s without a byte)). botocore's "standard" retry mode retries
@@ -147,8 +147,10 @@ class S3Store(Store):
         with self._errors("list"):
             self.fs.call_s3("list_objects_v2", Bucket=self.bucket, Prefix=prefix, MaxKeys=1, timeout=self.timeout_s)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
         path = self._path(key)
+        if check_max_bytes(max_bytes) is not None and max_bytes is not None:
+            return self._get_bounded(key, path, max_bytes)
         with self._errors("get", key):
             try:
                 return self.fs.cat_file(path, timeout=self.timeout_s)
@@ -156,6 +158,33 @@ class S3Store(Store):
                 if _s3_code(e) == "NoSuchBucket":
                     raise
                 raise self._not_found(key) from None
+
+    def _get_bounded(self, key: str, path: str, max_bytes: int) -> bytes:
+        """One ranged GET of the first ``max_bytes + 1`` bytes: bounded whatever the object is."""
+        with self._errors("get", key):
+            try:
+                data = self.fs.cat_file(path, start=0, end=max_bytes + 1, timeout=self.timeout_s)
+            except FileNotFoundError as e:
+                if _s3_code(e) == "NoSuchBucket":
+                    raise
+                raise self._not_found(key) from None
+            except OSError as e:
+                if _s3_code(e) != "InvalidRange":
+                    raise
+                data = self._empty_or_raise(key, e)  # S3 answers a range of an empty object with 416
+            if len(data) > max_bytes:
+                head = self._head(key)
+                raise self._too_large(key, int(head["ContentLength"]) if head else None, max_bytes)
+        return data
+
+    def _empty_or_raise(self, key: str, error: OSError) -> bytes:
+        """b"" when ``key`` is an empty object (whose every range is "not satisfiable")."""
+        head = self._head(key)
+        if head is None:
+            raise self._not_found(key) from None
+        if int(head.get("ContentLength", -1)) == 0:
+            return b""
+        raise error
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

@@ -15,9 +15,10 @@ of what is kept exactly).
   of a ``defaultdict``, instance attributes (a ``state_dict``'s ``_metadata``);
 * floats, complex numbers and numpy scalars by their bits (NaN payloads, -0.0, inf);
 * tensors: dtype, shape, strides (of tensors with more than one element), ``requires_grad``,
-  device, layout, Python attributes and the bytes; numpy arrays: dtype with byte order, shape,
-  strides (Fortran order) and the bytes;
-* tensors that are one object in ``expected`` are one object in ``actual``, and the other way round.
+  device, layout, the lazy conjugate/negative bits, Python attributes and the bytes; numpy arrays:
+  dtype with byte order, shape, strides (Fortran order) and the bytes;
+* tensors that are one object in ``expected`` are one object in ``actual``, and the other way round;
+  tensors that share a storage in one share it in the other, at the same byte distances.
 
 ``exact_types=False``: the data, whatever carries it: what a checkpointer that loads into tensors
 the caller allocated (DCP) or rebuilds plain containers can keep. The benchmark judges every
@@ -42,7 +43,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["assert_same_state", "differences", "first_difference", "tie_pattern"]
+__all__ = ["assert_same_state", "differences", "first_difference", "storage_pattern", "tie_pattern"]
 
 LIMIT = 20  # differences reported at most
 MAX_DEPTH = 200  # deeper than any state ckptlib saves (100 levels)
@@ -59,6 +60,10 @@ def differences(expected: Any, actual: Any, *, exact_types: bool = True, limit: 
         pa, pb = tie_pattern(expected), tie_pattern(actual)
         if pa != pb:
             walk.out.append(f"{path or '/'}: tied tensors {_groups(pa)} expected, got {_groups(pb)}")
+        else:
+            sa, sb = storage_pattern(expected), storage_pattern(actual)
+            if sa != sb:
+                walk.out.append(f"{path or '/'}: tensors sharing a storage {_shared(sa)} expected, got {_shared(sb)}")
     return walk.out
 
 
@@ -80,6 +85,27 @@ def tie_pattern(state: Any) -> list[tuple[str, str]]:
     """For each tensor, in walk order: (its path, the path of the first tensor that is the same object)."""
     first: dict[int, str] = {}
     return [(p, first.setdefault(id(t), p)) for p, t in _tensors_in_order(state, "", 0)]
+
+
+def storage_pattern(state: Any) -> list[tuple[str, str, int]]:
+    """For each tensor with elements, in walk order: (its path, the path of the first tensor that
+    shares its storage, its first byte's distance from that tensor's first byte)."""
+    first: dict[tuple, tuple[str, int]] = {}
+    out = []
+    for p, t in _tensors_in_order(state, "", 0):
+        if t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        root, root_start = first.setdefault((str(t.device), t.untyped_storage().data_ptr()), (p, start))
+        out.append((p, root, start - root_start))
+    return out
+
+
+def _shared(pattern: list[tuple[str, str, int]]) -> list[list[str]]:
+    groups: dict[str, list[str]] = {}
+    for p, root, at in pattern:
+        groups.setdefault(root, []).append(f"{p}@{at}")
+    return [g for g in groups.values() if len(g) > 1]
 
 
 # --- the walk ------------------------------------------------------------------------------------
@@ -182,7 +208,8 @@ class _Walk:
             return
         if self.exact:
             for what, x, y in (("strides", a.stride() if a.numel() > 1 else (), b.stride() if b.numel() > 1 else ()),
-                               ("requires_grad", a.requires_grad, b.requires_grad), ("device", a.device, b.device)):
+                               ("requires_grad", a.requires_grad, b.requires_grad), ("device", a.device, b.device),
+                               ("conj bit", a.is_conj(), b.is_conj()), ("neg bit", a.is_neg(), b.is_neg())):
                 if x != y:
                     self.note(path, f"{what} {x} expected, got {y}")
         if a.layout != b.layout:

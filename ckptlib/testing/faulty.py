@@ -206,9 +206,9 @@ class FaultyStore(WrapperStore):
             result = getattr(self.inner, op)(key, *data)
             return list(result) if op == "scan" else result
 
-        if args:
-            return self._call(op, key, do, args[0])
-        return self._call(op, key, do)
+        if args and op in ("put", "put_if_absent"):
+            return self._call(op, key, do, args[0])  # the bytes written (what truncate halves)
+        return self._call(op, key, lambda: do(*args))  # e.g. get's max_bytes
 
     def remove_stale_temp(self, older_than: float) -> list[str]:
         return self._call("remove_stale_temp", "", lambda: self.inner.remove_stale_temp(older_than))

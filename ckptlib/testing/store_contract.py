@@ -165,6 +165,70 @@ class StoreContract:
         assert store.put_if_absent("chunks/big/2", data[:10]) is False
         assert self.raw_get(store, "chunks/big/2") == data
 
+    # --- bounded reads (get with max_bytes) ---------------------------------------------------------
+
+    def test_bounded_get_returns_what_fits(self, store: Store) -> None:
+        self.raw_put(store, "manifests/1.json", b"0123456789")
+        self.raw_put(store, "empty", b"")
+        assert store.get("manifests/1.json", max_bytes=10) == b"0123456789"
+        assert store.get("manifests/1.json", max_bytes=1 << 30) == b"0123456789"
+        assert store.get("empty", max_bytes=0) == b"" and store.get("empty", max_bytes=5) == b""
+        assert isinstance(store.get("manifests/1.json", max_bytes=10), bytes)
+
+    def test_bounded_get_refuses_what_does_not_fit(self, store: Store) -> None:
+        from ckptlib.errors import CorruptCheckpoint, ObjectTooLarge
+
+        self.raw_put(store, "heartbeats/x.json", b"x" * 4097)
+        for cap in (0, 1, 4096):
+            with pytest.raises(ObjectTooLarge) as err:
+                store.get("heartbeats/x.json", max_bytes=cap)
+            e = err.value
+            assert isinstance(e, CorruptCheckpoint) and e.cap == cap and e.size in (4097, None)
+            assert "heartbeats/x.json" in str(e) and f"the {cap} bytes" in str(e) and store.url in str(e)
+        assert store.get("heartbeats/x.json") == b"x" * 4097  # unbounded: as before
+
+    def test_bounded_get_reads_no_more_than_the_cap(self, store: Store) -> None:
+        """A 12 MiB object refused under a 1 KiB cap: the read is bounded, not the whole object
+        first (measured as Python allocations, which hold every byte a backend returns)."""
+        import tracemalloc
+
+        from ckptlib.errors import ObjectTooLarge
+
+        self.raw_put(store, "manifests/9.json", bytes(12 << 20))
+        tracemalloc.start()
+        try:
+            with pytest.raises(ObjectTooLarge):
+                store.get("manifests/9.json", max_bytes=1024)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"a refused bounded read allocated {peak} bytes"
+
+    def test_bounded_get_under_a_large_cap_allocates_what_it_reads(self, store: Store) -> None:
+        """A 1 KiB object read under a 1 GiB cap costs about 1 KiB (not a buffer of the cap)."""
+        import tracemalloc
+
+        self.raw_put(store, "manifests/2.json", b"m" * 1024)
+        tracemalloc.start()
+        try:
+            assert store.get("manifests/2.json", max_bytes=1 << 30) == b"m" * 1024
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20, f"a bounded read of 1 KiB allocated {peak} bytes"
+
+    def test_bounded_get_of_a_missing_key_or_a_folder(self, store: Store) -> None:
+        store.put("reports/3/summary.json", b"{}")
+        for key in ("manifests/7.json", "reports/3"):
+            with pytest.raises(ObjectNotFound):
+                store.get(key, max_bytes=100)
+
+    @pytest.mark.parametrize("bad", [-1, 1.5, True, "10"])
+    def test_bounded_get_refuses_a_bad_cap(self, store: Store, bad: Any) -> None:
+        store.put("a", b"x")
+        with pytest.raises(ValueError, match="max_bytes"):
+            store.get("a", max_bytes=bad)
+
     # --- missing keys -----------------------------------------------------------------------------
 
     def test_missing_key_raises_object_not_found(self, store: Store) -> None:

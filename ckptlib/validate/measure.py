@@ -6,7 +6,9 @@ same pass that yields the tensors), one part at a time (memory: one part, plus t
 are compared with), and returns a ``Measurement``:
 
 * ``tensors``: a row per stored tensor of every part (integrity, dtype/shape, NaN/Inf counts,
-  range, norm, relative change against the previous healthy checkpoint, Adam second-moment minimum);
+  range, norm, relative change against the previous healthy checkpoint, Adam second-moment minimum):
+  a row per leaf and per view of a storage leaf; a storage leaf's own row (role ``storage``: the
+  bytes its views share, gaps included) has integrity only, its views have the statistics;
 * ``parts``: a row per part of the cut (step, config hash, optimizer step counters, loss), plus the
   columns and rows the extensions add (``checks.PartChecks``);
 * the integrity problems, the errors of checks that could not run, and summary entries.
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import commit
+from ..distributed.restoring import part_views
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from ..leaves import finish_leaf
 from ..manifest import Fragment, Manifest
@@ -34,15 +37,17 @@ from ..store import Store
 from ..tree import unflatten
 from .checks import CutView, Findings, PartChecks
 from .stats import (
+    TensorEntry,
+    entry_value,
     loss_of,
     mode,
     model_filter,
-    norm_path,
     optimizer_steps,
     rel_change,
     role,
     skeleton_state,
     spec_ok,
+    tensor_entries,
     tensor_stats,
 )
 from .thresholds import Thresholds
@@ -151,14 +156,15 @@ class _Measure:
         # bases first: a part's shapes are compared with its base's in this cut
         names = sorted(m.parts, key=lambda n: (n not in bases, _natural(n)))
         models: dict[str, dict[str, Any]] = {}
+        views: list[tuple[str, Fragment]] = []  # a group's part is measured rank by rank (docs/validation.md)
         for name in names:
             try:
-                frag = commit.load_part(self.store, m, name)
+                views += part_views(self.store, self.pool, m, name).items()
             except CorruptCheckpoint as e:  # its fragment is missing, damaged or malformed
                 self.out.problems.append(Problem(self.step, name, "/", None, m.parts[name].key, str(e)))
                 self.out.tensor_rows.append({"part": name, "tensor": "/", "role": "part", "intact": False,
                                              "problem": str(e)})
-                continue
+        for name, frag in views:
             self.frags[name] = frag
             leaves, problems = self._inspect(frag)
             self.out.problems += problems
@@ -167,12 +173,13 @@ class _Measure:
                 state = unflatten(frag.skeleton, leaves, [leaf.spec for leaf in frag.leaves])
             except CorruptCheckpoint as e:
                 self.out.problems.append(Problem(self.step, name, "/", None, None, str(e)))
+            entries = tensor_entries(frag)
             if name in bases:
                 keep = model_filter(m.single)
-                models[name] = {norm_path(leaf.spec.path): o for leaf, o in zip(frag.leaves, leaves, strict=True)
-                                if o is not None and keep(norm_path(leaf.spec.path))}
+                values = {e.path: entry_value(e, leaves) for e in entries if not e.storage and keep(e.path)}
+                models[name] = {p: o for p, o in values.items() if o is not None}
             base = self.base(name)
-            self._tensor_rows(name, frag, leaves, problems, models.get(base, {}) if base != name else {})
+            self._tensor_rows(name, frag, entries, leaves, problems, models.get(base, {}) if base != name else {})
             self._part_row(name, frag, state)
             del leaves, state
         self._extensions()
@@ -191,24 +198,30 @@ class _Measure:
         # the models compared with: each part's base, or the part itself where the base is not there
         wanted = {b if b in m.parts else p for p in parts for b in [self.base(p)]}
         frags, models, states = {}, {}, {}
-        for name in m.parts:
+        for part in m.parts:
             try:
-                frag = frags[name] = commit.load_part(self.store, m, name)
-                states[name] = skeleton_state(frag)
-                if name in wanted or m.single:
-                    models[name] = self._restore_leaves(frag, model_filter(m.single))
+                for name, frag in part_views(self.store, self.pool, m, part).items():
+                    frags[name] = frag
+                    states[name] = skeleton_state(frag)
+                    if name in wanted or m.single:
+                        models[name] = self._restore_leaves(frag, model_filter(m.single))
             except CheckpointError as e:
-                log.warning("cannot read part %s of step %d (%s): no reference for it", name, prev, e)
+                log.warning("cannot read part %s of step %d (%s): no reference for it", part, prev, e)
         return Reference(prev, m, frags, models, states)
 
     def _restore_leaves(self, frag: Fragment, wanted: Callable[[str], bool]) -> dict[str, Any]:
-        """The intact leaves of ``frag`` whose path satisfies ``wanted``, by normalised path."""
-        idx = [i for i, leaf in enumerate(frag.leaves) if wanted(norm_path(leaf.spec.path))]
+        """The intact tensors of ``frag`` (leaves and views) whose path satisfies ``wanted``, by
+        normalised path."""
+        entries = [e for e in tensor_entries(frag) if not e.storage and wanted(e.path)]
+        idx = sorted({e.leaf for e in entries})
         if not idx:
             return {}
         objects, _, _ = decode_leaves(frag, self.store, self.pool, idx)
-        return {norm_path(frag.leaves[i].spec.path): finish_leaf(obj, frag.leaves[i].spec, "cpu")
-                for i, obj in objects.items()}
+        leaves = [None] * len(frag.leaves)
+        for i, obj in objects.items():
+            leaves[i] = finish_leaf(obj, frag.leaves[i].spec, "cpu")
+        values = {e.path: entry_value(e, leaves) for e in entries}
+        return {p: o for p, o in values.items() if o is not None}
 
     def _inspect(self, frag: Fragment) -> tuple[list[Any], list[Problem]]:
         """Decode a part once: (leaves, problems); a damaged leaf is None, the rest are measured."""
@@ -237,13 +250,13 @@ class _Measure:
             return None
         if name not in self._ref_shapes:
             frag = ref.fragments.get(name)
-            self._ref_shapes[name] = {} if frag is None else {norm_path(leaf.spec.path): tuple(leaf.spec.shape)
-                                                              for leaf in frag.leaves}
+            self._ref_shapes[name] = {} if frag is None else {e.path: tuple(e.shape) for e in tensor_entries(frag)
+                                                              if not e.storage}
         return self._ref_shapes[name].get(path)
 
     # -- rows --
-    def _tensor_rows(self, part: str, frag: Fragment, leaves: list[Any], problems: list[Problem],
-                     base_model: dict[str, Any]) -> None:
+    def _tensor_rows(self, part: str, frag: Fragment, entries: list[TensorEntry], leaves: list[Any],
+                     problems: list[Problem], base_model: dict[str, Any]) -> None:
         single = self.m.single
         why: dict[str, str] = {}
         for p in problems:
@@ -251,18 +264,21 @@ class _Measure:
         if "/" in why:  # a part-wide problem (logical digest, skeleton): one row for the part itself
             self.out.tensor_rows.append({"part": part, "tensor": "/", "role": "part", "intact": False,
                                          "problem": why["/"]})
-        for leaf, obj in zip(frag.leaves, leaves, strict=True):
-            path = norm_path(leaf.spec.path)
-            kind = role(path, single)
-            spec = leaf.spec
+        for entry in entries:
+            spec = entry if entry.view is not None else frag.leaves[entry.leaf].spec
+            path, obj = entry.path, entry_value(entry, leaves)
+            kind = "storage" if entry.storage else role(path, single)
             row: dict[str, Any] = {"part": part, "tensor": path, "role": kind, "dtype": spec.dtype,
                                    "shape": "x".join(map(str, spec.shape)) or "scalar",
                                    "numel": math.prod(spec.shape)}
-            problem = why.get(leaf.spec.path)
+            problem = why.get(frag.leaves[entry.leaf].spec.path)
             row["intact"] = problem is None
             row["problem"] = problem
             row["spec_ok"] = spec_ok(obj, spec) if obj is not None else (
                 spec.nbytes == math.prod(spec.shape) * spec.itemsize)
+            if entry.storage:  # bytes that views share (gaps included): its views are measured
+                self.out.tensor_rows.append(row)
+                continue
             # shape references: the previous healthy checkpoint, and the model this part starts from
             refs = [self._reference_shape(part, path)]
             if path in base_model:

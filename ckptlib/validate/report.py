@@ -88,7 +88,8 @@ def _lineage_html(lineage: dict | None) -> str:
 
 def run_history(store: Store, *, override: Verdict | None = None) -> list[dict]:
     """One row per committed step: bytes, loss and verdict. Verdicts carry the numbers; a step
-    without one costs one manifest read. ``override`` is a fresh verdict not yet stored."""
+    without one costs one manifest read, and one whose manifest cannot be read has ``damaged``:
+    the reason (one line), and the other rows go on. ``override`` is a fresh verdict not yet stored."""
     verdicts = list_verdicts(store)
     if override is not None:
         verdicts[override.step] = override
@@ -100,15 +101,16 @@ def run_history(store: Store, *, override: Verdict | None = None) -> list[dict]:
                "failed": list(v.failed) if v is not None else [],
                "bytes_written": s.get("bytes_written"), "logical_bytes": s.get("logical_bytes"),
                "loss": s.get("loss"), "eval_loss": s.get("eval_loss"), "kind": s.get("kind"),
-               "report": v.report.get("html") if v is not None else None}
+               "report": v.report.get("html") if v is not None else None, "damaged": None}
         if row["logical_bytes"] is None:
             try:
                 m = commit.read_manifest(store, step)
-                loss, ev = manifest_loss(store, m)
+                loss, ev = manifest_loss(store, m, strict=True)  # (its skeletons are checked too)
                 row.update(bytes_written=m.bytes_written, logical_bytes=m.logical_bytes, loss=loss,
                            eval_loss=ev, kind=m.kind)
             except CheckpointError as e:
                 log.warning("step %d of %s: manifest unreadable for the report (%s)", step, store.url, e)
+                row["damaged"] = " ".join(str(getattr(e, "reason", e)).split())[:500]
         rows.append(row)
     return rows
 
@@ -304,11 +306,20 @@ def index_rows(store: Store, history: list[dict] | None = None) -> list[dict]:
     """Every committed checkpoint with its verdict and report location (for ``ckpt report``)."""
     rows = [dict(r) for r in (run_history(store) if history is None else history)]
     for r in rows:
-        r["verdict"] = "passed" if r["passed"] else "failed" if r["passed"] is False else "not validated"
+        r["verdict"] = ("damaged" if r.get("damaged") else "passed" if r["passed"] else
+                        "failed" if r["passed"] is False else "not validated")
         r["ratio"] = (round(r["logical_bytes"] / max(r["bytes_written"], 1), 2)
                       if r.get("logical_bytes") is not None and r.get("bytes_written") is not None else None)
         r["report_url"] = f"{store.url}/{r['report']}" if r.get("report") else None
     return rows
+
+
+def damaged_note(rows: list[dict]) -> str:
+    """", 1 damaged (step 3: ckpt quarantine moves it aside)" when some row is damaged, else ""."""
+    bad = [r["step"] for r in rows if r.get("damaged")]
+    if not bad:
+        return ""
+    return f", {len(bad)} damaged (step {', '.join(map(str, bad))}: `ckpt quarantine` moves a step aside)"
 
 
 def write_run_index(store: Store, history: list[dict] | None = None) -> str:
@@ -322,15 +333,17 @@ def write_run_index(store: Store, history: list[dict] | None = None) -> str:
            _lineage_html(run_lineage(store)),
            f"<p>{len(rows)} committed, {sum(1 for r in rows if r['passed'])} healthy (committed and passed), "
            f"{sum(1 for r in rows if r['passed'] is False)} failed, "
-           f"{sum(1 for r in rows if r['passed'] is None)} not validated.</p>",
+           f"{sum(1 for r in rows if r['passed'] is None)} not validated"
+           f"{damaged_note(rows)}.</p>",
            "<table><tr><th>step</th><th>verdict</th><th>failed expectations</th><th>kind</th>"
            "<th>bytes written</th><th>full size</th><th>ratio</th><th>loss</th><th>report</th></tr>"]
     for r in rows:
-        cls = "pass" if r["passed"] else "fail" if r["passed"] is False else ""
+        cls = "pass" if r["passed"] and not r.get("damaged") else "fail" if r["passed"] is False or r.get("damaged") else ""
         link = f"<a href='{r['step']}/index.html'>report</a>" if r.get("report") else ""
         loss = _num(r.get("loss"))
+        failed = ", ".join(r["failed"]) if not r.get("damaged") else r["damaged"]
         out.append(f"<tr><td>{r['step']}</td><td class='{cls}'>{_esc(r['verdict'])}</td>"
-                   f"<td>{_esc(', '.join(r['failed']))}</td><td>{_esc(r.get('kind'))}</td>"
+                   f"<td>{_esc(failed)}</td><td>{_esc(r.get('kind'))}</td>"
                    f"<td>{_esc(_mib(r.get('bytes_written')))}</td><td>{_esc(_mib(r.get('logical_bytes')))}</td>"
                    f"<td>{_esc(r.get('ratio'))}</td><td>{'' if loss is None else f'{loss:.4f}'}</td>"
                    f"<td>{link}</td></tr>")

@@ -9,6 +9,7 @@ read). Specs themselves are checked by ckptlib when a fragment is read (``LeafSp
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,11 @@ import torch
 
 from .. import commit
 from ..errors import CheckpointError
+from ..leaves import view_of
 from ..manifest import Fragment, Manifest
 from ..store import Store
-from ..tree import unflatten
+from ..tree import unflatten, view_paths
+from ..types import TORCH_DTYPES, View
 
 
 def norm_path(path: str) -> str:
@@ -64,7 +67,11 @@ def _as_torch(obj: Any) -> torch.Tensor | None:
 
 
 def _floating(t: torch.Tensor) -> torch.Tensor | None:
-    """A float32/64 view of a floating or complex tensor for statistics; None for integers/bools."""
+    """A float32/64 view of a floating or complex tensor for statistics; None for integers, bools
+    and dtypes torch has no arithmetic for (packed float4, raw bits)."""
+    if TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."), (0, "f"))[1] in ("f4", "x"):
+        return None
+    t = t.resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)
     if not t.is_floating_point():
@@ -114,6 +121,46 @@ def rel_change(cur: Any, ref: Any, floor: float, *, cur_finite: bool = False) ->
             fa, fb = fa[ok], fb[ok]
     denom = max(float(torch.linalg.vector_norm(fb)), floor * math.sqrt(max(fa.numel(), 1)))
     return float(torch.dist(fa, fb)) / denom if denom > 0 else None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a part as validation tables it: a leaf, or a view of a storage leaf (then its
+    bytes are the storage's, ``leaf``), or a storage leaf itself (``storage``: bytes that views
+    share, not a tensor of the model: integrity only, no statistics)."""
+
+    path: str  # normalised (no leading '/')
+    leaf: int
+    dtype: str
+    shape: tuple[int, ...]
+    itemsize: int
+    view: View | None = None
+    storage: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+def tensor_entries(frag: Fragment) -> list[TensorEntry]:
+    """Every leaf of ``frag``, then every distinct view of its storage leaves (by skeleton path)."""
+    out = [TensorEntry(norm_path(leaf.spec.path), i, leaf.spec.dtype, leaf.spec.shape, leaf.spec.itemsize,
+                       storage=leaf.spec.kind == "storage") for i, leaf in enumerate(frag.leaves)]
+    for path, v in view_paths(frag.skeleton):
+        if 0 <= v.storage < len(frag.leaves) and frag.leaves[v.storage].spec.kind == "storage":
+            out.append(TensorEntry(norm_path(path), v.storage, v.dtype, v.shape, v.itemsize, view=v))
+    return out
+
+
+def entry_value(entry: TensorEntry, leaves: list[Any]) -> Any:
+    """The entry's tensor from the decoded leaves (None when its leaf is damaged or does not hold it)."""
+    obj = leaves[entry.leaf]
+    if entry.view is None or obj is None:
+        return obj
+    try:
+        return view_of(obj, entry.view)
+    except (ValueError, RuntimeError):
+        return None  # a view outside its storage: the skeleton check reports it
 
 
 class _Leaf:
@@ -192,19 +239,25 @@ def loss_of(state: Any, frag: Fragment) -> tuple[float | None, float | None]:
     return loss, ev
 
 
-def manifest_loss(store: Store, m: Manifest) -> tuple[float | None, float | None]:
+def manifest_loss(store: Store, m: Manifest, *, strict: bool = False) -> tuple[float | None, float | None]:
     """The loss of a checkpoint without reading a chunk: the manifest's ``meta``, else the mean of
-    what its parts record (``loss_of``; one read per part whose fragment is not embedded)."""
+    what its parts record (``loss_of``; one read per part whose fragment is not embedded). A part
+    that cannot be read (or whose skeleton is not one save writes) records no loss; ``strict``: it
+    raises (CorruptCheckpoint)."""
     loss, ev = scalar(m.meta.get("loss")), scalar(m.meta.get("eval_loss"))
-    if loss is not None:
+    if loss is not None and not strict:
         return loss, ev
     found = []
     for name in m.parts:
         try:
             frag = commit.load_part(store, m, name)
+            found.append(loss_of(skeleton_state(frag), frag))
         except CheckpointError:
-            continue  # a damaged part records no loss; integrity checks report it
-        found.append(loss_of(skeleton_state(frag), frag))
+            if strict:
+                raise
+            continue  # integrity checks report it
+    if loss is not None:
+        return loss, ev
     losses = [x for x, _ in found if x is not None]
     evals = [e for _, e in found if e is not None]
     if ev is None and evals:

@@ -54,6 +54,7 @@ class Verdict(Document):
 
     KIND = "validation verdict"
     FORMAT = VERDICT_FORMAT
+    MAX_BYTES = commit.VERDICT_MAX_BYTES
 
     step: int
     run: str
@@ -86,17 +87,14 @@ def error_verdict(step: int, run: str, error: BaseException | str,
 def read_verdict(store: Store, step: int) -> Verdict | None:
     """The verdict of ``step``; None when it was never validated. A verdict that does not parse
     reads as failed (``unreadable_verdict``): an unreadable verdict must not make a checkpoint healthy."""
-    key = commit.validation_key(step)
     try:
-        data = store.get(key)
+        return Verdict.read(store, commit.validation_key(step))
     except ObjectNotFound:
         return None
-    try:
-        return Verdict.from_json(data, f"{store.url}/{key}")
     except DocumentError as e:
         log.warning("%s", e)
         return Verdict(step=step, run=store.url, passed=False, failed=(UNREADABLE,),
-                       failures=(Failure(UNREADABLE, 1, (str(e),), "the verdict could be read back"),))
+                       failures=(Failure(UNREADABLE, 1, (str(e),), "the verdict could not be read back"),))
 
 
 def list_verdicts(store: Store) -> dict[int, Verdict]:
