@@ -283,7 +283,7 @@ class PartRef:
         return cls(name, frag.digest, frag.generation, frag.logical_bytes, frag.bytes_written, frag.stored_bytes,
                    dict(frag.stats), frag.config_hash, frag if embed else None,
                    None if embed else fragment_key(frag.step, frag.part, frag.generation), checksum,
-                   None if embed else getattr(frag, "document_bytes", None))
+                   None if embed else frag.document_bytes)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"digest": self.digest, "generation": self.generation,

@@ -247,6 +247,7 @@ class GroupFragment:
     stats: dict[str, int] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     format: int = GROUP_FORMAT
+    document_bytes: int | None = field(default=None, compare=False)  # bytes of the object it was read from
 
     @property
     def stored_bytes(self) -> int:
@@ -339,7 +340,8 @@ def parse_any_fragment(d: Any) -> AnyFragment:
 
 def loads_any_fragment(data: bytes, where: str) -> AnyFragment:
     """A fragment document of any kind: a part's, a rank's (``RankFragment``) or a group's."""
-    return _parse(_AnyFragment, data, where, MAX_FRAGMENT_BYTES)
+    frag = _parse(_AnyFragment, data, where, MAX_FRAGMENT_BYTES)
+    return replace(frag, document_bytes=len(data))  # what a manifest committing it records
 
 
 def loads_rank_fragment(data: bytes, where: str) -> RankFragment:
