@@ -26,6 +26,7 @@ from . import cmd_quarantine  # noqa: E402,F401  quarantine
 from . import cmd_export  # noqa: E402,F401  export
 from . import cmd_demo  # noqa: E402,F401  demo
 from . import cmd_train  # noqa: E402,F401  train
+from . import cmd_soak  # noqa: E402,F401  soak
 from . import cmd_validate  # noqa: E402,F401  validate, report
 from . import cmd_watchdog  # noqa: E402,F401  watchdog, status
 # isort: on

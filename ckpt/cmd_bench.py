@@ -57,6 +57,9 @@ def bench(
         "--distributed", help="Instead: FSDP2 jobs (gloo on CPU) checkpointed by ckptlib's collective Checkpointer "
                               "and by DCP, side by side (default workloads tinylm,finetune; --size small).")] = False,
     ranks: Annotated[str, typer.Option("--ranks", help="With --distributed: the world sizes, in order.")] = "2,4",
+    recovery: Annotated[bool, typer.Option(
+        "--recovery", help="Instead: what shard checkpoints cost at the default cadence, the round's fragment's "
+                           "bytes, back-to-training time with and without the local tier (bench/recovery.py).")] = False,
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
@@ -65,6 +68,9 @@ def bench(
             return
         if distributed:
             _bench_distributed(workloads, ranks, saves, steps_between, size, store, json_out)
+            return
+        if recovery:
+            _bench_recovery(_names(workloads, "workloads"), json_out)
             return
         import os
 
@@ -119,6 +125,14 @@ def _bench_distributed(workloads: str | None, ranks: str, saves: int | None, ste
 
 
 _DEFAULT_WORKLOADS = "tinylm,recsys,finetune,finetune-bf16,dense-lm"
+
+
+def _bench_recovery(workloads: tuple[str, ...], json_out: str | None) -> None:
+    from bench.recovery import render, run
+
+    result = run(workloads, progress=lambda m: typer.echo(m, err=True))
+    _write_json(json_out, result)
+    typer.echo(render(result))
 
 
 def _write_json(path: str | None, data: Any) -> None:

@@ -212,6 +212,9 @@ def _print_summary(console, s: dict, params) -> None:
     from trainrun.watchdog import Decision, describe
     from trainrun.watchdog.decisions import SUMMARY
 
+    from .progress import summary_lines
+
+    lines += summary_lines(s)
     for d in s.get("watchdog") or []:
         if d["kind"] in SUMMARY:
             lines.append(f"  watchdog        {describe(Decision.from_dict(d))}")

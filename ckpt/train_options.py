@@ -86,6 +86,12 @@ class TrainOptions:
                                   help="Show Prefect's log lines instead of the live table.")] = False
     heartbeat_every: Annotated[float, _opt("--heartbeat-every", metavar="S", panel=FAILURES,
                                            help="Seconds between a shard's heartbeats.")] = 2.0
+    shard_checkpoint_every: Annotated[str, _opt("--shard-checkpoint-every", metavar="N|auto", panel=FAILURES,
+                                                help="Each shard checkpoints its own state every N steps of a round "
+                                                     "(0: never; auto: at about 2% of its training time), so a "
+                                                     "failed shard continues from there (docs/training.md).")] = "auto"
+    no_local_tier: Annotated[bool, _opt("--no-local-tier", panel=FAILURES, help="Keep shard checkpoints in the "
+                                        "store only, not also in this host's /dev/shm.")] = False
     no_watchdog: Annotated[bool, _opt("--no-watchdog", panel=FAILURES, help="Run no watchdog beside the run (leave "
                                       "hung or dead shards to `ckpt watchdog` or the watchdog deployment).")] = False
     watchdog_timeout: Annotated[float, _opt("--watchdog-timeout", metavar="S", min=0.1, panel=FAILURES,
@@ -101,7 +107,7 @@ class TrainOptions:
         given = {field: getattr(self, name) for name, field in CLI_FIELDS.items()}
         return TrainParams(**{**given, "run_id": run_id, "workload_extra": workload_extra, "chaos": list(self.chaos or []),
                               "storage_options": StorageOptions(storage_options) if storage_options else None,
-                              "validate_checkpoints": not self.no_validate})
+                              "validate_checkpoints": not self.no_validate, "local_tier": not self.no_local_tier})
 
 
 # option -> TrainParams field, for every option that is one (the others: output, the watchdog, --no-validate)
@@ -111,6 +117,7 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "outer_momentum": "outer_momentum", "torch_threads": "torch_threads", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
+              "shard_checkpoint_every": "shard_checkpoint_every",
               "storage_options": "storage_options", "credentials_block": "credentials_block"}
 
 

@@ -12,8 +12,9 @@ or, if nobody asked the future, from the next call. A retry of the same step the
 Memory: a Checkpointer holds one delta base per part, at most one copy of the state: after a
 save, the bytes of what it saved (a background save's snapshot becomes the base, a synchronous
 save copies into the previous base's buffers); after ``restore(keep_base=True)``, a copy of what
-it restored. Restores allocate only the state they return (or nothing, with ``into=``) plus a few
-chunks per thread.
+it restored. A part that also writes sub-step fragments (``write_fragment_async(substep=)``) holds
+one more: the newest sub-step's bytes, beside its own base. Restores allocate only the state they
+return (or nothing, with ``into=``) plus a few chunks per thread.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
 
 from . import commit
 from .bases import Base, DeltaBases, base_of
@@ -77,16 +80,18 @@ class CommitInfo:
         return self.logical_bytes / max(self.bytes_written, 1)
 
 
-class SaveFuture(Future):
-    """What ``save_async`` returns: ``result()`` gives the ``CommitInfo`` or raises the save's error.
-    An error taken from here is not raised again by the Checkpointer's next call."""
+class SaveFuture(Future, Generic[T]):
+    """What ``save_async`` (and ``write_fragment_async``) returns: ``result()`` gives the ``CommitInfo``
+    (the ``Fragment``) or raises the save's error. An error taken from here is not raised again by
+    the Checkpointer's next call."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, what: str = "save"):
         super().__init__()
         self.step = step
+        self.what = what
         self.observed = False
 
-    def result(self, timeout: float | None = None) -> CommitInfo:
+    def result(self, timeout: float | None = None) -> T:
         try:
             value = super().result(timeout)
         except FutureTimeout:
@@ -148,7 +153,7 @@ class Checkpointer:
         # step dropped may be committed again with another state. Fragments a manifest names are
         # immutable by their checksum, so the last few are kept.
         self._fragments: OrderedDict[tuple, AnyFragment] = OrderedDict()
-        self._inflight: SaveFuture | None = None
+        self._inflight: SaveFuture[Any] | None = None
         self._marked = False
         self._closed = False
         self._lock = threading.Lock()
@@ -179,7 +184,7 @@ class Checkpointer:
                              buffers=self._bases.buffers(SINGLE_PART).take)
         return self._persist(step, snap, meta, t0, blocked=None)
 
-    def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture:
+    def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture[CommitInfo]:
         """Return once ``state`` is copied; the caller may then change it. At most one save is in
         flight: this first waits for the previous one (and raises its error if nobody took it
         from its future)."""
@@ -190,27 +195,29 @@ class Checkpointer:
         if self._collective is not None:
             pending = self._group_begin(step, state, meta, copy=True)
             blocked = time.perf_counter() - t0
-            return self._in_background(step, lambda: self._group_persist(pending, t0, blocked))
+            group_fut: SaveFuture[CommitInfo] = SaveFuture(step)
+            self._in_background(group_fut, lambda: self._group_persist(pending, t0, blocked))
+            return group_fut
         buffers = self._bases.buffers(SINGLE_PART).take
         snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers)
         secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
-        return self._in_background(step, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
+        fut: SaveFuture[CommitInfo] = SaveFuture(step)
+        self._in_background(fut, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
+        return fut
 
-    def _in_background(self, step: int, persist: Callable[[], CommitInfo]) -> SaveFuture:
-        fut = SaveFuture(step)
-
+    def _in_background(self, fut: SaveFuture[Any], work: Callable[[], Any]) -> None:
+        """Run ``work`` in the persisting thread, its result or error into ``fut`` (the one in flight)."""
         def run() -> None:
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                fut.set_result(persist())
+                fut.set_result(work())
             except BaseException as e:  # noqa: BLE001 - delivered through the future
                 fut.set_exception(e)
 
         with self._lock:
             self._inflight = fut
         self._background.submit(run)
-        return fut
 
     def wait(self) -> None:
         """Block until no save is in flight; raise the error of a failed background save that
@@ -227,7 +234,7 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001
             if not fut.observed:
                 fut.observed = True
-                raise CheckpointError(f"the background save of step {fut.step} failed: {e}") from e
+                raise CheckpointError(f"the background {fut.what} of step {fut.step} failed: {e}") from e
 
     def _committed_base(self, key: str) -> Base | None:
         """The delta base of a part this writer has neither saved nor restored yet: the blob table of
@@ -269,10 +276,15 @@ class Checkpointer:
         make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
         manifest, or write a fragment). Only once that succeeded does the result become the part's
         next base; a failure forgets the base's bytes (a save that read the caller's memory in place
-        may have written over them). ``base_key``: whose base it is, when not the part's (a rank's
-        fragment of a group's part)."""
+        may have written over them). ``base_key``: whose chain of bases it is, when not the part's: a
+        rank's fragment of a group's part (``part#r<rank>``), or the part's sub-step fragments'
+        (``_substep_base``), which starts from the part's own base and leaves it as it is."""
         key = base_key or part
-        base = self._bases.get(key)
+        substeps = key == _substep_base(part)
+        base = self._bases.held(key) if substeps else self._bases.get(key)
+        own_chain = base is not None or not substeps
+        if base is None and substeps:
+            base = self._bases.get(part)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
             try:
@@ -296,7 +308,8 @@ class Checkpointer:
                 self._bases.forget_bytes(key)
                 raise
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
-        self._bases.adopt(key, enc.next_base, base, keep_spare)  # type: ignore[arg-type]
+        # a sub-step chain's first base is the part's own: its buffers are never handed out as spares
+        self._bases.adopt(key, enc.next_base, base, keep_spare and own_chain)  # type: ignore[arg-type]
         return result
 
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
@@ -573,31 +586,87 @@ class Checkpointer:
             out = saving.persist(self, self._collective, self._group_begin(step, state, meta, copy=False, target=target))
             assert isinstance(out, GroupFragment)
             return out
+        self._drain()
         commit.check_live(self.store, part, generation)
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False, buffers=self._bases.buffers(part).take)
+        return self._write_snapshot(snap, step, part, generation, None, config_hash, meta)
+
+    def write_fragment_async(self, step: int, part: str, state: Any, *, generation: int = 0,
+                             substep: int | None = None, config_hash: str | None = None, meta: dict | None = None,
+                             on_written: Callable[[Fragment, Mapping[str, np.ndarray]], None] | None = None,
+                             ) -> SaveFuture[Fragment]:
+        """``write_fragment`` in the background: returns once ``state`` is copied (the caller may then
+        change it); encoding, uploads and the fragment run in a thread of their own, and the
+        future's ``result()`` is the stored ``Fragment``. At most one write or save is in flight:
+        this first waits for the previous one (and raises its error if nobody took it).
+
+        ``substep``: a sub-step fragment (``commit.substep_key``), ``part``'s progress ``substep``
+        sub-steps into the cut at ``step`` (a shard's checkpoint within a round): part of no cut,
+        read back with ``read_fragment(substep=)``. Sub-step fragments chain their own delta bases:
+        the first is a delta against the part's base (e.g. the cut it started from), each next one
+        against the previous; the part's own base, which its fragment of the cut deltas against,
+        stays as it was. ``on_written(fragment, raw)``: called in the background once the fragment is
+        stored, with the raw bytes of its units by raw checksum (valid during the call), e.g. to keep
+        a local copy."""
+        commit.check_step(step)
+        commit.check_part_name(part)
+        if substep is not None and (isinstance(substep, bool) or not isinstance(substep, int) or substep < 0):
+            raise ValueError(f"substep must be a non-negative int or None, got {substep!r}")
+        self._check_open()
+        self._drain()
+        base_key = _substep_base(part) if substep is not None else part
+        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True,
+                             buffers=self._bases.buffers(base_key).take)
+        fut: SaveFuture[Fragment] = SaveFuture(step, f"write of part '{part}'")
+
+        def work() -> Fragment:
+            commit.check_live(self.store, part, generation)
+            frag = self._write_snapshot(snap, step, part, generation, substep, config_hash, meta)
+            held = self._bases.held(base_key)
+            if on_written is not None and held is not None:
+                on_written(frag, _unit_bytes(snap, held))
+            return frag
+
+        self._in_background(fut, work)
+        return fut
+
+    def _write_snapshot(self, snap: Snapshot, step: int, part: str, generation: int, substep: int | None,
+                        config_hash: str | None, meta: dict | None) -> Fragment:
+        key = commit.substep_key(step, part, generation, substep) if substep is not None else None
+        if substep is not None:
+            meta = {**(meta or {}), "substep": substep}
 
         def publish(enc: EncodedPart) -> Fragment:
             commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
-            commit.put_fragment(self.store, enc.fragment)
+            commit.put_fragment(self.store, enc.fragment, key)
             return enc.fragment
 
-        return self._save_part(snap, part, step, publish, generation=generation, config_hash=config_hash, meta=meta)
+        return self._save_part(snap, part, step, publish, base_key=_substep_base(part) if substep is not None else None,
+                               generation=generation, config_hash=config_hash, meta=meta)
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
                       device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
-                      fragment: AnyFragment | None = None, into: Any = None, rank: int | None = None) -> Any:
+                      fragment: AnyFragment | None = None, into: Any = None, rank: int | None = None,
+                      substep: int | None = None, known: Mapping[str, np.ndarray] | None = None) -> Any:
         """The state in a (possibly not yet committed) fragment; generation None = the live one.
         Used by a coordinator to combine the shards of a cut before it commits it. ``adopt=True``
         makes the fragment the delta base of this Checkpointer's next write of ``part`` (as
         ``restore(keep_base=True)`` does). ``select``: only these top-level keys or '/'-paths
         (as in ``restore``). ``fragment``: that fragment, already read (e.g. by ``commit.gather``):
         it is not read again. ``into``: fill that state's tensors in place (as ``restore`` does).
+        ``substep``: the sub-step fragment ``substep`` instead (``write_fragment_async(substep=)``);
+        adopted, it is the base of the part's next sub-step write. ``known``: raw bytes of units the
+        caller holds, by raw checksum (e.g. a local copy): used instead of reading their objects, and
+        checked against their checksums like any chunk.
 
         A group's part comes back as saved rank ``rank`` had it (default: this process's rank in
         its collective group, else 0), sharded tensors whole or filled into ``into``'s DTensor
         shards; no collective call is made (each rank reads what it needs)."""
+        self._drain()
         gen = self.live_generation(part) if generation is None else generation
-        key = commit.fragment_key(commit.check_step(step), commit.check_part_name(part), gen)
+        commit.check_step(step)
+        commit.check_part_name(part)
+        key = commit.fragment_key(step, part, gen) if substep is None else commit.substep_key(step, part, gen, substep)
         frag = fragment
         if frag is None:
             try:
@@ -605,16 +674,19 @@ class Checkpointer:
             except ObjectNotFound:
                 raise NoCheckpoint(f"no fragment {key} in {self.url}: part '{part}' generation {gen} has not "
                                    f"written step {step} yet") from None
-        if (frag.step, frag.part, frag.generation) != (step, part, gen):
+        if (frag.step, frag.part, frag.generation, frag.meta.get("substep")) != (step, part, gen, substep):
             raise CorruptCheckpoint(f"{self.url}/{key} describes step {frag.step}, part '{frag.part}', generation "
-                                    f"{frag.generation}")
+                                    f"{frag.generation}, sub-step {frag.meta.get('substep')}")
         if adopt and select is not None:
             raise ValueError("adopt=True needs the whole part (it becomes the delta base): drop select")
         if isinstance(frag, GroupFragment):
+            if known is not None:
+                raise ValueError("known= reads a part's own fragment; a group's part is read rank by rank")
             return self._restore_group_part(frag, into, select, device, rank, keep=adopt)
-        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select, into=into)
+        state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select, into=into,
+                                  known=known)
         if raw is not None:
-            self._bases.set(part, base_of(frag, self.options.chunk_bytes, raw))
+            self._bases.set(part if substep is None else _substep_base(part), base_of(frag, self.options.chunk_bytes, raw))
         return state
 
     def gather(self, step: int, parts: list[str], *, timeout: float = 600.0) -> dict[str, tuple[AnyFragment, str]]:
@@ -811,6 +883,17 @@ def _only_part(m: Manifest) -> str:
     if m.single or len(m.parts) == 1:
         return next(iter(m.parts))
     raise ValueError(f"step {m.step} has parts {sorted(m.parts)}: pass part= to restore one of them")
+
+
+def _substep_base(part: str) -> str:
+    """Where a part's chain of sub-step bases is kept (no part name holds a '/')."""
+    return f"{part}/substeps"
+
+
+def _unit_bytes(snap: Snapshot, base: Base) -> dict[str, np.ndarray]:
+    """The raw bytes of every unit of a snapshot the writer owns, by raw checksum (the base it
+    became names each unit's; it holds the bytes of only those whose next save takes a delta)."""
+    return {base.units[unit.ident]: data for unit, data in zip(snap.units, snap.unit_data)}
 
 
 def _pinned(snap: Snapshot) -> bool:

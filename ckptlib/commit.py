@@ -4,6 +4,9 @@ Keys under a run's root::
 
     manifests/<step>.json                 exists <=> step is committed (the only thing readers trust)
     fragments/<step>/<part>.g<gen>.json   one part of a cut, written by that part's live generation
+    fragments/<step>/<part>.g<gen>.k<k>.json  a sub-step fragment: the part's progress k sub-steps into
+                                          the cut at <step> (a shard checkpoint within a round); part of no
+                                          cut, never named by a manifest; GC sweeps it once <step> is committed
     fences/<part>/<gen>                   generation tokens; the highest existing one is live
     validations/<step>.json               {"passed": bool, ...}; healthy = committed and passed
 
@@ -56,6 +59,7 @@ from .manifest import (
 from .store import Store
 
 _PART_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SUBSTEP_KEY = re.compile(r"^fragments/(\d+)/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.g(\d+)\.k(\d+)\.json$")
 _MANIFEST_KEY = re.compile(r"^manifests/(\d+)\.json$")
 
 
@@ -298,10 +302,27 @@ def check_live(store: Store, part: str, generation: int) -> None:
         )
 
 
-def put_fragment(store: Store, fragment: AnyFragment) -> str:
+def substep_key(step: int, part: str, generation: int, substep: int) -> str:
+    """The key of ``part``'s sub-step fragment ``substep`` of the cut at ``step`` (generation ``generation``)."""
+    return f"fragments/{step}/{part}.g{generation}.k{substep}.json"
+
+
+def substep_keys(store: Store, step: int, part: str, generation: int) -> dict[int, str]:
+    """``{substep: key}`` of every sub-step fragment of ``part``'s generation ``generation`` at ``step``
+    (one listing of ``fragments/<step>/``)."""
+    out: dict[int, str] = {}
+    for key in store.list(f"fragments/{step}"):
+        m = _SUBSTEP_KEY.match(key)
+        if m and (int(m.group(1)), m.group(2), int(m.group(3))) == (step, part, generation):
+            out[int(m.group(4))] = key
+    return out
+
+
+def put_fragment(store: Store, fragment: AnyFragment, key: str | None = None) -> str:
     """Write a fragment with put_if_absent (an identical one already there is success); returns
-    the checksum of the stored bytes, which the manifest that commits it records."""
-    key = fragment_key(fragment.step, fragment.part, fragment.generation)
+    the checksum of the stored bytes, which the manifest that commits it records. ``key``: another
+    key than the cut's (a sub-step fragment's, ``substep_key``)."""
+    key = key or fragment_key(fragment.step, fragment.part, fragment.generation)
     data = dumps(fragment)
     if store.put_if_absent(key, data):
         return document_checksum(data)

@@ -47,8 +47,10 @@ from .store.base import is_clean_key
 log = logging.getLogger("ckptlib")
 
 _CHUNK_KEY = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{30}$")
-# a part's fragment, or a rank's fragment of a group's part (.r<rank>.<save id>: docs/format.md)
-_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+(\.r\d+\.[0-9a-f]{16})?\.json$")
+# a cut's fragment; a rank's fragment of a group's part (``.r<rank>.<save id>``); a sub-step fragment
+# (``.k<k>``: a shard checkpoint within a round, never committed; swept as any fragment no manifest
+# names once its step is committed, protected while it is pending). docs/format.md names them all.
+_FRAGMENT_KEY = re.compile(r"^fragments/(\d+)/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+(?:\.r\d+\.[0-9a-f]{16}|\.k\d+)?\.json$")
 _BATCH = 256  # deletes between two looks at the leases and the lock
 # A temp file lives for one put (seconds); some puts (the store marker, a lease's own document, a
 # validation report) are not covered by a save lease, so a grace of 0 must still not reach them.

@@ -156,6 +156,11 @@ class Heartbeat:
             return None
         return self._write("running")
 
+    def rebase(self, origin: int) -> None:
+        """Count round steps from step ``origin`` (an attempt that continues its round mid-way: its
+        round steps start where the round did, not where the attempt did)."""
+        self._first_step = int(origin)
+
     def finish(self, status: Status = "finished", *, loss: float | None = None, error: str | None = None) -> Beat:
         """The last beat of the attempt, with its final status. Never raises FencedError.
 

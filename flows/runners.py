@@ -180,7 +180,8 @@ class DeploymentFuture:
                 "keyframe_every": p["keyframe_every"], "chaos": list(p.get("chaos") or []),
                 "heartbeat_every_s": p["heartbeat_every_s"], "heartbeat_events": p["heartbeat_events"],
                 "attempt_offset": int(p.get("attempt_offset") or 0) + self.crashes,
-                "retries": self.retries, "retry_delay_s": self.retry_delay_s}
+                "retries": self.retries, "retry_delay_s": self.retry_delay_s,
+                "shard_checkpoint_every": p.get("shard_checkpoint_every", "auto"), "local_tier": p.get("local_tier", True)}
 
     def _finish(self, state: str, message: str | None) -> None:
         with self._lock:
@@ -237,7 +238,10 @@ def shard_result(parameters: dict[str, Any]) -> ShardResult:
     return ShardResult(shard=shard, round=round_no, part=part, status="finished", generation=gen,
                        attempt=m.get("attempt"), loss=m.get("loss"), bytes_written=frag.bytes_written,
                        logical_bytes=frag.logical_bytes, chunks=dict(frag.stats), digest=frag.digest,
-                       seconds={**seconds, "write": 0.0, "total": sum(seconds.values())})
+                       seconds={**seconds, "write": 0.0, "total": sum(seconds.values())},
+                       resumed_at_step=m.get("resumed_at_step"), start_source=m.get("start_source"),
+                       shard_checkpoints=int(m.get("shard_checkpoints") or 0),
+                       shard_checkpoint_bytes=int(m.get("shard_checkpoint_bytes") or 0))
 
 
 @contextmanager

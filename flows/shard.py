@@ -42,10 +42,13 @@ def train_shard_flow(run_url: str, spec: RunSpec, shard: int, round_no: int, cut
                      credentials_block: str | None = None, keyframe_every: int = _DEFAULTS.keyframe_every,
                      chaos: list[str] | None = None, heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s,
                      heartbeat_events: bool = False, attempt_offset: int = 0,
-                     retries: int = _DEFAULTS.shard_retries, retry_delay_s: float = _DEFAULTS.retry_delay_s) -> dict:
+                     retries: int = _DEFAULTS.shard_retries, retry_delay_s: float = _DEFAULTS.retry_delay_s,
+                     shard_checkpoint_every: int | str = _DEFAULTS.shard_checkpoint_every,
+                     local_tier: bool = _DEFAULTS.local_tier) -> dict:
     """Train shard ``shard`` for round ``round_no`` from ``cut`` (``trainrun.documents.Cut`` as JSON) and
     write its fragment; the task's own retries (``retries``) handle loud failures."""
     task = train_shard.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
     return task(run_url=run_url, spec=spec, shard=shard, round_no=round_no, cut=Cut.from_dict(cut),
                 access=StoreAccess(block=credentials_block), keyframe_every=keyframe_every, chaos=chaos,
-                heartbeat_every_s=heartbeat_every_s, heartbeat_events=heartbeat_events, attempt_offset=attempt_offset)
+                heartbeat_every_s=heartbeat_every_s, heartbeat_events=heartbeat_events, attempt_offset=attempt_offset,
+                shard_checkpoint_every=shard_checkpoint_every, local_tier=local_tier)

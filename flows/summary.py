@@ -1,20 +1,33 @@
-"""Bookkeeping of a ``train-run``: what each round cost and where, and the run's summary (plain Python).
+"""Bookkeeping of a ``train-run``: what each round cost and where, every recovery, and the run's summary (plain Python).
 
 Time is attributed along the critical path: a round lasts from submitting its shards until its cut
 returns; inside it the slowest shard's task body and the cut's task body are work (training,
 restore, save, combine), everything else is Prefect overhead (task submission, state tracking,
 result passing). Setup (planning, step 0, starting runners) is accounted the same way.
+
+Recoveries (``trainrun.recovery``): after each round's cut the rows the round's recovering attempts
+wrote (``recoveries/<round>/``: whoever ran them, the flow's task runner or a watchdog); and for a
+run resumed after it died mid-round, ``run-died`` rows from the beats the dead run left (read before
+this session's shards beat): per shard, one for each round this session does again (the resume
+starts from the last healthy step): the steps the dead run had done of it (all of an earlier round;
+of the round it died in, those up to its last beat), less where this session's attempt continued.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ckptlib.heartbeat import Beat
+    from ckptlib.store import Store
     from ckptlib.validate import Verdict
+    from trainrun.recovery import Recovery
     from trainrun.results import CutResult, RunPlan, ShardResult
+
+log = logging.getLogger("flows.summary")
 
 
 class Ledger:
@@ -22,7 +35,11 @@ class Ledger:
         import torch
 
         self.t0 = time.perf_counter()
+        self.wall0 = time.time()
         self.params, self.run_id, self.url = params, run_id, url
+        self.recoveries: dict[tuple, Recovery] = {}
+        self.dead_session: dict[str, Beat] = {}  # part -> the dead run's last beat (a resumed run)
+        self._store: Store | None = None
         self.marks: dict[str, float] = {}
         self.plan: RunPlan | None = None
         self.start = 0
@@ -40,6 +57,30 @@ class Ledger:
     def start_rounds(self, plan: RunPlan, start: int) -> None:
         self.plan, self.start = plan, start
         self.mark("rounds")
+        self._note_dead_session(start)  # a new run has no beats; a resumed one (from any step) may
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            from ckptlib.store import Store
+            from tasks.access import storage_options
+
+            self._store = Store.from_url(self.url, storage_options(self.params.access()))
+        return self._store
+
+    def _note_dead_session(self, start: int) -> None:
+        """The last beat of each shard of an earlier session (a resumed run) that got past ``start``
+        (read before this session's shards beat; a report: a failure to read is logged)."""
+        from ckptlib.heartbeat import read_heartbeats
+        from trainrun.layout import shard_index
+
+        try:
+            beats = read_heartbeats(self.store)
+        except Exception as e:  # noqa: BLE001
+            log.warning("cannot read the beats the earlier session left: %s", e)
+            return
+        self.dead_session = {p: b for p, b in beats.items() if shard_index(p) is not None and b.round > start
+                             and b.time < self.wall0}
 
     def rounds_done(self) -> None:
         self.mark("rounds_done")
@@ -54,13 +95,17 @@ class Ledger:
             "round": r, "committed": cut.committed, "loss": cut.loss, "eval_loss": cut.eval_loss,
             "digest": cut.digest,
             "shards": [{k: getattr(s, k) for k in ("shard", "status", "loss", "attempt", "generation",
-                                                   "bytes_written", "logical_bytes")} for s in shards],
+                                                   "bytes_written", "logical_bytes", "resumed_at_step",
+                                                   "start_source", "shard_checkpoints", "shard_checkpoint_bytes",
+                                                   "training_at")}
+                       | {"ckpt_blocked_s": s.seconds.get("ckpt_blocked", 0.0), "ckpt_write_s": s.seconds.get(
+                           "ckpt_write", 0.0), "train_s": s.seconds.get("train", 0.0)} for s in shards],
             "bytes_written": sum(s.bytes_written or 0 for s in finished) + cut.bytes_written,
             "logical_bytes": cut.logical_bytes,
             "seconds": {
                 "wall": wall, "shards_wall": t1 - t0, "cut_wall": t2 - t1,
                 "train": slowest.get("train", 0.0), "build": slowest.get("build", 0.0),
-                "restore": slowest.get("load", 0.0) + cs["load"] + cs["read"],
+                "restore": slowest.get("load", 0.0) + slowest.get("load_base", 0.0) + cs["load"] + cs["read"],
                 "restore_parts": {"shard_load": slowest.get("load", 0.0), "cut_load": cs["load"], "cut_read": cs["read"]},
                 "save": slowest.get("write", 0.0) + cs["write"] + cs["commit"],
                 "combine_eval": cs["combine"], "cut_wait": cs["wait"],
@@ -69,6 +114,59 @@ class Ledger:
         })
         if cut.committed:
             self.cuts.append(cut)
+        self._add_recoveries(r)
+
+    # --- recoveries ------------------------------------------------------------------------------
+
+    def _add_recoveries(self, r: int) -> None:
+        """The rows of round ``r``: those its attempts wrote, and the dead session's ``run-died`` rows."""
+        from trainrun.recovery import read_recoveries
+
+        try:
+            for rec in read_recoveries(self.store, r):
+                if rec.failed_at is None or rec.failed_at >= self.wall0 - 1.0:  # this session's
+                    self.recoveries[(rec.round, rec.part, rec.generation, rec.attempt)] = rec
+        except Exception as e:  # noqa: BLE001 - a report must never fail the run
+            log.warning("recoveries of round %d not read: %s", r, e)
+        for part, beat in self.dead_session.items():
+            if self.start < r <= beat.round:
+                self.recoveries[(r, part, "run-died")] = self._run_died(part, beat, r)
+
+    def _run_died(self, part: str, beat: Beat, r: int) -> Recovery:
+        """The row of ``part``'s round ``r`` in a run resumed after it died in ``beat.round``: the
+        steps the dead run had done of it (all of an earlier round; of the round it died in, those up
+        to its last beat), less the step this session's attempt continued from."""
+        from trainrun.layout import shard_index
+        from trainrun.recovery import Recovery
+
+        shard = shard_index(part) or 0
+        mine = [s for x in self.rounds if x["round"] == r for s in x["shards"] if s["shard"] == shard]
+        at = int(mine[0].get("resumed_at_step") or 0) if mine else 0
+        failed_at = self.params.steps_per_round if r < beat.round or beat.status == "finished" else int(
+            beat.round_step or 0)
+        failed_at = max(failed_at, at)  # it checkpointed step ``at`` after its last beat: it got that far
+        training_at = mine[0].get("training_at") if mine else None
+        return Recovery(shard=shard, round=r, kind="run-died", failed_at_step=failed_at, resumed_at_step=at,
+                        steps_recomputed=failed_at - at, detect_s=round(self.wall0 - beat.time, 3),
+                        back_to_training_s=round(training_at - self.wall0, 3) if training_at else None, part=part,
+                        generation=beat.generation, attempt=beat.attempt, failed_at=beat.time,
+                        detected_at=self.wall0, training_at=training_at)
+
+    def recovery_rows(self) -> list[dict[str, Any]]:
+        return [rec.row() for rec in sorted(self.recoveries.values(), key=lambda x: (x.round, x.failed_at or 0.0))]
+
+    def shard_checkpoint_totals(self) -> dict[str, Any]:
+        """Every shard checkpoint of this session: how many, bytes, the seconds the loops waited for
+        them and their background writes took, against the shards' training seconds."""
+        shards = [s for x in self.rounds for s in x["shards"] if s["status"] == "finished"]
+        blocked = sum(s["ckpt_blocked_s"] for s in shards)
+        write = sum(s["ckpt_write_s"] for s in shards)
+        train = sum(s["train_s"] for s in shards) or 1.0
+        return {"count": sum(s["shard_checkpoints"] or 0 for s in shards),
+                "bytes_written": sum(s["shard_checkpoint_bytes"] or 0 for s in shards),
+                "blocked_s": round(blocked, 3), "write_s": round(write, 3),
+                "blocked_share_of_train": round(blocked / train, 5), "write_share_of_train": round(write / train, 5),
+                "every": self.params.shard_checkpoint_every}
 
     # --- the summary -----------------------------------------------------------------------------
 
@@ -114,6 +212,7 @@ class Ledger:
             "bytes_written": bytes_written, "full_copy_bytes": sum(c["logical_bytes"] for c in checkpoints),
             "reports": f"{self.url}/reports/<step>/", "validations": f"{self.url}/validations/<step>.json",
             "seconds": {k: round(v, 3) for k, v in sec.items()},
+            "recoveries": self.recovery_rows(), "shard_checkpoints": self.shard_checkpoint_totals(),
             "shares_of_flow": {"train": (sec["train"] + sec["build"]) / flow_s, "checkpoint_save": sec["save"] / flow_s,
                                "checkpoint_restore": sec["restore"] / flow_s, "prefect_overhead": sec["prefect"] / flow_s,
                                "validation_wait": sec["validation_wait"] / flow_s},
@@ -151,6 +250,7 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
             f"* written {summary['bytes_written']:,} B against {summary['full_copy_bytes']:,} B of full copies "
             f"({ratio:.2f}x smaller)\n* final digest `{summary['final_digest']}`\n"
             f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
+            f"* {recoveries_text(summary)}\n"
             f"* checkpoints: `{summary['run_url']}`\n"
             f"* {md_link('validation reports of every checkpoint', summary['run_url'] + '/reports/index.html')}\n",
             key=key + "-summary", description="Training run summary")
@@ -158,5 +258,19 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
         if link:
             create_link_artifact(link, link_text=f"Validation reports of run {summary['run_id']}",
                                  key=key + "-reports", description="Every checkpoint with its verdict and report")
+        if summary.get("recoveries"):
+            create_table_artifact(summary["recoveries"], key=key + "-recoveries",
+                                  description=f"Recoveries of run {summary['run_id']}: what each cost")
     except Exception as e:  # noqa: BLE001 - artifacts are a convenience; never fail a finished run over them
         get_run_logger().warning("could not create artifacts: %s", e)
+
+
+def recoveries_text(summary: dict[str, Any]) -> str:
+    """One line: how many recoveries, the steps they recomputed, their times to detect and train again."""
+    rows = summary.get("recoveries") or []
+    if not rows:
+        return "recoveries: none"
+    steps = sum(r["steps_recomputed"] for r in rows)
+    worst = max((r["detect_s"] or 0.0) + (r["back_to_training_s"] or 0.0) for r in rows)
+    return (f"recoveries: {len(rows)} ({', '.join(sorted({r['kind'] for r in rows}))}), {steps} steps recomputed, "
+            f"at most {worst:.1f} s from a failure to training again")

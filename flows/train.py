@@ -103,7 +103,9 @@ def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B
                 generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
                 futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
                                   chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
-                                  heartbeat_events=settings.heartbeat_events)
+                                  heartbeat_events=settings.heartbeat_events,
+                                  shard_checkpoint_every=settings.shard_checkpoint_every,
+                                  local_tier=settings.local_tier)
                            for i in range(spec.shards)]
                 shards = _wait_for_shards(futures, store, r, generations)
                 t1 = time.perf_counter()

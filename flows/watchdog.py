@@ -129,7 +129,8 @@ def watchdog(
         futures[req.key] = task.submit(
             run_url=req.run_url, spec=req.spec, shard=req.shard, round_no=req.round, cut=req.cut, access=access,
             keyframe_every=s.keyframe_every, chaos=s.chaos, heartbeat_every_s=s.heartbeat_every_s,
-            heartbeat_events=s.heartbeat_events, attempt_offset=req.attempt_offset)
+            heartbeat_events=s.heartbeat_events, attempt_offset=req.attempt_offset,
+            shard_checkpoint_every=s.shard_checkpoint_every, local_tier=s.local_tier)
         futures[req.key].add_done_callback(lambda _f, k=req.key: ended.put(k))
         return req.key
 

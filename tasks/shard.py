@@ -1,9 +1,10 @@
 """Prefect task ``train-shard``: one shard's round (``trainrun.shard_round.train_shard_round``).
 
-Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried from the same cut and,
-training being deterministic, writes the same fragment), the attempt number (``run_count``), a
-progress artifact (the round's steps done, updated with the heartbeats) and, optionally, heartbeats
-as Prefect events. An attempt that finds itself fenced ends in a ``Cancelled`` state named
+Adds Prefect's retries (``loud_failure``: a crash or a lost worker is retried; the retry continues
+from the shard's newest checkpoint of the round, else the cut, and, training being deterministic,
+writes the same fragment), the attempt number (``run_count``), a progress artifact (the shard's step
+within its round and its newest shard checkpoint, updated with the heartbeats), the local tier of
+shard checkpoints on this host, and, optionally, heartbeats as Prefect events. An attempt that finds itself fenced ends in a ``Cancelled`` state named
 ``Fenced`` (its data: ``status: "fenced"``) whose message says who fenced it, why, and which rerun
 took over, with a markdown artifact linking the watchdog's flow run: the training run's graph shows
 what happened to the shard instead of a green Completed task.
@@ -39,11 +40,12 @@ _DEFAULTS = RunSettings()
 
 
 def progress_reporter(part: str, round_no: int) -> Callable[[Beat], None]:
-    """A Prefect progress artifact of this task run: the percentage of the round's steps done, updated
-    from the heartbeats (at most every ``PROGRESS_EVERY_S``; the UI's Artifacts tab shows it live)."""
+    """A Prefect progress artifact of this task run: the shard's step within its round (as a
+    percentage and in its description, with its newest shard checkpoint), updated from the
+    heartbeats (at most every ``PROGRESS_EVERY_S``; the UI's Artifacts tab shows it live)."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    artifact_id = create_progress_artifact(0.0, description=f"{part}: steps of round {round_no} done")
+    artifact_id = create_progress_artifact(0.0, description=f"{part}: round {round_no}, loading")
     last = [float("-inf")]
 
     def report(beat: Beat) -> None:
@@ -52,9 +54,20 @@ def progress_reporter(part: str, round_no: int) -> Callable[[Beat], None]:
                                                                     and beat.status == "running"):
             return
         last[0] = now
-        update_progress_artifact(artifact_id, 100.0 * beat.round_step / beat.steps_per_round)
+        update_progress_artifact(artifact_id, 100.0 * beat.round_step / beat.steps_per_round,
+                                 description=progress_text(beat))
 
     return report
+
+
+def progress_text(beat: Beat) -> str:
+    """``shard-1: round 3, step 120/150 (checkpoint at 100), attempt 2, generation 1``."""
+    ckpt = beat.meta.get("checkpoint_step") if isinstance(beat.meta, dict) else None
+    text = f"{beat.part}: round {beat.round}, step {beat.round_step}/{beat.steps_per_round}"
+    text += f" (checkpoint at {ckpt})" if ckpt is not None else ""
+    text += f", attempt {beat.attempt}" if beat.attempt and beat.attempt > 1 else ""
+    text += f", generation {beat.generation}" if beat.generation else ""
+    return text + ("" if beat.status == "running" else f": {beat.status}")
 
 
 def _both(*callbacks: Callable[[Beat], None] | None) -> Callable[[Beat], None]:
@@ -133,16 +146,20 @@ def event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S) -> 
 def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut, access: StoreAccess | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, chaos: list[str] | None = None,
                 heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s, heartbeat_events: bool = False,
-                attempt_offset: int = 0) -> ShardResult:
-    """Train shard ``shard`` for round ``round_no`` from ``cut``; write its fragment of step ``round_no``.
+                attempt_offset: int = 0, shard_checkpoint_every: int | str = _DEFAULTS.shard_checkpoint_every,
+                local_tier: bool = _DEFAULTS.local_tier) -> ShardResult:
+    """Train shard ``shard`` for round ``round_no`` from ``cut`` (or from its newest shard checkpoint
+    of the round); write its fragment of step ``round_no``.
 
     ``attempt_offset``: attempts made before this task run (the watchdog's rerun of a dead attempt
     passes that attempt's number, so the rerun is attempt n+1 and chaos aimed at attempt n does
-    not strike again)."""
+    not strike again). ``shard_checkpoint_every``, ``local_tier``: the run's settings
+    (``trainrun.spec.RunSettings``)."""
     from prefect.runtime import task_run
 
     # torch is imported where a shard trains, not with this module: the watchdog flow imports it to
     # rerun shards and most of its looks rerun nothing (flows.watchdog then loads no torch)
+    from trainrun.local_tier import LocalTier
     from trainrun.shard_round import train_shard_round
 
     logger = get_run_logger()
@@ -154,7 +171,10 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
         result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
                                    chaos=for_attempt(chaos, shard, round_no, attempt),
                                    heartbeat_every_s=heartbeat_every_s,
-                                   on_beat=_both(forward, progress_reporter(part, round_no)))
+                                   on_beat=_both(forward, progress_reporter(part, round_no)),
+                                   checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
+                                   .shard_checkpoint_every,
+                                   local_tier=LocalTier(run_url) if local_tier else None)
     except FencedError as e:
         state = fenced_state(ck, shard, round_no, attempt, e)
         logger.warning("%s round %d: %s", part, round_no, state.message)

@@ -43,6 +43,10 @@ Each strike first creates ``chaos/<part>.r<round>.a<attempt>.json`` (a ``Strike`
 round step) with put-if-absent, so a spec strikes at most once per run (a task Dask runs again after
 its worker died keeps its attempt number) and drills can measure from the true moment of failure.
 
+A soak (``ckpt soak``) strikes at random moments: ``soak_schedule`` turns a seeded stream of
+failure times (exponential gaps, ``fail_every_s`` apart on average) over a clean run's rounds into
+these very specs (a round, a shard, a step, the attempt it will be).
+
 Nothing here knows Prefect; the shard task passes the attempt number.
 """
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -350,3 +355,53 @@ class StaleFences(WrapperStore):
 
     def _wrap_child(self, inner_child: Store) -> Store:
         return StaleFences(inner_child, self.part, self.generation)
+
+
+# --- the soak's schedule ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoundSpan:
+    """When a round trained in a clean run: it began ``start_s`` after the first round, and its
+    steps took ``train_s`` (the rest of ``wall_s`` is the cut and the task starts)."""
+
+    round: int
+    start_s: float
+    wall_s: float
+    train_s: float
+
+
+def soak_schedule(rounds: list[RoundSpan], *, fail_every_s: float, kinds: list[str], shards: int,
+                  steps_per_round: int, seed: int = 0, max_per_round: int = 2, count: int | None = None) -> list[Chaos]:
+    """Failures at random moments of a run like the clean one that took ``rounds``: exponential gaps
+    of ``fail_every_s`` on average (seeded; ``count``: instead exactly that many moments, uniform over
+    the run), each a random kind of ``kinds`` on a random shard, at the step of its round that the
+    clean run had reached then. Each failure of a shard in a round is that round's next attempt (a
+    retry or a rerun is attempt n+1); at most ``max_per_round`` per shard and round, none after a
+    ``kill`` in it (the task Dask runs again keeps its attempt number), and none at the round's last
+    step (its fragment is written then), so that every one strikes (a moment that breaks these
+    rules is dropped)."""
+    if fail_every_s <= 0:
+        raise ValueError(f"fail_every_s must be > 0, got {fail_every_s}")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"unknown chaos kinds {unknown or kinds}; known: {', '.join(sorted(KINDS))}")
+    rng = random.Random(seed)
+    end = max((r.start_s + r.wall_s for r in rounds), default=0.0)
+    tried: dict[tuple[int, int], list[Chaos]] = {}
+    moments = sorted(rng.uniform(0.0, end) for _ in range(count)) if count is not None else None
+    t = moments.pop(0) if moments else (rng.expovariate(1.0 / fail_every_s) if moments is None else end)
+    while t < end:
+        span = next((r for r in rounds if r.start_s <= t < r.start_s + r.wall_s), None)
+        kind, shard = rng.choice(kinds), rng.randrange(shards)
+        if span is not None:
+            into = min(1.0, max(0.0, t - span.start_s) / max(span.train_s, 1e-9))
+            step = max(1, min(steps_per_round - 1, round(into * steps_per_round)))
+            before = tried.setdefault((shard, span.round), [])
+            if len(before) < max_per_round and not any(c.kind == "kill" for c in before) \
+                    and all(c.step is not None and c.step < step for c in before):
+                before.append(Chaos(kind, shard, span.round, attempt=len(before) + 1, step=step))
+        if moments is None:
+            t += rng.expovariate(1.0 / fail_every_s)
+        else:
+            t = moments.pop(0) if moments else end
+    return sorted((c for cs in tried.values() for c in cs), key=lambda c: (c.round, c.step or 0, c.shard))

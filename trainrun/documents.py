@@ -73,6 +73,7 @@ class ShardInfo(BeatMeta):
 
     cut: Cut
     config_hash: str
+    checkpoint_step: int | None = None  # the round step of its newest shard checkpoint written
 
 
 @dataclass(frozen=True)

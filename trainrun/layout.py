@@ -5,6 +5,7 @@ per shard, ``shard-<i>``, and the coordinator's, ``coordinator`` (``docs/run-lay
 ckptlib's keys (manifests, fragments, chunks, fences, heartbeats, validations, reports) a run holds::
 
     chaos/<part>.r<round>.a<attempt>.json   a chaos strike (put-if-absent: each spec strikes once)
+    recoveries/<round>/<part>.g<gen>.a<attempt>.json   what a shard's recovery cost (trainrun.recovery)
     watchdog/run-dead-<id>.json             the first watchdog that found the coordinator silent
 
 A run is a prefix holding ``manifests/`` (committed checkpoints) or ``heartbeats/`` (a run that has
@@ -49,6 +50,10 @@ def run_parts(shards: int) -> list[str]:
 
 def strike_key(part: str, round_no: int, attempt: int) -> str:
     return f"chaos/{part}.r{round_no}.a{attempt}.json"
+
+
+def recovery_key(round_no: int, part: str, generation: int, attempt: int) -> str:
+    return f"recoveries/{round_no}/{part}.g{generation}.a{attempt}.json"
 
 
 def run_dead_key(ident: str) -> str:

@@ -74,6 +74,12 @@ class ShardResult(Document):
     live_generation: int | None = None
     error: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    resumed_at_step: int | None = None  # the round step it started from: 0 the cut, k a shard checkpoint
+    start_source: str | None = None  # cut | store | local (a shard checkpoint's local copy)
+    shard_checkpoints: int = 0  # shard checkpoints it wrote in the round, and their bytes
+    shard_checkpoint_bytes: int = 0
+    started_at: float | None = None  # wall times: the attempt started, it trained (loaded and built)
+    training_at: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -115,6 +115,11 @@ class RunSettings(BaseModel):
                                    "(ckpt.shard.heartbeat) for automations.")
     commit_timeout_s: float = Field(DEFAULT_COMMIT_TIMEOUT_S, gt=0, description="How long a cut waits for every "
                                     "shard's fragment.")
+    shard_checkpoint_every: int | Literal["auto"] = Field(
+        "auto", description="Each shard checkpoints its own state every N steps of a round (0: never; auto: at about "
+        "2% of its training time), so that a failed shard continues from there, not from the round's cut.")
+    local_tier: bool = Field(True, description="Also keep each shard's newest checkpoint on its host (/dev/shm), "
+                             "where a rerun on the same host reads it at memory speed (the store stays the fallback).")
 
     @field_validator("task_runner")
     @classmethod
@@ -124,6 +129,13 @@ class RunSettings(BaseModel):
         if v.startswith("pool:") and v.count("/") == 1 and all(v[len("pool:"):].split("/")):
             return v  # a deployment of the train-shard flow on a work pool (flows/runners.py)
         raise ValueError(f"task runner {v!r} is not one of {TASK_RUNNERS}")
+
+    @field_validator("shard_checkpoint_every")
+    @classmethod
+    def _check_every(cls, v: int | str) -> int | str:
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"shard_checkpoint_every must be auto or a number of steps >= 0 (0: off), got {v!r}")
+        return v
 
     @field_validator("chaos")
     @classmethod

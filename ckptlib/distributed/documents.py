@@ -347,4 +347,4 @@ def loads_any_fragment(data: bytes, where: str) -> AnyFragment:
 def loads_rank_fragment(data: bytes, where: str) -> RankFragment:
     frag = _parse(RankFragment, data, where, MAX_FRAGMENT_BYTES)
     assert isinstance(frag, RankFragment)
-    return frag
+    return replace(frag, document_bytes=len(data))

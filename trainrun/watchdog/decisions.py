@@ -19,6 +19,8 @@ from ckptlib import commit
 from ckptlib.documents import Document, DocumentError
 from ckptlib.store import Store
 
+from ..resume_point import ShardCheckpointRef
+
 Kind = Literal["fenced", "lost-race", "running-again", "rerun-failed", "gave-up", "cannot-rerun", "run-dead",
                "resumed", "resume-failed"]
 # Decisions worth a markdown artifact and a warning (the others are logged as info).
@@ -121,6 +123,8 @@ class Fence(Document):
     detection_latency_s: float | None = None
     rerun: bool | None = None
     by_flow_run_id: str | None = None  # the Prefect flow run of the watchdog that fenced (a link in the UI)
+    # the fenced generation's newest shard checkpoint when it was fenced: where the rerun continues
+    resume: ShardCheckpointRef | None = None
 
     @staticmethod
     def details(d: Decision, *, rerun: bool) -> dict[str, Any]:

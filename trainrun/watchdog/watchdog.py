@@ -48,6 +48,7 @@ from ..chaos import read_strike
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
 from ..results import ShardResult
 from ..resume import stored_config
+from ..resume_point import resume_point
 from ..spec import RunSpec
 from .decisions import Decision, Fence, Kind, RerunInfo, Resumed
 from .judge import DEFAULT_TIMEOUT_S, PartView, RunView, assess_run, latest_committed, start_timeout_for
@@ -178,9 +179,15 @@ class Watchdog:
                                        f"round {request.round} already died: giving up on {pv.part}")]
         new_gen = pv.live + 1
         decision = self._decision("fenced", url, pv, now, generation=new_gen)
+        # what the rerun continues from: the dead generation's newest shard checkpoint, looked up
+        # BEFORE the fence exists, so nothing it writes after the fence (a zombie's) is ever used
+        resume = resume_point(store, pv.part, pv.round, pv.live) if pv.round is not None else None
+        if resume is not None and decision.steps_lost is not None:
+            decision = replace(decision, steps_lost=max(0, decision.steps_lost - resume.round_step))
         won = commit.fence(store, pv.part, new_gen, reason=pv.reason or pv.state, by=self.by,
                            details={**Fence.details(decision, rerun=request is not None),
-                                    "by_flow_run_id": self.by_flow_run_id})
+                                    "by_flow_run_id": self.by_flow_run_id,
+                                    "resume": resume.to_dict() if resume is not None else None})
         if not won:
             return [replace(decision, kind="lost-race", reason=f"{pv.reason}; generation {new_gen} was already "
                             "fenced by another watchdog: nothing to do")]

@@ -1,0 +1,151 @@
+"""What each recovery of a shard cost: recognising one, its row (``Recovery``), where rows are kept.
+
+A shard attempt that starts where an earlier attempt of the same round failed is a recovery. It
+recognises that from what it finds before its own first beat (``Failure.recognise``): the earlier
+attempt's last beat (``heartbeats/<part>.json``), the fence of its own generation when a watchdog
+fenced the earlier one, and the chaos strike that hit it in a drill. Kinds:
+
+``crash``         the earlier attempt raised (its last beat says ``failed``); Prefect retried the task
+``process-died``  its last beat says ``running`` and no newer generation exists: its process died
+                  (a killed Dask worker or rank); Dask or Prefect ran the task again
+``silent``, ``stalled``, ``lost``, ``missing``
+                  a watchdog judged it so, fenced it and reran the shard as a new generation
+``run-died``      the whole run died mid-round and was resumed (``flows/summary.py`` writes these rows,
+                  from the beats the dead run left, since a resumed attempt may start several rounds
+                  earlier)
+
+Once the attempt trains again it writes its row, ``recoveries/<round>/<part>.g<gen>.a<attempt>.json``:
+the round step it failed at (the newest of its last beat, its chaos strike and its last checkpoint),
+the step it resumed at, the steps recomputed, and two durations: ``detect_s`` from the failure to
+the moment recovery began (a raised error is noticed at once; a watchdog needs its timeout; a dead
+process is noticed when its task runs again) and ``back_to_training_s`` from then until the
+attempt trained again (retry delay, task start, loading the shard checkpoint, building the
+workload). The run's summary, its artifact and ``ckpt train``'s live table list the rows. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ckptlib.documents import Document, DocumentError
+from ckptlib.errors import ObjectNotFound, StoreError
+from ckptlib.heartbeat import Beat
+from ckptlib.store import Store
+
+from .chaos import read_strike
+from .documents import ShardInfo
+from .layout import recovery_key, shard_index
+
+log = logging.getLogger("trainrun.recovery")
+
+# A beat older than the coordinator's session by this much belongs to an earlier session (a dead run).
+SESSION_SLACK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Recovery(Document):
+    """One recovery of one shard (see the module docstring): the row of the run's summary."""
+
+    KIND = "recovery"
+
+    shard: int
+    round: int
+    kind: str
+    failed_at_step: int
+    resumed_at_step: int
+    steps_recomputed: int
+    detect_s: float | None
+    back_to_training_s: float | None
+    part: str = ""
+    generation: int = 0
+    attempt: int | None = None
+    cause: str | None = None  # the chaos kind that struck, in a drill
+    source: str = "cut"  # where the state came from: cut | store | local (the local tier)
+    checkpoint: str | None = None  # the shard checkpoint it continued from
+    failed_at: float | None = None  # wall times: the failure, the start of recovery, training again
+    detected_at: float | None = None
+    training_at: float | None = None
+
+    ROW = ("shard", "round", "kind", "failed_at_step", "resumed_at_step", "steps_recomputed", "detect_s",
+           "back_to_training_s")
+
+    def row(self) -> dict:
+        """The summary's row: the issue's eight fields first, then the rest."""
+        d = self.to_dict()
+        return {**{k: d[k] for k in self.ROW}, **{k: v for k, v in d.items() if k not in self.ROW}}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What an attempt found of the earlier attempt it replaces: how it failed, where and when."""
+
+    kind: str
+    failed_at_step: int
+    failed_at: float
+    detected_at: float | None  # None: when this attempt started (nothing noticed it earlier)
+    cause: str | None
+
+    @classmethod
+    def recognise(cls, store: Store, prior: Beat | None, coordinator: Beat | None, *, round_no: int, cut_step: int,
+                  generation: int, fence: dict | None) -> Failure | None:
+        """The failure this attempt recovers from, from the earlier attempt's last beat ``prior``
+        (read before this attempt's first beat), the coordinator's beat (its session) and the fence
+        of this attempt's generation; None when this attempt is not a recovery."""
+        if prior is None or prior.round != round_no or prior.status == "finished":
+            return None
+        info = ShardInfo.of_beat(prior)
+        if info is None or info.cut.step != cut_step:
+            return None
+        if coordinator is not None and coordinator.started and prior.time < coordinator.started - SESSION_SLACK_S:
+            return None  # an earlier session's: the resumed run reports it (run-died)
+        strike = read_strike(store, prior.part, round_no, prior.attempt) if prior.attempt is not None else None
+        steps = [prior.round_step or 0] + ([strike.round_step] if strike is not None else [])
+        failed_at = strike.time if strike is not None else prior.time
+        cause = strike.kind if strike is not None else None
+        if prior.generation < generation:  # a watchdog fenced it and reran the shard
+            f = fence or {}
+            steps.append(int(f.get("round_step") or 0))
+            if strike is None and f.get("failure_time") is not None:
+                failed_at = float(f["failure_time"])
+            detected = f.get("detected", f.get("time"))
+            return cls(str(f.get("state") or "fenced"), max(steps), failed_at,
+                       float(detected) if detected is not None else None, cause)
+        if prior.status == "failed":
+            return cls("crash", max(steps), failed_at, prior.time, cause)
+        return cls("process-died", max(steps), failed_at, None, cause)
+
+    def recovery(self, *, part: str, round_no: int, generation: int, attempt: int, started_at: float,
+                 training_at: float, resumed_at_step: int, source: str, checkpoint: str | None) -> Recovery:
+        """The row of this failure, recovered by an attempt that started at ``started_at`` and
+        trained again at ``training_at`` from round step ``resumed_at_step``."""
+        detected = self.detected_at if self.detected_at is not None else started_at
+        failed_at_step = max(self.failed_at_step, resumed_at_step)
+        return Recovery(shard=shard_index(part) or 0, round=round_no, kind=self.kind, failed_at_step=failed_at_step,
+                        resumed_at_step=resumed_at_step, steps_recomputed=failed_at_step - resumed_at_step,
+                        detect_s=round(max(0.0, detected - self.failed_at), 3),
+                        back_to_training_s=round(max(0.0, training_at - detected), 3), part=part,
+                        generation=generation, attempt=attempt, cause=self.cause, source=source,
+                        checkpoint=checkpoint, failed_at=self.failed_at, detected_at=detected, training_at=training_at)
+
+
+def write_recovery(store: Store, rec: Recovery) -> None:
+    """Keep ``rec`` in the store for the run's summary (a failure to write is logged: it is a report)."""
+    try:
+        store.put(recovery_key(rec.round, rec.part, rec.generation, rec.attempt or 0), rec.to_json())
+    except StoreError as e:
+        log.warning("recovery of %s round %d not recorded: %s", rec.part, rec.round, e)
+
+
+def read_recoveries(store: Store, round_no: int | None = None) -> list[Recovery]:
+    """The recoveries recorded for round ``round_no`` (None: every round), by round and time; an
+    unreadable row is logged and left out."""
+    prefix = "recoveries" if round_no is None else f"recoveries/{round_no}"
+    rows = []
+    for info in store.scan(prefix):
+        try:
+            rows.append(Recovery.from_json(store.get(info.key), f"{store.url}/{info.key}"))
+        except (DocumentError, ObjectNotFound, StoreError) as e:
+            log.warning("recovery row %s ignored: %s", info.key, e)
+    return sorted(rows, key=lambda r: (r.round, r.failed_at or 0.0, r.part))
+
