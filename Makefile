@@ -4,7 +4,8 @@
 # in the background on loopback), `make deploy` (register the deployments), `make stack-down`.
 
 PYTHON      ?= python3
-VENV        := .venv
+# The virtual environment; `make stack VENV=/path/to/venv` uses another one that runs the project.
+VENV        ?= .venv
 # The CPU build of torch (the machines here have it as a local wheel; pip prefers it to the CUDA one).
 TORCH_SPEC  ?= torch==2.13.0
 PYTEST_ARGS ?= -n 3 --dist loadfile  # three workers, whole files each (module-scoped stacks stay in one process)
@@ -16,7 +17,7 @@ DEPLOY_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test clean stack stack-down deploy
+.PHONY: .venv venv-ready demo test clean stack stack-down deploy
 
 .venv: $(STAMP)
 
@@ -35,14 +36,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-stack: $(STAMP)
+# The stack and deploy run with any venv that already runs the project (its python imports it and
+# Prefect: an editable install of this checkout, .installed stamp or not): it is used as it is, no
+# pip. A venv that cannot, or none, is built as for `make demo`; `make .venv` reinstalls on demand.
+venv-ready:
+	@if $(VENV)/bin/python -c "import ckptlib, trainrun, flows, deployments, prefect" 2>/dev/null; then \
+		echo "using $(VENV) as it is (it runs the project)"; \
+	else \
+		$(MAKE) --no-print-directory $(STAMP); \
+	fi
+
+stack: venv-ready
 	$(VENV)/bin/python -m deployments.stack up --dir $(STACK_DIR) $(STACK_ARGS)
 
 # Works without .venv too (standard library only): nothing to install to stop things.
 stack-down:
 	$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON)) -m deployments.stack down --dir $(STACK_DIR)
 
-deploy: $(STAMP)
+deploy: venv-ready
 	$(VENV)/bin/python -m deployments.deploy --stack-dir $(STACK_DIR) $(DEPLOY_ARGS)
 
 clean:

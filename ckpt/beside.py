@@ -1,7 +1,9 @@
 """The watchdog beside a ``ckpt train`` run: the ``watchdog`` flow for this one run, in a thread here.
 
 It fences a hung or silent shard and reruns it in this process, with the run's own spec (never one
-read from the store), so a local run recovers with nothing else started. Its flow run is its own
+read from the store), so a local run recovers with nothing else started. It judges this session
+only: beats written before it started are a predecessor's (``ckpt train --resume`` after a kill),
+and that dead process is not this run. Its flow run is its own
 in the UI (``watchdog-<run id>``); it stops when the training flow returns. Credentials: this
 process's environment (``trainrun.credentials.export_storage_options``). ``docs/watchdog.md``.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -35,6 +38,7 @@ class BesideWatchdog:
             start_timeout_s = max(POOL_START_TIMEOUT_S, 2 * timeout_s)
         self.start_timeout_s = start_timeout_s
         self.key = f"train-{params.run_id}-{uuid.uuid4().hex[:6]}"
+        self.since = time.time()  # this session's beats only: a resumed run's predecessor is not this run
         self.stop_flag = stop_event(self.key)
         self.summary: dict | None = None
         self.error: BaseException | None = None
@@ -49,7 +53,7 @@ class BesideWatchdog:
             self.summary = self._ctx.run(
                 watchdog, store=p.store, run_id=p.run_id, timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
                 poll_s=min(2.0, max(0.2, self.timeout_s / 8)), duration_s=0, credentials_block=p.credentials_block,
-                spec=p.spec(), stop_key=self.key)
+                spec=p.spec(), stop_key=self.key, since=self.since)
         except BaseException as e:  # noqa: BLE001 - reported with the summary; the run goes on
             self.error = e
 

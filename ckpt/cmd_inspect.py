@@ -65,14 +65,17 @@ def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None, damaged: 
             if damaged is not None:
                 damaged[step] = one_line(getattr(e, "reason", e))
             word = "UNREADABLE" if isinstance(e, FormatVersionError) else "DAMAGED"
-            return (str(step), word, "-", "-", "-", "-", verdict_word(ck.verdict(step)))
+            return (str(step), word, "-", "-", "-", "-", verdict_word(ck.verdict(step)), "-")
         return (str(step), m.kind, fmt_bytes(m.bytes_written), fmt_ratio(m.logical_bytes, m.bytes_written),
-                fmt_bytes(m.stored_bytes), m.digest[:12], verdict_word(ck.verdict(step)))
+                fmt_bytes(m.stored_bytes), m.digest[:12], verdict_word(ck.verdict(step)), short_lineage(m))
 
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-ls") as pool:
-        for cells in pool.map(row, ck.steps() if steps is None else steps):
-            if cells is not None:
-                table.add_row(*cells)
+        rows = [cells for cells in pool.map(row, ck.steps() if steps is None else steps) if cells is not None]
+    branched = any(cells[-1] != "-" for cells in rows)
+    if branched:  # a branch's steps say where it came from (a column only then: the table stays narrow)
+        table.add_column("from", justify="left", no_wrap=True)
+    for cells in rows:
+        table.add_row(*(cells if branched else cells[:-1]))
     return table
 
 
@@ -166,6 +169,18 @@ def describe_lineage(lineage: dict | None) -> str:
     return "-" if not lineage else f"branched from step {lineage.get('step')} of {lineage.get('run')}"
 
 
+def lineage_of(m: Manifest) -> dict | None:
+    """Where a step's run came from: the branch point's own ``lineage``, a later step's ``meta.lineage``."""
+    lineage = m.lineage or m.meta.get("lineage")
+    return lineage if isinstance(lineage, dict) else None
+
+
+def short_lineage(m: Manifest) -> str:
+    """``ckpt ls``'s column: ``<source run>@<step>`` of a branch, ``-`` otherwise."""
+    lineage = lineage_of(m)
+    return "-" if lineage is None else f"{str(lineage.get('run', '')).rstrip('/').rsplit('/', 1)[-1]}@{lineage.get('step')}"
+
+
 def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[str]:
     """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact); ``frags``: the
     fragment of every part."""
@@ -179,7 +194,7 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
         f"digest: {m.digest}",
         f"parent: {'-' if m.parent is None else m.parent}",
         f"created: {m.created}",
-        f"lineage: {describe_lineage(m.lineage)}",
+        f"lineage: {describe_lineage(lineage_of(m))}",
         f"kind: {m.kind}",
         f"layout: {'single writer' if m.single else f'multi-part ({len(m.parts)} parts)'}",
         f"tensors: {tensors}",

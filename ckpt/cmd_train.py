@@ -7,8 +7,15 @@ checkpoints under ``./runs/<run-id>`` and uses Prefect's ephemeral API (or the s
 runs beside the run (``ckpt/beside.py``). The options are ``ckpt/train_options.py``'s
 ``TrainOptions``. The last line is ``digest: <hex>``, the logical digest of the final checkpoint.
 
+``--resume --run-id R --store S`` is enough to continue a run: its trajectory (workload, sizes,
+seed, shards, steps per round, ...) and its rounds come from the run itself; an option typed again
+is checked against the run, and one that would change its trajectory is refused by name, before
+Prefect starts.
+
 Exit codes: 0 done (every committed checkpoint validated); 1 the run failed, or a checkpoint failed
-validation; 2 refused before training (bad option, existing run without --resume, changed config).
+validation (one ``error:`` line naming the step, its checks and the last healthy step; the run stops
+after the round in flight); 2 refused before training (bad option, existing run without
+--resume, changed config).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import typer
 from .cli import app
 from .common import WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
 from .progress import loss_text, size_text
-from .train_options import TrainOptions, options_command
+from .train_options import TrainOptions, options_command, trajectory_fields
 
 if TYPE_CHECKING:
     from flows.api import PrefectAPI
@@ -32,19 +39,19 @@ if TYPE_CHECKING:
 
 @app.command("train")
 @options_command
-def train(o: TrainOptions) -> None:
+def train(o: TrainOptions, given: frozenset[str]) -> None:
     """Train a model as a Prefect flow with incremental, validated checkpoints (see docs/training.md)."""
     t_start = time.perf_counter()
     _quiet_prefect(o.verbose)
     params, so = _params_or_exit(o)
-    # The temporary Prefect server (when PREFECT_API_URL is unset) starts in the background while
-    # this process checks that the run may start; the flow checks the same again.
+    # Before Prefect is even imported: whether the run may start (and a resume's own settings); the
+    # flow's plan-run checks the same again (deployments reach it without this command).
+    params = _refuse_early(params, so, given)
     from flows.api import PrefectAPI
 
-    api = PrefectAPI()
-    _refuse_early(api, params, so)
+    api = PrefectAPI()  # the temporary Prefect server (when PREFECT_API_URL is unset)
     t_ready = time.perf_counter()
-    summary, guard, (t_flow_call, t_flow_end) = _run_flow(api, params, so, o)
+    summary, failure, guard, (t_flow_call, t_flow_end) = _run_flow(api, params, so, o)
     t_end = time.perf_counter()
     sec = summary["seconds"]
     sec["cli_total"] = round(t_end - t_start, 3)
@@ -66,6 +73,8 @@ def train(o: TrainOptions) -> None:
     import gc
 
     gc.freeze()
+    if failure is not None:
+        fail(failure, 1)
     if summary["failed_validation"]:
         raise typer.Exit(1)
 
@@ -113,9 +122,11 @@ def _params_or_exit(o: TrainOptions) -> tuple[TrainParams, dict[str, Any] | None
     return params, so
 
 
-def _refuse_early(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None) -> None:
+def _refuse_early(params: TrainParams, so: dict[str, Any] | None, given: frozenset[str]) -> TrainParams:
     """Refuse before Prefect starts what the flow's plan-run would refuse (an unknown workload, an
-    existing run without --resume, a changed trajectory): one error line, exit 2."""
+    existing run without --resume, a changed trajectory): one error line, exit 2. A resume returns
+    the parameters with the run's own trajectory for every trajectory option not ``given``, and the
+    run's rounds unless ``--rounds`` was."""
     from ckptlib import Checkpointer, CheckpointError
     from trainrun.errors import RunRefused
     from trainrun.layout import run_url
@@ -124,25 +135,39 @@ def _refuse_early(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | Non
 
     assert params.run_id is not None
     try:
-        resolve_factory(params.workload)
         if params.credentials_block is None:  # a Secret block needs the Prefect API: the flow's plan-run checks then
             with Checkpointer(run_url(params.store, params.run_id), so) as ck:
-                plan = where_to_start(ck, params.spec(), resume=params.resume, run_id=params.run_id)
+                plan = where_to_start(ck, params.spec(), resume=params.resume, run_id=params.run_id,
+                                      given=trajectory_fields(given) if params.resume else None)
+                rounds = _stored_rounds(ck) if params.resume and "rounds" not in given else None
+            params = params.model_copy(update={**(plan.config or {}), **({"rounds": rounds} if rounds else {})})
             if params.resume:
-                typer.echo(f"{params.run_id}: {plan.note}")
+                typer.echo(f"{params.run_id}: {plan.note}" + (f"; {params.rounds} rounds, as the run was started"
+                                                              if rounds else ""))
+        resolve_factory(params.workload)
     except (RunRefused, CheckpointError, ValueError, ImportError) as e:
-        api.stop()
         fail(str(e))
+    return params
+
+
+def _stored_rounds(ck: Any) -> int | None:
+    """The rounds the run's latest checkpoint was trained towards (its manifest's ``meta.params``)."""
+    steps = ck.steps()
+    if not steps:
+        return None
+    rounds = (ck.manifest(steps[-1]).meta.get("params") or {}).get("rounds")
+    return rounds if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1 else None
 
 
 def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
-              o: TrainOptions) -> tuple[dict[str, Any], Any, tuple[float, float]]:
-    """The ``train-run`` flow here (the live table, the watchdog beside it); its summary, the watchdog,
-    and when the flow was called and returned. A failed run: one error line naming how to resume."""
+              o: TrainOptions) -> tuple[dict[str, Any], str | None, Any, tuple[float, float]]:
+    """The ``train-run`` flow here (the live table, the watchdog beside it); its summary, the line
+    saying why it is not healthy (a failed validation, ``RunFailed``), the watchdog, and when the flow
+    was called and returned. A run that failed otherwise: one error line naming how to resume."""
     from rich.console import Console
     from rich.live import Live
 
-    from flows.train import train_run
+    from flows.train import RunFailed, train_run
     from trainrun.errors import RunRefused
     from trainrun.layout import run_url
 
@@ -152,7 +177,7 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
     assert params.run_id is not None
     live = not o.verbose and Console().is_terminal
     progress = Progress(run_url(params.store, params.run_id), so, params)
-    summary, error, guard = None, None, None
+    summary, failure, error, guard = None, None, None, None
     t_flow_call = t_flow_end = time.perf_counter()
     try:
         with api.use():
@@ -170,6 +195,9 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
                 if guard is not None:
                     guard.stop()
             t_flow_end = time.perf_counter()
+    except RunFailed as e:  # it ran, and a step failed validation: the summary, then the line
+        summary, failure = e.summary, str(e)
+        t_flow_end = time.perf_counter()
     except RunRefused as e:
         error = (str(e), 2)
     except KeyboardInterrupt:
@@ -184,7 +212,7 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
     if error is not None:
         fail(*error)
     assert summary is not None
-    return summary, guard, (t_flow_call, t_flow_end)
+    return summary, failure, guard, (t_flow_call, t_flow_end)
 
 
 def _print_summary(console, s: dict, params) -> None:
@@ -194,7 +222,8 @@ def _print_summary(console, s: dict, params) -> None:
     ratio = s["full_copy_bytes"] / max(s["bytes_written"], 1)
     committed = s["committed"]
     lines = [
-        f"[bold]run {s['run_id']}[/] done in {total:.1f} s (flow {flow:.1f} s)" + (f" — {s['note']}" if s["resumed"] else ""),
+        f"[bold]run {s['run_id']}[/] {'[red]ended FAILED[/]' if s.get('failure') else 'done'} in {total:.1f} s "
+        f"(flow {flow:.1f} s)" + (f" — {s['note']}" if s["resumed"] else ""),
         f"  rounds done     {s['rounds_done']} this session (step {s['start_step']} -> {s['final_step']} of {s['rounds']})",
         f"  final loss      {loss_text(s['final_loss'])} (eval {loss_text(s['final_eval_loss'])})",
         f"  checkpoints     {len(committed)} committed" + (f" (steps {committed[0]}..{committed[-1]})" if committed else "")
@@ -205,7 +234,8 @@ def _print_summary(console, s: dict, params) -> None:
         f"  time            training {sec['train'] + sec['build']:.1f} s, checkpoint save {sec['save']:.1f} s "
         f"({sec['save'] / total:.1%}), restore {sec['restore']:.1f} s ({sec['restore'] / total:.1%}), Prefect "
         f"overhead {sec['prefect']:.1f} s in the flow + {sec['prefect_start_stop']:.1f} s start/stop "
-        f"({(sec['prefect'] + sec['prefect_start_stop']) / total:.1%}), validation tail {sec['validation_wait']:.1f} s",
+        f"({(sec['prefect'] + sec['prefect_start_stop']) / total:.1%}), validation tail {sec['validation_wait']:.1f} s"
+        + (f", waiting for the watchdog {sec['watchdog_wait']:.1f} s (fence + rerun)" if sec.get("watchdog_wait") else ""),
         f"  checkpoints at  {s['run_url']}   (ckpt ls {s['run_url']})",
         f"  reports         {s['run_url']}/reports/<step>/  (final: {s['run_url']}/reports/{s['final_step']}/)",
     ]
@@ -218,6 +248,12 @@ def _print_summary(console, s: dict, params) -> None:
     for d in s.get("watchdog") or []:
         if d["kind"] in SUMMARY:
             lines.append(f"  watchdog        {describe(Decision.from_dict(d))}")
+    if s.get("lineage"):
+        lines.append(f"  lineage         branched from step {s['lineage'].get('step')} of {s['lineage'].get('run')}")
+    if s.get("predecessor"):
+        p = s["predecessor"]
+        lines.append(f"  continues       flow run {p.get('name') or p.get('flow_run_id')} "
+                     f"({'it died' if p.get('status') == 'running' else 'it ended ' + str(p.get('status'))})")
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
     # plain print: the one line scripts and tests parse

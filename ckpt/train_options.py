@@ -110,6 +110,13 @@ class TrainOptions:
                               "validate_checkpoints": not self.no_validate, "local_tier": not self.no_local_tier})
 
 
+def trajectory_fields(given: frozenset[str]) -> set[str]:
+    """The trajectory (``RunSpec``) fields among the options ``given``."""
+    from trainrun.spec import RunSpec
+
+    return {CLI_FIELDS[o] for o in given if CLI_FIELDS.get(o) in RunSpec.model_fields}
+
+
 # option -> TrainParams field, for every option that is one (the others: output, the watchdog, --no-validate)
 CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "size": "workload_size",
               "workload_extra": "workload_extra", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
@@ -121,19 +128,26 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "storage_options": "storage_options", "credentials_block": "credentials_block"}
 
 
-def options_command(body: Callable[[TrainOptions], None]) -> Callable[..., None]:
+def options_command(body: Callable[[TrainOptions, frozenset[str]], None]) -> Callable[..., None]:
     """``body`` as a function of keyword arguments, one per ``TrainOptions`` field, whose signature
-    (what typer reads) is those fields' (name, typer annotation, default)."""
+    (what typer reads) is those fields' (name, typer annotation, default). ``body`` gets the options
+    and the names of those typed on the command line (a resume checks them against the run and takes
+    the run's own values for the others)."""
     hints = typing.get_type_hints(TrainOptions, include_extras=True)
     params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
                                 default=inspect.Parameter.empty if f.default is MISSING else f.default)
               for f in fields(TrainOptions)]
 
     @functools.wraps(body)
-    def command(**options: Any) -> None:
-        body(TrainOptions(**options))
+    def command(ctx: typer.Context, **options: Any) -> None:
+        # where each value came from (typer's click): DEFAULT unless it was typed (or set by the environment)
+        sources = {name: ctx.get_parameter_source(name) for name in options}
+        given = frozenset(name for name, src in sources.items() if src is not None and src.name != "DEFAULT")
+        body(TrainOptions(**options), given)
 
     del command.__wrapped__  # typer reads the signature below, not the body's
+    ctx_param = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+    params = [ctx_param, *params]
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     command.__annotations__ = {p.name: p.annotation for p in params}
     return command

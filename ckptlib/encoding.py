@@ -45,7 +45,7 @@ DEFAULT_KEYFRAME_EVERY = 32
 DEFAULT_DELTA_BUDGET = 2.0
 # A dense delta (most elements changed: the previous version held in memory, a snapshot into fresh
 # memory, one more link per restore) must save more: dense fp32 AdamW deltas between saves 10 steps
-# apart save 13-18% over a keyframe (dense-lm, tinylm), sparse ones 60-98% (docs/decisions.md 36).
+# apart save 13-18% over a keyframe (dense-lm, tinylm), sparse ones 60-98% (docs/decisions.md 41).
 _DENSE_DELTA_PAYS = 0.75
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).

@@ -199,7 +199,7 @@ def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor,
     few elements changed, the changes are written into the base's buffer, which becomes the unit's
     snapshot, and the old values are kept beside it (``snap.changes``, what its sparse delta is
     made of). A comparison reads two streams and writes nothing: no page of fresh memory is touched,
-    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 38). Every
+    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 43). Every
     other unit is copied into a buffer from ``buffers`` (the writer's pool: pages already faulted
     in). If anything fails, the base's bytes are dropped (some may be patched)."""
     t0 = time.perf_counter()

@@ -13,8 +13,11 @@ Each is (re)created by name, so ``make deploy`` can run again without duplicates
 * Notifications (``notifications``): to a ``Webhook`` block (its URL may hold a token, so it is a
   block, never a parameter), one automation each for a checkpoint that failed validation
   (``ckpt.validation.failed``), a run the watchdog gave up on or could not start again
-  (``ckpt.watchdog.gave-up``, ``resume-failed``, ``cannot-rerun``), and a crashed flow run of the
-  training flow (``prefect.flow-run.Crashed``). The body is JSON naming what happened and where.
+  (``ckpt.watchdog.gave-up``, ``resume-failed``, ``cannot-rerun``), and a flow run of the training
+  flow that ended in any final state but Completed (``prefect.flow-run.Failed``, ``Crashed``,
+  ``Cancelled``, ``TimedOut``). The body is JSON naming what happened and where, typed (a step is a
+  number, failed checks a list) and with HTTP links: the report as the stack serves it, the flow
+  run's page in the UI.
 
 ``ensure_watchdog`` starts the watchdog deployment when no watchdog of its store is alive (``make
 deploy`` calls it; the keeper does the same later).
@@ -32,8 +35,10 @@ KEEPER_WITHIN_S = 60.0  # 6 missed signs of life (every 10 s): a busy machine do
 WEBHOOK_BLOCK = "ckpt-notify"
 NOTIFY_VALIDATION = "ckpt-notify-validation-failed"
 NOTIFY_GAVE_UP = "ckpt-notify-watchdog-gave-up"
-NOTIFY_CRASHED = "ckpt-notify-run-crashed"
+NOTIFY_RUN_ENDED = "ckpt-notify-run-not-completed"
+RETIRED = ("ckpt-notify-run-crashed",)  # replaced by NOTIFY_RUN_ENDED: removed by make deploy
 TRAIN_FLOW = "train-run"
+NOT_COMPLETED = ("Failed", "Crashed", "Cancelled", "TimedOut")  # final flow-run states worth a notification
 
 
 def replace_automation(automation: Any) -> str:
@@ -111,14 +116,21 @@ _BODY = ('{"ckpt": "%s", "event": "{{ event.event }}", "resource": "{{ event.res
          '"occurred": "{{ event.occurred }}", "what": %s}')
 
 
-def notifications(webhook_url: str) -> dict[str, str]:
+def notifications(webhook_url: str, ui_url: str | None = None) -> dict[str, str]:
     """Create (replace) the three notification automations to the webhook at ``webhook_url``;
-    ``{name: id}``."""
+    ``{name: id}``. ``ui_url``: the Prefect UI, for links to flow runs (none: ``url`` is null)."""
     from prefect.automations import Automation
+    from prefect.client.orchestration import get_client
     from prefect.events.actions import CallWebhook
     from prefect.events.schemas.automations import EventTrigger, Posture
 
     block = UUID(webhook_block(webhook_url))
+    with get_client(sync_client=True) as client:
+        for name in RETIRED:
+            for old in client.read_automations_by_name(name):
+                client.delete_automation(old.id)
+    run_link = (f'"{ui_url.rstrip("/")}/runs/flow-run/{{{{ event.resource.id | replace(\'prefect.flow-run.\', \'\') }}}}"'
+                if ui_url else "null")
 
     def reactive(name: str, description: str, events: set[str], match: dict[str, Any], what: str,
                  match_related: dict[str, Any] | None = None) -> Automation:
@@ -131,19 +143,23 @@ def notifications(webhook_url: str) -> dict[str, str]:
     automations = [
         reactive(NOTIFY_VALIDATION, "A checkpoint failed its validation: it is not healthy.",
                  {"ckpt.validation.failed"}, {"prefect.resource.id": "ckpt.run.*"},
-                 '{"run": "{{ event.resource.get(\'ckpt.run-url\', \'\') }}", '
-                 '"step": "{{ event.payload.step }}", "failed": "{{ event.payload.failed | join(\', \') }}", '
-                 '"report": "{{ event.payload.report_url }}"}'),
+                 '{"run": {{ event.resource.get(\'ckpt.run-url\', \'\') | tojson }}, '
+                 '"step": {{ event.payload.step | tojson }}, "failed": {{ event.payload.failed | tojson }}, '
+                 '"report": {{ (event.payload.report_http or event.payload.report_url) | tojson }}, '
+                 '"report_url": {{ event.payload.report_url | tojson }}}'),
         reactive(NOTIFY_GAVE_UP, "The watchdog gave up on a shard or a run (reruns kept dying, a dead run could "
                  "not be started again, or a rerun it may not run).",
                  {"ckpt.watchdog.gave-up", "ckpt.watchdog.resume-failed", "ckpt.watchdog.cannot-rerun"},
                  {"prefect.resource.id": ["ckpt.shard.*", "ckpt.run.*"]},
                  '{"run": "{{ event.payload.run }}", "part": "{{ event.payload.part }}", '
                  '"reason": {{ event.payload.reason | tojson }}}'),
-        reactive(NOTIFY_CRASHED, "A training run crashed (its process or its infrastructure died).",
-                 {"prefect.flow-run.Crashed"}, {"prefect.resource.id": "prefect.flow-run.*"},
-                 '{"flow_run": "{{ event.resource.name }}", "message": {{ event.payload.get(\'validated_state\', '
-                 '{}).get(\'message\', \'\') | tojson }}}',
+        reactive(NOTIFY_RUN_ENDED, "A training run ended but did not complete: failed (e.g. a checkpoint failed "
+                 "validation), crashed (its process or infrastructure died), cancelled or timed out.",
+                 {f"prefect.flow-run.{state}" for state in NOT_COMPLETED}, {"prefect.resource.id": "prefect.flow-run.*"},
+                 '{"flow_run": {{ event.resource.name | tojson }}, '
+                 '"state": {{ event.event | replace(\'prefect.flow-run.\', \'\') | tojson }}, '
+                 '"message": {{ event.payload.get(\'validated_state\', {}).get(\'message\', \'\') | tojson }}, '
+                 '"url": ' + run_link + '}',
                  match_related={"prefect.resource.role": "flow", "prefect.resource.name": TRAIN_FLOW}),
     ]
     return {a.name: replace_automation(a) for a in automations}

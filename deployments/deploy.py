@@ -20,7 +20,8 @@ Every deployment runs its flow runs with the job variable ``stream_output: false
 process whose output is piped to the worker crashes with BrokenPipeError once the worker dies;
 without the pipe it outlives the worker (its logs reach the API either way). Automations
 (``deployments/automations.py``): the watchdog's keeper, and with ``--webhook URL`` notifications
-of failed validations, runs the watchdog gave up on and crashed training runs.
+of failed validations, runs the watchdog gave up on and training runs that ended other than
+Completed (failed, crashed, cancelled).
 
 Every deployment's store URL parameter defaults to the stack's bucket (``s3://checkpoints/runs``,
 from ``<stack-dir>/stack.json``; ``--store`` or ``CKPT_STORE`` override it), so the UI's run form
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="register the watchdog without starting its long-lived run")
     ap.add_argument("--webhook", default=os.environ.get("CKPT_NOTIFY_WEBHOOK"),
                     help="notify this URL (a Webhook block) of failed validations, runs the watchdog gave up on "
-                         "and crashed training runs (default: CKPT_NOTIFY_WEBHOOK; none: no notifications)")
+                         "and training runs that failed, crashed or were cancelled (default: CKPT_NOTIFY_WEBHOOK; "
+                         "none: no notifications)")
     a = ap.parse_args(argv)
 
     specs = DEPLOYMENTS
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from deployments.automations import notifications
 
-            for name, aid in notifications(a.webhook).items():
+            ui_url = info.get("ui_url") or os.environ.get("PREFECT_UI_URL")
+            for name, aid in notifications(a.webhook, ui_url=ui_url).items():
                 print(f"  ok      automation {name} (-> webhook block ckpt-notify)  id {aid}", flush=True)
         except Exception as e:  # noqa: BLE001
             failed += 1

@@ -14,6 +14,12 @@ Contract:
 * Authentication is on: an admin identity (``storage_options``, full rights) and a read-only one
   (``readonly_storage_options``), so wrong credentials and missing permissions fail as on real S3.
   Buckets are not created on upload (``-s3.autoCreateBucket=false``): a missing bucket is an error.
+  The identities file (``<data_dir>/s3.json``) is readable by this user only (0600, its folder 0700).
+* ``jwt=True`` (the local stack) closes SeaweedFS's plain HTTP doors: the filer would otherwise serve
+  every object of every bucket and accept PUT and DELETE from any local process without
+  credentials, and volume servers would accept writes. A ``security.toml`` (0600) with fresh random
+  keys per start makes the filer and the volume servers answer 401 to any request without a JWT
+  signed by them; S3 (authenticated as above) works as before.
 * ``stop()`` sends SIGTERM, waits ``grace`` seconds (weed's graceful stop can take over 10 s), then
   SIGKILLs; it returns only when the process is gone, and is idempotent. A still running server is
   also stopped at interpreter exit (not if the interpreter itself is SIGKILLed).
@@ -84,6 +90,23 @@ def stop_process_groups(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait(10)
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable and writable by this user only (0600), from its creation."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through os.open
+
+
+def _jwt_config() -> str:
+    """weed's ``security.toml``: JWT keys for writes and reads of the volume servers and the filer."""
+    import secrets
+
+    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    return "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in sections)
+
+
 def _free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct ports free on ``host`` right now (held open together, so distinct)."""
     socks = []
@@ -124,6 +147,7 @@ class SeaweedFS:
         self.ports = ports  # name -> port, e.g. {"s3": 8333, "s3.grpc": 18333, ...}
         self.log_path = data_dir / "weed.log"
         self.admin = (ADMIN_KEY, ADMIN_SECRET)  # (access key, secret key) of the admin identity
+        self.reader = (READER_KEY, READER_SECRET)  # ... and of the read-only one
         self._log_file = log_file
         atexit.register(self.stop)
 
@@ -140,6 +164,8 @@ class SeaweedFS:
         filer_port: int | None = None,
         admin: tuple[str, str] = (ADMIN_KEY, ADMIN_SECRET),
         ports: dict[str, int] | None = None,
+        reader: tuple[str, str] = (READER_KEY, READER_SECRET),
+        jwt: bool = False,
     ) -> SeaweedFS:
         """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
 
@@ -150,9 +176,12 @@ class SeaweedFS:
         seconds. ``admin``: the admin identity's (access key, secret key), e.g. a secret unique to
         one test that then looks for it wherever it must not be. ``ports``: every port by name (as
         ``.ports`` of an earlier start), so a restart on the same data comes back where it was.
+        ``reader``: the read-only identity's keys. ``jwt``: close the filer's and volume servers' plain
+        HTTP (see the module docstring).
         """
         data_dir = Path(data_dir).absolute()
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
+        os.chmod(data_dir, 0o700)
         weed = find_weed()
         if s3_port is not None and not _port_is_free(host, s3_port):
             raise RuntimeError(f"S3 port {host}:{s3_port} is already in use: stop what holds it or pick another")
@@ -161,15 +190,19 @@ class SeaweedFS:
         identities = {"identities": [
             {"name": "admin", "credentials": [{"accessKey": admin[0], "secretKey": admin[1]}],
              "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
-            {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+            {"name": "reader", "credentials": [{"accessKey": reader[0], "secretKey": reader[1]}],
              "actions": ["Read", "List"]},
         ]}
-        (data_dir / "s3.json").write_text(json.dumps(identities, indent=2))
+        write_private(data_dir / "s3.json", json.dumps(identities, indent=2))
+        if jwt:
+            write_private(data_dir / "security.toml", _jwt_config())
+        else:
+            (data_dir / "security.toml").unlink(missing_ok=True)
 
         # A picked port can be taken by someone else before weed binds it: try again on new ports.
         for attempt in range(3):
             server = cls._launch(weed, data_dir, host, s3_port, filer_port, ports if attempt == 0 else None)
-            server.admin = admin
+            server.admin, server.reader = admin, reader
             try:
                 server._wait_ready(timeout)
                 return server
@@ -245,7 +278,7 @@ class SeaweedFS:
     @property
     def readonly_storage_options(self) -> dict[str, Any]:
         """s3fs arguments for an identity that may read and list but not write or delete."""
-        return {"endpoint_url": self.endpoint, "key": READER_KEY, "secret": READER_SECRET}
+        return {"endpoint_url": self.endpoint, "key": self.reader[0], "secret": self.reader[1]}
 
     def _client(self, connect_timeout: float = 5, read_timeout: float = 30):
         import botocore.session

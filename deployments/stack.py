@@ -33,11 +33,17 @@
   SIGTERM, ``--grace`` seconds, SIGKILL. It exits 0 only when no process of the stack is left.
   Data (database, bucket) stays for the next ``up``; ``--purge`` deletes ``<dir>``.
 * Logs, all in ``<dir>/logs/``: ``prefect-server.log``, ``worker.log``, ``seaweedfs.log``.
-* Reports over HTTP: SeaweedFS's filer (``--filer-port``, default 8888, loopback only) serves every
-  object of the bucket as ``http://127.0.0.1:8888/buckets/<bucket>/<key>`` without credentials, so
-  a browser can open the validation reports (``s3://checkpoints/runs/<run>/reports/<step>/index.html``).
-  ``CKPT_S3_HTTP_BASE`` (in ``env``) is that base: ``s3://X/Y`` is at ``$CKPT_S3_HTTP_BASE/X/Y``.
-  It also accepts writes without credentials: it is a loopback development convenience.
+* Reports over HTTP: the stack's own report server (``deployments/report_server.py``, service
+  ``reports``, ``--reports-port``, default 8888, on the stack's host) serves the validation reports,
+  and nothing else, read-only, as ``http://127.0.0.1:8888/buckets/<bucket>/<key>``
+  (``s3://checkpoints/runs/<run>/reports/<step>/index.html``), reading them with the stack's
+  read-only S3 identity. ``CKPT_S3_HTTP_BASE`` (in ``env``) is that base: ``s3://X/Y`` is at
+  ``$CKPT_S3_HTTP_BASE/X/Y``. SeaweedFS's filer (an internal port, ``--filer-port``, default free)
+  answers 401 without a JWT (``SeaweedFS.start(jwt=True)``): it would otherwise serve every object
+  and accept PUT and DELETE from any local process.
+* Secrets: the S3 admin and read-only identities are random per stack (made by the first ``up``);
+  every file holding one (``stack.json``, ``env``, ``seaweedfs/s3.json``, ``seaweedfs/security.toml``,
+  ``prefect/database-url``) is 0600 and the stack's folder and its subfolders are 0700.
 
 Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
 ``distributed``), so ``down`` also works from a bare ``python3``.
@@ -66,13 +72,14 @@ DEFAULT_DIR = ".stack"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 4200
 DEFAULT_S3_PORT = 8333
-DEFAULT_FILER_PORT = 8888
+DEFAULT_REPORTS_PORT = 8888
+DEFAULT_FILER_PORT = 0  # internal (closed by JWT): any free port
 DEFAULT_BUCKET = "checkpoints"
 DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
 MARKER = "CKPT_STACK_ID"
-SERVICES = ("worker", "server", "seaweedfs")  # stop order
-START_ORDER = ("server", "seaweedfs", "worker")
+SERVICES = ("worker", "reports", "server", "seaweedfs")  # stop order
+START_ORDER = ("server", "seaweedfs", "reports", "worker")
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -287,6 +294,8 @@ class Stack:
         services["server"]["answers"] = services["server"]["running"] and _api_healthy(info["api_url"])
         services["seaweedfs"]["answers"] = services["seaweedfs"]["running"] and _tcp_open(
             info["host"], info["s3_port"])
+        services["reports"]["answers"] = services["reports"]["running"] and _tcp_open(
+            info["host"], info.get("reports_port") or 0)
         api_status = _worker_status(info["api_url"], info["pool"], info["worker_name"]) \
             if services["server"]["answers"] else None
         services["worker"]["api_status"] = api_status
@@ -298,9 +307,9 @@ class Stack:
     # ----------------------------------------------------------- up
 
     def up(self, *, host: str = DEFAULT_HOST, api_port: int = DEFAULT_API_PORT, s3_port: int = DEFAULT_S3_PORT,
-           filer_port: int = DEFAULT_FILER_PORT, bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX,
-           pool: str = DEFAULT_POOL, worker_limit: int | None = None, poll_seconds: float = 5.0,
-           timeout: float = 120.0) -> dict[str, Any]:
+           filer_port: int = DEFAULT_FILER_PORT, reports_port: int = DEFAULT_REPORTS_PORT,
+           bucket: str = DEFAULT_BUCKET, prefix: str = DEFAULT_PREFIX, pool: str = DEFAULT_POOL,
+           worker_limit: int | None = None, poll_seconds: float = 5.0, timeout: float = 120.0) -> dict[str, Any]:
         """Start everything, or what is dead of a stack that partly runs; return the stack's info (as
         in stack.json). See the module docstring."""
         current = self.status()
@@ -313,15 +322,19 @@ class Stack:
             s3_port = free_port(host)
         if filer_port == 0:
             filer_port = free_port(host)
+        if reports_port == 0:
+            reports_port = free_port(host)
         for what, port, flag in (("Prefect API", api_port, "--api-port / PREFECT_SERVER_API_PORT"),
-                                 ("S3", s3_port, "--s3-port"), ("SeaweedFS filer", filer_port, "--filer-port")):
+                                 ("S3", s3_port, "--s3-port"), ("SeaweedFS filer", filer_port, "--filer-port"),
+                                 ("report server", reports_port, "--reports-port")):
             if not _port_free(host, port):
                 raise RuntimeError(
                     f"{what} port {host}:{port} is already in use (another stack or Prefect server?): stop it "
                     f"(`make stack-down`, `prefect server stop`) or choose another port with {flag}")
 
-        for sub in ("logs", "prefect", "seaweedfs"):
+        for sub in ("", "logs", "prefect", "seaweedfs"):  # this user's only: they hold its secrets
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(self.dir / sub, 0o700)
         (self.dir / ".gitignore").write_text("*\n")  # the stack folder never shows up in git status
         stack_id = uuid.uuid4().hex
         api_url = f"http://{host}:{api_port}/api"
@@ -331,19 +344,22 @@ class Stack:
         # never in stack.json, env or the output.
         _write_private(self.db_url_path, db_url)
 
-        from deployments.local_services import ADMIN_KEY, ADMIN_SECRET
+        import secrets
 
+        # this stack's own identities: a secret written in the source code would be no secret
+        admin = ("ckpt-admin", secrets.token_urlsafe(24))
+        reader = ("ckpt-reader", secrets.token_urlsafe(24))
         s3_endpoint = f"http://{host}:{s3_port}"
         client_env = {  # what a client (a shell, the worker, a flow run) needs; written to <dir>/env
             "PREFECT_API_URL": api_url,
             "PREFECT_UI_URL": ui_url,
             "AWS_ENDPOINT_URL": s3_endpoint,
-            "AWS_ACCESS_KEY_ID": ADMIN_KEY,
-            "AWS_SECRET_ACCESS_KEY": ADMIN_SECRET,
+            "AWS_ACCESS_KEY_ID": admin[0],
+            "AWS_SECRET_ACCESS_KEY": admin[1],
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
             "CKPT_STORE": f"s3://{bucket}/{prefix}",
-            "CKPT_S3_HTTP_BASE": f"http://{host}:{filer_port}/buckets",
+            "CKPT_S3_HTTP_BASE": f"http://{host}:{reports_port}/buckets",
             "CKPT_WORK_POOL": pool,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",
@@ -352,7 +368,8 @@ class Stack:
             "stack_id": stack_id, "dir": str(self.dir), "host": host,
             "api_port": api_port, "api_url": api_url, "ui_url": ui_url,
             "database": _masked(db_url), "s3_port": s3_port, "s3_endpoint": s3_endpoint,
-            "filer_port": filer_port, "s3_http_base": f"http://{host}:{filer_port}/buckets",
+            "filer_port": filer_port, "reports_port": reports_port,
+            "s3_http_base": f"http://{host}:{reports_port}/buckets", "reader": list(reader), "prefix": prefix,
             "bucket": bucket, "store": f"s3://{bucket}/{prefix}", "pool": pool, "worker_name": worker_name(pool),
             "worker_limit": worker_limit, "poll_seconds": poll_seconds,
             "logs": str(self.logs), "env_file": str(self.env_path), "env": client_env,
@@ -365,6 +382,8 @@ class Stack:
             self._start("seaweedfs", info, timeout)
             started.append("seaweedfs")
             self._write_info(info)  # its ports, for `down` and restarts
+            self._start("reports", info, timeout)
+            started.append("reports")
             self._wait_api(info, timeout)
             self._start("worker", info, timeout)
             started.append("worker")
@@ -439,10 +458,13 @@ class Stack:
         elif service == "seaweedfs":
             from deployments.local_services import SeaweedFS
 
+            env = info["env"]
             os.environ[MARKER] = info["stack_id"]  # its process inherits our environment: mark it
             try:
                 s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=info["s3_port"], timeout=timeout,
-                                     filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"))
+                                     filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"),
+                                     admin=(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
+                                     reader=tuple(info["reader"]) if info.get("reader") else s3_reader(), jwt=True)
             finally:
                 os.environ.pop(MARKER, None)
             self.pid_path("seaweedfs").write_text(str(s3.detach()))
@@ -452,6 +474,17 @@ class Stack:
                 link.unlink(missing_ok=True)
                 link.symlink_to(os.path.relpath(s3.log_path, self.logs))
             s3.create_bucket(info["bucket"])
+        elif service == "reports":
+            key, secret = info["reader"] if info.get("reader") else s3_reader()
+            env = {**self._base_env(info), "AWS_ENDPOINT_URL": info["s3_endpoint"], "AWS_ACCESS_KEY_ID": key,
+                   "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
+                   "AWS_EC2_METADATA_DISABLED": "true"}
+            self._spawn("reports", [sys.executable, "-m", "deployments.report_server", "--host", host,
+                                    "--port", str(info["reports_port"]), "--bucket", info["bucket"],
+                                    "--prefix", info.get("prefix") or DEFAULT_PREFIX],
+                        env, self.logs / "reports.log", cwd=Path(__file__).resolve().parent.parent)
+            self._wait("report server", lambda: _tcp_open(host, info["reports_port"]), timeout, "reports",
+                       self.logs / "reports.log")
         elif service == "worker":
             api_url, pool = info["api_url"], info["pool"]
             env = {**self._base_env(info), **info["env"]}
@@ -500,11 +533,12 @@ class Stack:
         raise RuntimeError(f"{what} did not answer within {timeout:.0f} s; log {log_path}:\n{_tail(log_path)}")
 
     def _write_info(self, info: dict[str, Any]) -> None:
-        self.info_path.write_text(json.dumps(info, indent=2) + "\n")
+        """``stack.json`` and ``env``: both hold the S3 admin secret, so both are this user's only (0600)."""
+        _write_private(self.info_path, json.dumps(info, indent=2))
         lines = ["# The local stack's client settings. Use them in a shell with:  . " + str(self.env_path),
                  f"# (written by `python -m deployments.stack up` for the stack in {self.dir})"]
         lines += [f"export {k}={_shell_quote(v)}" for k, v in info["env"].items()]
-        self.env_path.write_text("\n".join(lines) + "\n")
+        _write_private(self.env_path, "\n".join(lines))
 
     # ----------------------------------------------------------- down
 
@@ -523,7 +557,7 @@ class Stack:
                     left += _terminate([pid], min(grace, 3.0) if service == "seaweedfs" else grace)
                 if service == "worker":
                     runs = stack_processes(sid)
-                    runs = [p for p in runs if p not in {self.pid("server"), self.pid("seaweedfs")}]
+                    runs = [p for p in runs if p not in {self.pid(s) for s in SERVICES}]
                     if runs:
                         if not quiet:
                             _log(f"stopping flow-run processes {runs}")
@@ -619,12 +653,17 @@ def detach_flow_runs(api_url: str, pool: str) -> None:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable by this user only (it may hold a password)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    os.chmod(path, 0o600)
+    """Write ``text`` to ``path``, readable by this user only (it may hold a password or a secret)."""
+    from deployments.local_services import write_private
+
+    write_private(path, text + "\n")
+
+
+def s3_reader() -> tuple[str, str]:
+    """The read-only identity of a stack made before stacks had their own (``stack.json`` without one)."""
+    from deployments.local_services import READER_KEY, READER_SECRET
+
+    return READER_KEY, READER_SECRET
 
 
 # --------------------------------------------------------------------------- CLI
@@ -638,9 +677,9 @@ Local stack is up ({rel}):
   Prefect UI     {info['ui_url']}
   Prefect API    {info['api_url']}   database: {info['database']}
   S3 endpoint    {info['s3_endpoint']}   bucket: {info['bucket']}   store root: {info['store']}
-  Reports (HTTP) {info['s3_http_base']}/{info['store'][len('s3://'):]}/<run>/reports/<step>/index.html
+  Reports (HTTP) {info['s3_http_base']}/{info['store'][len('s3://'):]}/<run>/reports/<step>/index.html  (read-only)
   Work pool      {info['pool']} (process), worker {info['worker_name']}
-  Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log)
+  Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log, reports.log)
   Settings       {info['env_file']}
 
 Use it from a shell (source the file, or export these):
@@ -669,9 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--api-port", type=int, default=int(env.get("PREFECT_SERVER_API_PORT", DEFAULT_API_PORT)))
     p_up.add_argument("--s3-port", type=int, default=int(env.get("CKPT_STACK_S3_PORT", DEFAULT_S3_PORT)),
                       help="S3 port (default 8333; 0 = any free port)")
-    p_up.add_argument("--filer-port", type=int, default=int(env.get("CKPT_STACK_FILER_PORT", DEFAULT_FILER_PORT)),
-                      help="SeaweedFS filer HTTP port: bucket objects (reports) over plain HTTP "
+    p_up.add_argument("--reports-port", type=int,
+                      default=int(env.get("CKPT_STACK_REPORTS_PORT", DEFAULT_REPORTS_PORT)),
+                      help="the report server's port: the validation reports, read-only, over plain HTTP "
                            "(default 8888; 0 = any free port)")
+    p_up.add_argument("--filer-port", type=int, default=int(env.get("CKPT_STACK_FILER_PORT", DEFAULT_FILER_PORT)),
+                      help="SeaweedFS filer's internal HTTP port, closed without a JWT (default 0: any free port)")
     p_up.add_argument("--bucket", default=DEFAULT_BUCKET)
     p_up.add_argument("--prefix", default=DEFAULT_PREFIX, help="folder of runs in the bucket (default runs)")
     p_up.add_argument("--pool", default=DEFAULT_POOL, help="process work pool name (default local-pool)")
@@ -698,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         try:
             info = stack.up(host=args.host, api_port=args.api_port, s3_port=args.s3_port,
-                            filer_port=args.filer_port, bucket=args.bucket,
+                            filer_port=args.filer_port, reports_port=args.reports_port, bucket=args.bucket,
                             prefix=args.prefix.strip("/"), pool=args.pool, worker_limit=args.worker_limit,
                             poll_seconds=args.poll_seconds, timeout=args.timeout)
         except (RuntimeError, OSError, ValueError) as e:

@@ -10,6 +10,8 @@ exports its URL (environment and settings), which every child process inherits.
     with api.use():             # waits until it answers; flows run against it inside
         train_run(params)
     api.stop()                  # (also done by use() on exit)
+
+Should this process be killed, a reaper (``flows/reaper.py``) stops the temporary server.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 class PrefectAPI:
@@ -28,6 +31,7 @@ class PrefectAPI:
         self.server = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._reaper: Any = None
         if self.url is None:
             from prefect.server.api.server import SubprocessASGIServer
 
@@ -39,6 +43,11 @@ class PrefectAPI:
     def _start(self, timeout_s: int) -> None:
         try:
             self.server.start(timeout=timeout_s)
+            process = getattr(self.server, "server_process", None)
+            if process is not None:  # killed, this process could not stop it: a reaper does (flows/reaper.py)
+                from . import reaper
+
+                self._reaper = reaper.start(process.pid)
         except BaseException as e:  # noqa: BLE001 - re-raised by use()
             self._error = e
 
@@ -77,6 +86,9 @@ class PrefectAPI:
                 self._thread.join()
             self.server.stop()
             self.server = None
+        if self._reaper is not None:
+            self._reaper.wait(10)  # it sees the server gone within its poll
+            self._reaper = None
 
 
 @contextmanager

@@ -69,7 +69,8 @@ class TrainParams(RunSettings, RunSpec):
 
     # where
     store: str = Field("./runs", description="Where runs live: a local directory, file:///abs/path or "
-                       "s3://bucket/prefix. The run's checkpoints are at <store>/<run_id>.")
+                       "s3://bucket/prefix. The run's checkpoints are at store/run_id, e.g. "
+                       "s3://checkpoints/runs/my-run.")
     run_id: str | None = Field(None, description="The run's name under the store. Empty: generated "
                                "(date + short uuid). Must be new unless resume is set.")
     credentials_block: str | None = Field(None, description="Name of a Prefect Secret block holding the s3fs "
@@ -80,7 +81,9 @@ class TrainParams(RunSettings, RunSpec):
     storage_options: SkipJsonSchema[StorageOptions | None] = Field(
         None, description="s3fs options, from Python only (masked in every record); prefer credentials_block.")
     resume: bool = Field(False, description="Continue the run from its last healthy (committed and validated) "
-                         "checkpoint. A retry of the flow run (Retry in the UI) resumes too.")
+                         "checkpoint, with the run's own trajectory: a trajectory field left at its default takes "
+                         "the run's value, one set to another value must match it. A retry of the flow run (Retry "
+                         "in the UI) resumes too.")
     start_from: StartFrom | None = Field(None, title="Start From", description="Start from a chosen committed checkpoint: of this run "
                                          "(resume from that step) or of another run (branch).")
     # validation

@@ -2,7 +2,12 @@
 
 The watchdog found the coordinator of a run silent (a ``run-dead`` decision). Its beat names the
 Prefect flow run and deployment it came from; those names are only trusted as far as Prefect
-confirms them: the flow run must exist, belong to that deployment and have trained that run id.
+confirms them: the flow run must exist, belong to that deployment and have trained that run id
+(its ``run_id`` parameter, or its name ``train-<run id>`` when the id was generated), **in the
+watchdog's own store**: the run the flow run's parameters (over the deployment's) point at must be
+the very run the watchdog found dead. A beat naming a flow run of another store (anyone who can
+write this store can write a beat) is refused (``ResumeRefused``: a ``resume-failed`` decision, so
+it is seen and notified), and nothing is started.
 Then the old flow run is marked ``Crashed`` (when it is not final already: its worker may have seen the
 process exit first), with every task run of it that was still running (their process is gone: nobody
 else would end them, not even that worker), and the deployment runs
@@ -18,7 +23,22 @@ import time
 from typing import Any
 from uuid import UUID
 
+from ckptlib.errors import CheckpointError
+from trainrun.layout import run_url, store_url
 from trainrun.watchdog.decisions import Decision, Resumed
+
+
+class ResumeRefused(CheckpointError, ValueError):
+    """The dead run's beat names a flow run that trained another run (another store): not started."""
+
+
+def same_place(a: str, b: str) -> bool:
+    """Whether two run URLs name the same run (``file://`` or a plain path; trailing slashes)."""
+
+    def norm(u: str) -> str:
+        return store_url(u[len("file://"):] if u.startswith("file://") else u).rstrip("/")
+
+    return norm(a) == norm(b)
 
 
 def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
@@ -30,15 +50,24 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
         return None
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
+
     run_id = d.run_id or d.run
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment(UUID(d.deployment_id))
         old = client.read_flow_run(UUID(d.flow_run_id))
         previous = dict((old.parameters or {}).get("params") or {})
-        if old.deployment_id != deployment.id or previous.get("run_id") != run_id:
+        base = dict((deployment.parameters or {}).get("params") or {})
+        trained = previous.get("run_id") or (old.name[len("train-"):] if old.name.startswith("train-") else None)
+        if old.deployment_id != deployment.id or trained != run_id:
             logger.warning("run %s: its heartbeat names flow run %s of deployment %s, which Prefect does not confirm "
                            "(another deployment or run id): not started again", d.run, d.flow_run_id, d.deployment_id)
             return None
+        store = previous.get("store") or base.get("store")
+        if not store or not same_place(run_url(store, run_id), d.run_url):
+            raise ResumeRefused(
+                f"the heartbeat of {d.run_url} names flow run {old.name} ({d.flow_run_id}), which trained run "
+                f"{run_id} of store {store!r}, not the run this watchdog found dead: not started again (a watchdog "
+                "resumes only runs of its own store). Resume the run by hand if it is yours.")
         if old.state is not None and old.state.is_final() and not old.state.is_crashed():
             logger.warning("run %s: its flow run %s is %s, not crashed: not started again", d.run, old.name,
                            old.state.name)
@@ -46,12 +75,12 @@ def resume_from_deployment(d: Decision, logger: Any) -> Resumed | None:
         # Crashed already when its worker saw the process exit: its task runs still need ending
         end_dead_run(client, old.id, f"the watchdog found its coordinator silent: {d.reason}", logger,
                      mark_flow_run=old.state is None or not old.state.is_final())
-    base = dict((deployment.parameters or {}).get("params") or {})
     previous.pop("storage_options", None)  # masked in the API: keep the deployment's
     previous.pop("start_from", None)  # a branch is made once: the restart continues the run itself
     params = {**base, **previous, "resume": True, "run_id": run_id}
     new = run_deployment(name=deployment.id, parameters={"params": params}, timeout=0, as_subflow=False,
-                         idempotency_key=f"ckpt-resume-{run_id}-{d.flow_run_id}")
+                         idempotency_key=f"ckpt-resume-{run_id}-{d.flow_run_id}",
+                         tags=["ckpt", "resumed", f"resumes:{d.flow_run_id[:8]}"])
     return Resumed(flow_run_id=str(new.id), flow_run_name=new.name,
                    reason=f"started again from deployment {deployment.name} as flow run {new.name} (resume)")
 

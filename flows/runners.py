@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -246,8 +248,9 @@ def shard_result(parameters: dict[str, Any]) -> ShardResult:
 
 @contextmanager
 def validation_runner(kind: str) -> Iterator[Any]:
-    """``process``: one worker process for validations (sequential, beside training); ``threads``:
-    the flow's own thread pool (None)."""
+    """``process``: one worker process for validations (sequential, beside training), which ends
+    itself when the flow's process is gone (``exit_with_parent``); ``threads``: the flow's own thread
+    pool (None)."""
     if kind == "threads":
         yield None
         return
@@ -255,5 +258,21 @@ def validation_runner(kind: str) -> Iterator[Any]:
         raise ValueError(f"unknown validation runner {kind!r}: use process or threads")
     from prefect.task_runners import ProcessPoolTaskRunner
 
-    with ProcessPoolTaskRunner(max_workers=1) as runner:
+    with ProcessPoolTaskRunner(max_workers=1, initializer=exit_with_parent, initargs=(os.getpid(),)) as runner:
         yield runner
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """In a worker process: end it (``os._exit``) within ``poll_s`` once ``parent_pid`` is no longer
+    its parent. A flow-run process killed with SIGKILL cannot stop its process pool; its worker
+    (hundreds of MB) would live on blocked on its task queue, and multiprocessing's resource tracker
+    with it (the tracker ends by itself once no process holds its pipe). A thread, not
+    PR_SET_PDEATHSIG: that signal follows the thread that started the child, not the process."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("validation worker %d: its flow-run process %d is gone; ending it", os.getpid(), parent_pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ckpt-exit-with-parent", daemon=True).start()

@@ -3,7 +3,9 @@
 Time is attributed along the critical path: a round lasts from submitting its shards until its cut
 returns; inside it the slowest shard's task body and the cut's task body are work (training,
 restore, save, combine), everything else is Prefect overhead (task submission, state tracking,
-result passing). Setup (planning, step 0, starting runners) is accounted the same way.
+result passing). Setup (planning, step 0, starting runners) is accounted the same way. A round
+in which a shard was fenced and rerun also waited for the watchdog (its detection, the fence and the
+rerun): ``watchdog_wait``, how much longer the round's shards took than its live attempts alone.
 
 Recoveries (``trainrun.recovery``): after each round's cut the rows the round's recovering attempts
 wrote (``recoveries/<round>/``: whoever ran them, the flow's task runner or a watchdog); and for a
@@ -11,6 +13,10 @@ run resumed after it died mid-round, ``run-died`` rows from the beats the dead r
 this session's shards beat): per shard, one for each round this session does again (the resume
 starts from the last healthy step): the steps the dead run had done of it (all of an earlier round;
 of the round it died in, those up to its last beat), less where this session's attempt continued.
+
+A run with a step that failed validation has a ``failure``: one line naming the first such step, its
+failed checks, its report and the last healthy step to resume from. Losses that are not finite (a
+diverging run) are None in the summary (JSON has no NaN), as in the manifests.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
+
+from trainrun.metrics import finite_or_none
 
 if TYPE_CHECKING:
     from ckptlib.heartbeat import Beat
@@ -47,6 +55,13 @@ class Ledger:
         self.rounds: list[dict[str, Any]] = []
         self.run_meta = {"run_id": run_id, "params": {**params.public_dict(), "run_id": run_id},
                          "torch": torch.__version__}
+        self.predecessor: dict[str, Any] | None = None  # the session this one continues (flows/predecessor.py)
+        self.stopped_after: int | None = None  # the last round trained when a failed validation stopped the run
+
+    def set_params(self, params: Any) -> None:
+        """The parameters as the run trains with them (a resume's trajectory is the run's own)."""
+        self.params = params
+        self.run_meta["params"] = {**params.public_dict(), "run_id": self.run_id}
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.perf_counter()
@@ -85,21 +100,27 @@ class Ledger:
     def rounds_done(self) -> None:
         self.mark("rounds_done")
 
-    def add_round(self, r: int, shards: list[ShardResult], cut: CutResult, t0: float, t1: float, t2: float) -> None:
-        """Record round ``r``: shards submitted at t0, all returned at t1, the cut returned at t2."""
+    def add_round(self, r: int, shards: list[ShardResult], cut: CutResult, t0: float, t1: float, t2: float, *,
+                  replaced_at: float | None = None) -> None:
+        """Record round ``r``: shards submitted at t0, all returned at t1, the cut returned at t2; the
+        last shard the watchdog replaced settled at ``replaced_at``."""
         finished = [s for s in shards if s.finished]
         slowest = max(finished, key=lambda s: s.seconds["total"]).seconds if finished else {}
         cs = cut.seconds
         wall = t2 - t0
+        # waiting for the watchdog: the fenced shard's round beyond what its live attempts took
+        watchdog = max(0.0, replaced_at - t0 - slowest.get("total", 0.0)) if replaced_at is not None else 0.0
         self.rounds.append({
-            "round": r, "committed": cut.committed, "loss": cut.loss, "eval_loss": cut.eval_loss,
+            "round": r, "committed": cut.committed, "loss": finite_or_none(cut.loss),
+            "eval_loss": finite_or_none(cut.eval_loss),
             "digest": cut.digest,
-            "shards": [{k: getattr(s, k) for k in ("shard", "status", "loss", "attempt", "generation",
+            "shards": [{k: getattr(s, k) for k in ("shard", "status", "attempt", "generation",
                                                    "bytes_written", "logical_bytes", "resumed_at_step",
                                                    "start_source", "shard_checkpoints", "shard_checkpoint_bytes",
                                                    "training_at")}
-                       | {"ckpt_blocked_s": s.seconds.get("ckpt_blocked", 0.0), "ckpt_write_s": s.seconds.get(
-                           "ckpt_write", 0.0), "train_s": s.seconds.get("train", 0.0)} for s in shards],
+                       | {"loss": finite_or_none(s.loss), "ckpt_blocked_s": s.seconds.get("ckpt_blocked", 0.0),
+                          "ckpt_write_s": s.seconds.get("ckpt_write", 0.0), "train_s": s.seconds.get("train", 0.0)}
+                       for s in shards],
             "bytes_written": sum(s.bytes_written or 0 for s in finished) + cut.bytes_written,
             "logical_bytes": cut.logical_bytes,
             "seconds": {
@@ -108,8 +129,8 @@ class Ledger:
                 "restore": slowest.get("load", 0.0) + slowest.get("load_base", 0.0) + cs["load"] + cs["read"],
                 "restore_parts": {"shard_load": slowest.get("load", 0.0), "cut_load": cs["load"], "cut_read": cs["read"]},
                 "save": slowest.get("write", 0.0) + cs["write"] + cs["commit"],
-                "combine_eval": cs["combine"], "cut_wait": cs["wait"],
-                "prefect": max(0.0, wall - slowest.get("total", 0.0) - cs["total"]),
+                "combine_eval": cs["combine"], "cut_wait": cs["wait"], "watchdog_wait": watchdog,
+                "prefect": max(0.0, wall - slowest.get("total", 0.0) - cs["total"] - watchdog),
             },
         })
         if cut.committed:
@@ -181,13 +202,14 @@ class Ledger:
                 "step": c.step, "digest": c.digest, "created": c.created, "kind": c.kind,
                 "bytes_written": by_round[c.step]["bytes_written"] if c.step in by_round else c.bytes_written,
                 "logical_bytes": c.logical_bytes, "stored_bytes": c.stored_bytes,
-                "loss": c.loss, "eval_loss": c.eval_loss,
+                "loss": finite_or_none(c.loss), "eval_loss": finite_or_none(c.eval_loss),
                 "validation": None if v is None else {"passed": v.passed, "failed": list(v.failed)},
             })
         final = checkpoints[-1] if checkpoints else self._existing_final()
         step0 = next((c for c in self.cuts if c.step == 0), None)
         sec = {k: sum(x["seconds"][k] for x in self.rounds)
-               for k in ("wall", "train", "build", "restore", "save", "combine_eval", "cut_wait", "prefect")}
+               for k in ("wall", "train", "build", "restore", "save", "combine_eval", "cut_wait", "watchdog_wait",
+                         "prefect")}
         rounds_at = self.marks.get("rounds", t_end)
         setup = rounds_at - self.t0
         setup_work = (self.plan.seconds if self.plan else 0.0) + (step0.seconds["total"] if step0 else 0.0)
@@ -209,6 +231,8 @@ class Ledger:
             "checkpoints": checkpoints, "rounds_log": self.rounds, "committed": [c["step"] for c in checkpoints],
             "validated": sorted(s for s, v in verdicts.items() if v.passed),
             "failed_validation": sorted(s for s, v in verdicts.items() if not v.passed),
+            "failure": self.failure(verdicts), "stopped_after_round": self.stopped_after,
+            "lineage": self.run_meta.get("lineage") or self._stored_lineage(), "predecessor": self.predecessor,
             "bytes_written": bytes_written, "full_copy_bytes": sum(c["logical_bytes"] for c in checkpoints),
             "reports": f"{self.url}/reports/<step>/", "validations": f"{self.url}/validations/<step>.json",
             "seconds": {k: round(v, 3) for k, v in sec.items()},
@@ -217,6 +241,50 @@ class Ledger:
                                "checkpoint_restore": sec["restore"] / flow_s, "prefect_overhead": sec["prefect"] / flow_s,
                                "validation_wait": sec["validation_wait"] / flow_s},
         }
+
+    def failure(self, verdicts: dict[int, Verdict]) -> str | None:
+        """One line for a run with a failed step (see the module docstring); None when every step passed."""
+        failed = sorted(s for s, v in verdicts.items() if not v.passed)
+        if not failed:
+            return None
+        from tasks.links import http_url
+
+        first = verdicts[failed[0]]
+        healthy = [s for s, v in verdicts.items() if v.passed and s < first.step] or self._stored_healthy(first.step)
+        report = http_url(first.report.get("url")) or first.report.get("url")
+        more = f" (and {len(failed) - 1} later step{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
+        stop = (f"; training stopped after round {self.stopped_after} of {self.params.rounds}"
+                if self.stopped_after is not None else "")
+        how = f"`ckpt train --resume --run-id {self.run_id} --store {self.params.store}` (or resume: true in the form)"
+        last = (f"the last healthy step is {max(healthy)}: resume from it with {how}" if healthy else
+                "no step before it is healthy: start a new run")
+        return (f"run {self.run_id}: step {first.step} failed validation{more}: {', '.join(first.failed)}"
+                + (f" (report {report})" if report else "") + f"{stop}; {last}")
+
+    def _stored_healthy(self, before: int) -> list[int]:
+        from ckptlib import Checkpointer
+        from tasks.access import storage_options
+
+        try:
+            with Checkpointer(self.url, storage_options(self.params.access())) as ck:
+                return [s for s in ck.healthy_steps() if s < before]
+        except Exception:  # noqa: BLE001 - the line still names the failed step
+            return []
+
+    def _stored_lineage(self) -> dict[str, Any] | None:
+        """Where the run came from (a branch: the run and step), from its first checkpoint of this session."""
+        from ckptlib import Checkpointer
+        from tasks.access import storage_options
+
+        try:
+            with Checkpointer(self.url, storage_options(self.params.access())) as ck:
+                steps = ck.steps()
+                if not steps:
+                    return None
+                m = ck.manifest(steps[0])
+                return m.lineage or m.meta.get("lineage")
+        except Exception:  # noqa: BLE001 - lineage is for people; never fail a summary over it
+            return None
 
     def _existing_final(self) -> dict[str, Any] | None:
         """Nothing committed in this session (the run was already complete): its latest step."""
@@ -251,6 +319,8 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
             f"({ratio:.2f}x smaller)\n* final digest `{summary['final_digest']}`\n"
             f"* validated steps: {summary['validated']}; failed: {summary['failed_validation']}\n"
             f"* {recoveries_text(summary)}\n"
+            + (f"* **{summary['failure']}**\n" if summary.get("failure") else "")
+            + _lineage_lines(summary) +
             f"* checkpoints: `{summary['run_url']}`\n"
             f"* {md_link('validation reports of every checkpoint', summary['run_url'] + '/reports/index.html')}\n",
             key=key + "-summary", description="Training run summary")
@@ -274,3 +344,22 @@ def recoveries_text(summary: dict[str, Any]) -> str:
     worst = max((r["detect_s"] or 0.0) + (r["back_to_training_s"] or 0.0) for r in rows)
     return (f"recoveries: {len(rows)} ({', '.join(sorted({r['kind'] for r in rows}))}), {steps} steps recomputed, "
             f"at most {worst:.1f} s from a failure to training again")
+
+
+def _lineage_lines(summary: dict[str, Any]) -> str:
+    """Where the run came from (a branch's source run and step) and the session it continues."""
+    from tasks.links import flow_run_url
+
+    out = ""
+    lineage = summary.get("lineage")
+    if lineage:
+        out += f"* branched from step {lineage.get('step')} of run `{lineage.get('run')}`\n"
+    pred = summary.get("predecessor")
+    if pred:
+        name = pred.get("name") or pred.get("flow_run_id") or "a session without a flow run"
+        link = flow_run_url(pred.get("flow_run_id"))
+        how = "died (its coordinator still said running)" if pred.get("status") == "running" else \
+            f"ended {pred.get('status')}"
+        out += (f"* continues flow run {f'[{name}]({link})' if link else name}, which {how}; "
+                f"this session started from step {summary['start_step']}\n")
+    return out

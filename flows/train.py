@@ -10,8 +10,14 @@ Each round every shard is one retryable ``train-shard`` task (threads, or Dask p
 ``checkpoint-cut`` task waits for every shard's fragment of the live generation, performs the outer
 step and commits the cut (every ``checkpoint_every`` rounds and after the last); the validation of a
 committed step runs in its own process beside the next round, and the flow waits for all of them
-at the end. Tasks pass only small values; the state travels through the store
-(``docs/run-layout.md``).
+at the end. A step that failed validation (its task run Failed) stops the run after the round in
+flight: it ends Failed, its message naming the step, the checks and the last healthy step. Tasks
+pass only small values; the state travels through the store (``docs/run-layout.md``).
+
+A resume takes its trajectory from the run (``plan-run``: ``trainrun.resume``); a deployment's run
+given only some fields of ``params`` gets the deployment's for the others; a session that continues
+another one (the coordinator's last beat names another flow run) names it in its log, tags and
+summary (``flows/predecessor.py``).
 
 The flow beats ``heartbeats/coordinator.json`` from a thread (``trainrun.beats.CoordinatorBeat``:
 round, phase, the cut the round starts from, the spec and settings a rerun needs). A watchdog
@@ -32,23 +38,27 @@ from dataclasses import replace
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptlib.commit import live_generation, live_generations
+from ckptlib.errors import CheckpointError
 from ckptlib.store import Store
 from ckptlib.validate import Verdict, error_verdict
 from tasks.access import storage_options
 from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
-from tasks.validate import validate_step
+from tasks.validate import ValidationFailed, validate_step
 from trainrun.beats import CoordinatorBeat
 from trainrun.credentials import StoreAccess
 from trainrun.documents import CoordinatorInfo, Cut
 from trainrun.layout import new_run_id, run_url, shard_part
-from trainrun.results import ShardResult
+from trainrun.results import RunPlan, ShardResult
+from trainrun.resume import given_fields
 from trainrun.watchdog.judge import superseded
 
 from .params import TrainParams
+from .predecessor import announce, find_predecessor
 from .runners import shard_runner, submit, validation_runner
 from .summary import Ledger, publish_artifacts
 
@@ -62,74 +72,154 @@ def _flow_run_name() -> str:
     return f"train-{rid or 'new'}"
 
 
+class RunFailed(CheckpointError, RuntimeError):
+    """The run ended but is not healthy: a committed step failed its validation. ``summary`` is the
+    run's summary (as ``train_run`` returns it); the message names the step, the checks and the last
+    healthy step to resume from. Raised to a caller of ``train_run``; the flow run ends Failed with
+    the message."""
+
+    def __init__(self, message: str, summary: dict[str, Any]):
+        super().__init__(message)
+        self.summary = summary
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RunFailed, (str(self), self.summary))
+
+
 @flow(name="train-run", flow_run_name=_flow_run_name, description="Fault-tolerant data-parallel training with "
       "incremental, validated checkpoints: rounds of shard tasks, a consistent cut after each.",
       task_runner=ThreadPoolTaskRunner(max_workers=64), validate_parameters=True, persist_result=False)
-def train_run(params: TrainParams = TrainParams()) -> dict[str, Any]:  # noqa: B008 (a pydantic default: a form)
-    """Train ``params.rounds`` rounds (or continue a run with ``resume``); return a JSON summary."""
+def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pydantic default: a form)
+    """Train ``params.rounds`` rounds (or continue a run with ``resume``); return a JSON summary.
+
+    A run with a step that failed validation stops after the round in flight and ends Failed
+    (``RunFailed`` to a Python caller, with the summary)."""
     from prefect.runtime import deployment, flow_run
 
     logger = get_run_logger()
-    run_id = params.run_id or new_run_id()
+    params = _with_deployment_defaults(params)
+    run_id = params.run_id or _named(new_run_id())
     url = run_url(params.store, run_id)
-    spec, settings, access = params.spec(), params.settings(), params.access()
+    settings, access = params.settings(), params.access()
+    store = Store.from_url(url, storage_options(access))
+    own = str(flow_run.id) if flow_run.id else None
+    pred = find_predecessor(store, own)
     ledger = Ledger(params, run_id, url)
     resume, from_step = _start_point(params, run_id, url, access, ledger)
-    plan = plan_run(url, spec, resume, run_id, access, from_step=from_step)
+    plan = plan_run(url, params.spec(), resume, run_id, access, from_step=from_step,
+                    given=sorted(given_fields(params.spec(), params.model_fields_set)),
+                    thresholds=params.thresholds.to_dict(), validate=params.validate_checkpoints)
+    params = params.model_copy(update=plan.config or {})  # a resume's trajectory is the run's own
+    spec = params.spec()
+    ledger.set_params(params)
     logger.info("run %s at %s: %s", run_id, url, plan.note)
-    store = Store.from_url(url, storage_options(access))
-    info = CoordinatorInfo(run_id=run_id, spec=spec, settings=settings,
-                           flow_run_id=str(flow_run.id) if flow_run.id else None,
+    if pred is not None:
+        ledger.predecessor = announce(pred, own, logger).to_dict()
+    info = CoordinatorInfo(run_id=run_id, spec=spec, settings=settings, flow_run_id=own,
                            deployment_id=str(deployment.id) if deployment.id else None)
     beat = CoordinatorBeat(store, info, every_s=settings.heartbeat_every_s).start()  # the run lives, for watchdogs
-    shard_task = train_shard.with_options(retries=settings.shard_retries, retry_delay_seconds=settings.retry_delay_s)
-    common = {"spec": spec, "access": access, "keyframe_every": settings.keyframe_every}
     try:
-        with validation_runner(params.validation_runner) as vrunner, \
-                shard_runner(settings.task_runner, spec.shards) as srunner:
-            validations = Validations(vrunner, url, access, params)
-            start = plan.start_step
-            if start is None:
-                start = 0
-                ledger.add_cut(initial_cut(url, **common, run_meta=ledger.run_meta,
-                                           commit_timeout_s=settings.commit_timeout_s))
-                validations.submit(0)
-            cut = Cut.of_step(start)
-            ledger.start_rounds(plan, start)
-            for r in range(start + 1, settings.rounds + 1):
-                t0 = time.perf_counter()
-                beat.update(round_no=r, phase="shards", cut=cut)
-                live = live_generations(store)  # one listing for every shard
-                generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
-                futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
-                                  chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
-                                  heartbeat_events=settings.heartbeat_events,
-                                  shard_checkpoint_every=settings.shard_checkpoint_every,
-                                  local_tier=settings.local_tier)
-                           for i in range(spec.shards)]
-                shards = _wait_for_shards(futures, store, r, generations)
-                t1 = time.perf_counter()
-                beat.update(phase="cut")
-                result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
-                                        publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
-                                        commit_timeout_s=settings.commit_timeout_s, **common)
-                ledger.add_round(r, shards, result, t0, t1, time.perf_counter())
-                if result.committed:
-                    validations.submit(r)
-                cut = result.next_cut()
-            ledger.rounds_done()
-            beat.update(phase="validations")
-            verdicts = validations.wait_all()
+        verdicts = _train(params, url, access, store, plan, ledger, beat)
     except BaseException as e:
         beat.finish("failed", error=f"{type(e).__name__}: {e}")
         raise
-    beat.finish("finished")
     summary = ledger.summary(verdicts)
+    failure = summary["failure"]
+    beat.finish("failed" if failure else "finished", error=failure)
     publish_artifacts(summary)
-    if summary["failed_validation"]:
-        logger.warning("checkpoints %s failed validation: they are not healthy (see %s/validations/)",
-                       summary["failed_validation"], url)
+    if failure:
+        return Failed(message=failure, data=RunFailed(failure, summary))
     return summary
+
+
+def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, plan: RunPlan, ledger: Ledger,
+           beat: CoordinatorBeat) -> dict[int, Verdict]:
+    """Step 0 when the plan says so, then the rounds, each validated beside the next; stops after the
+    round in flight once a step failed validation. Returns every verdict."""
+    spec, settings = params.spec(), params.settings()
+    shard_task = train_shard.with_options(retries=settings.shard_retries, retry_delay_seconds=settings.retry_delay_s)
+    common = {"spec": spec, "access": access, "keyframe_every": settings.keyframe_every}
+    with validation_runner(params.validation_runner) as vrunner, \
+            shard_runner(settings.task_runner, spec.shards) as srunner:
+        validations = Validations(vrunner, url, access, params)
+        start = plan.start_step
+        if start is None:
+            start = 0
+            ledger.add_cut(initial_cut(url, **common, run_meta=ledger.run_meta,
+                                       commit_timeout_s=settings.commit_timeout_s))
+            validations.submit(0)
+        cut = Cut.of_step(start)
+        ledger.start_rounds(plan, start)
+        for r in range(start + 1, settings.rounds + 1):
+            if (bad := validations.first_failure()) is not None:
+                get_run_logger().warning("step %d failed validation (%s): no more rounds (%d of %d done)", bad.step,
+                                         ", ".join(bad.failed), r - 1, settings.rounds)
+                ledger.stopped_after = r - 1
+                break
+            t0 = time.perf_counter()
+            beat.update(round_no=r, phase="shards", cut=cut)
+            live = live_generations(store)  # one listing for every shard
+            generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
+            futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
+                              chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
+                              heartbeat_events=settings.heartbeat_events,
+                              shard_checkpoint_every=settings.shard_checkpoint_every, local_tier=settings.local_tier)
+                       for i in range(spec.shards)]
+            shards, replaced_at = _wait_for_shards(futures, store, r, generations)
+            t1 = time.perf_counter()
+            beat.update(phase="cut")
+            result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
+                                    publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
+                                    commit_timeout_s=settings.commit_timeout_s, **common)
+            ledger.add_round(r, shards, result, t0, t1, time.perf_counter(), replaced_at=replaced_at)
+            if result.committed:
+                validations.submit(r)
+            cut = result.next_cut()
+        ledger.rounds_done()
+        beat.update(phase="validations")
+        return validations.wait_all()
+
+
+def _named(run_id: str) -> str:
+    """A generated run id; the flow run (``train-new`` so far) is renamed ``train-<run id>``: the UI
+    shows which run it trains, and a watchdog can confirm it when the run dies (flows/resume.py)."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.id:
+        try:
+            with get_client(sync_client=True) as client:
+                client.update_flow_run(flow_run.id, name=f"train-{run_id}")
+        except Exception as e:  # noqa: BLE001 - a name is for people: train on
+            get_run_logger().warning("could not rename the flow run to train-%s: %s", run_id, e)
+    return run_id
+
+
+def _with_deployment_defaults(params: TrainParams) -> TrainParams:
+    """A deployment's run given only some fields of ``params`` gets the deployment's for the others.
+
+    Prefect merges a run's parameters into its deployment's only at the top level: ``prefect
+    deployment run train-run/train --param params='{"rounds": 2}'`` replaces the whole object, and
+    the run would train with the flow's own defaults (a local ``./runs``, no S3). The fields the run
+    was given are those pydantic saw (``model_fields_set``); the UI's form and the watchdog send
+    every field, so for them nothing changes. Outside a deployment: ``params`` as given."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment
+
+    base = None
+    if deployment.id:  # (prefect.runtime.deployment.parameters are the flow run's, not the deployment's)
+        try:
+            with get_client(sync_client=True) as client:
+                base = (client.read_deployment(UUID(str(deployment.id))).parameters or {}).get("params")
+        except Exception as e:  # noqa: BLE001 - no API to ask: the parameters as given
+            get_run_logger().warning("could not read the deployment's parameters (%s): the run's as given", e)
+    if not isinstance(base, dict) or params.model_fields_set >= set(base):
+        return params
+    given = params.model_dump(mode="json", include=params.model_fields_set, exclude={"storage_options"})
+    merged = TrainParams.model_validate({**base, **given})
+    return merged.model_copy(update={"storage_options": params.storage_options}) if params.storage_options else merged
 
 
 def _start_point(params: TrainParams, run_id: str, url: str, access: StoreAccess,
@@ -152,39 +242,61 @@ def _start_point(params: TrainParams, run_id: str, url: str, access: StoreAccess
 
 
 class Validations:
-    """Validation of committed steps, submitted to ``runner`` (never awaited before the end)."""
+    """Validation of committed steps, submitted to ``runner``; ``first_failure`` looks at those that
+    have ended without waiting, ``wait_all`` waits for the rest."""
 
     def __init__(self, runner: Any, url: str, access: StoreAccess, params: TrainParams):
         self.runner, self.url, self.access = runner, url, access
         self.enabled, self.thresholds = params.validate_checkpoints, params.thresholds.to_dict()
         self.futures: dict[int, Any] = {}
+        self.verdicts: dict[int, Verdict] = {}
 
     def submit(self, step: int) -> None:
         if self.enabled:
             self.futures[step] = submit(self.runner, validate_step, run_url=self.url, step=step, access=self.access,
                                         thresholds=self.thresholds)
 
-    def wait_all(self) -> dict[int, Verdict]:
-        verdicts = {}
+    def first_failure(self) -> Verdict | None:
+        """The earliest failed verdict among the validations that have ended (none is waited for)."""
         for step, fut in self.futures.items():
-            try:
-                verdicts[step] = fut.result()
-            except Exception as e:  # noqa: BLE001 - the store stayed unreachable, or the validator crashed: not healthy
-                verdicts[step] = error_verdict(step, self.url, e)
-        return verdicts
+            if step not in self.verdicts and _ended(fut):
+                self.verdicts[step] = self._verdict(step, fut)
+        failed = [v for v in self.verdicts.values() if not v.passed]
+        return min(failed, key=lambda v: v.step) if failed else None
+
+    def wait_all(self) -> dict[int, Verdict]:
+        for step, fut in self.futures.items():
+            if step not in self.verdicts:
+                self.verdicts[step] = self._verdict(step, fut)
+        return dict(sorted(self.verdicts.items()))
+
+    def _verdict(self, step: int, fut: Any) -> Verdict:
+        try:
+            return fut.result()
+        except ValidationFailed as e:  # the task run is Failed; its verdict is the exception's
+            return e.verdict
+        except Exception as e:  # noqa: BLE001 - the store stayed unreachable, or the validator crashed: not healthy
+            return error_verdict(step, self.url, e)
+
+
+def _ended(fut: Any) -> bool:
+    wrapped = getattr(fut, "wrapped_future", None)
+    return bool(wrapped.done()) if wrapped is not None else bool(fut.state.is_final())
 
 
 def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generations: list[int], *,
-                     poll_s: float = 0.25) -> list[ShardResult]:
-    """The shard tasks' results, in order. A task whose attempt was fenced is not waited for once
-    the live generation has written its fragment (a hung thread or a stopped process may never
-    return); a task that failed after being fenced is not an error (the live generation owns the
-    shard and the cut waits for its fragment). Anything else that fails raises."""
+                     poll_s: float = 0.25) -> tuple[list[ShardResult], float | None]:
+    """The shard tasks' results, in order, and when the last shard that was replaced settled (None:
+    none was). A task whose attempt was fenced is not waited for once the live generation has
+    written its fragment (a hung thread or a stopped process may never return); a task that failed
+    after being fenced is not an error (the live generation owns the shard and the cut waits for
+    its fragment). Anything else that fails raises."""
     finished: queue.Queue[int] = queue.Queue()
     for i, f in enumerate(futures):
         f.add_done_callback(lambda _f, i=i: finished.put(i))
     results: list[ShardResult | None] = [None] * len(futures)
     pending = set(range(len(futures)))
+    replaced_at = None
     while pending:
         try:
             done = {finished.get(timeout=poll_s)}
@@ -203,7 +315,9 @@ def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generation
             else:
                 continue
             pending.discard(i)
-    return [r for r in results if r is not None]
+            if not results[i].finished:  # type: ignore[union-attr]  # set just above
+                replaced_at = time.perf_counter()
+    return [r for r in results if r is not None], replaced_at
 
 
 def _settle(future: Any, store: Store, round_no: int, part: str, generation: int, shard: int) -> ShardResult:

@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+from prefect.states import Failed
 
 from ckptlib import Checkpointer
 from tasks.access import storage_options
-from tasks.validate import validate_step
+from tasks.validate import ValidationFailed, validate_step
 from trainrun.credentials import StoreAccess, check_url
 
 
 @flow(name="validate-checkpoint", log_prints=True, validate_parameters=True)
 def validate_checkpoint_flow(run_url: str, step: int | None = None, credentials_block: str | None = None,
-                             thresholds: dict[str, Any] | None = None) -> dict:
+                             thresholds: dict[str, Any] | None = None) -> Any:
     """Validate one committed checkpoint of a training run and store its verdict and report.
 
     Args:
@@ -33,7 +34,9 @@ def validate_checkpoint_flow(run_url: str, step: int | None = None, credentials_
             docs/validation.md (max_abs_value, max_norm, max_rel_change, rel_change_floor,
             min_data_advance, max_step_spread).
 
-    Returns the verdict as JSON (also stored as validations/<step>.json).
+    Returns the verdict as JSON (also stored as validations/<step>.json). A checkpoint that fails its
+    validation ends the flow run Failed (its message names the step, the checks and the report; a
+    Python caller gets ``tasks.validate.ValidationFailed`` with the verdict).
     """
     access = StoreAccess(block=credentials_block)
     check_url(run_url)
@@ -42,7 +45,12 @@ def validate_checkpoint_flow(run_url: str, step: int | None = None, credentials_
             step = ck.latest_step()
         if step is None:
             raise ValueError(f"no committed checkpoint in {run_url}: nothing to validate")
-    return validate_step(run_url, step, access, thresholds).to_dict()
+    state = validate_step(run_url, step, access, thresholds, return_state=True)
+    if state.is_failed():
+        failure = state.result(raise_on_failure=False)
+        if isinstance(failure, ValidationFailed):  # the verdict, not an error: no traceback, one message
+            return Failed(message=str(failure), data=failure)
+    return state.result().to_dict()
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ The watchdog runs nothing the store names: a rerun uses the run's spec as this f
 whose workload is a built-in or in ``allow_workloads``.
 
 Ways to run it: ``ckpt watchdog URL`` (foreground), beside every ``ckpt train`` (a thread of the
-CLI's process, unless ``--no-watchdog``), the ``watchdog/watchdog`` deployment (``make deploy``:
-every 2 minutes for 110 s, and started by the automation that fires when shard heartbeat events
-stop), ``python -m flows.watchdog URL``.
+CLI's process, unless ``--no-watchdog``; it judges that session's beats only: ``since``), the
+``watchdog/watchdog`` deployment (``make deploy``: one long-lived run per store, started again by
+the keeper automation when it dies), ``python -m flows.watchdog URL``.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def watchdog(
     spec: RunSpec | None = None,
     allow_workloads: list[str] | None = None,
     stop_key: str | None = None,
+    since: float | None = None,
 ) -> dict[str, Any]:
     """Watch the runs under ``store`` (or the run ``run_id``) and act on dead shards.
 
     Args:
         store: A store root holding runs (s3://checkpoints/runs, ./runs) or one run's URL.
-        run_id: Watch only this run (<store>/<run_id>). Empty: every run under the store.
+        run_id: Watch only this run (store/run_id). Empty: every run under the store.
         timeout_s: A shard that has not beaten, or not advanced, for this long is dead (seconds).
         poll_s: Seconds between two looks at the store.
         duration_s: Stop after this long (0: run until stopped); reruns in flight are waited for.
@@ -111,6 +112,8 @@ def watchdog(
         spec: The watched run's own spec (with run_id): reruns use it, never the store's.
         allow_workloads: Workloads (module:factory) a spec read from the store may name, beyond the built-ins.
         stop_key: Internal: a key of this process's stop events (ckpt train stops its watchdog so).
+        since: Ignore heartbeats written before this wall time (seconds since the epoch): the watchdog beside
+            one session of a run (ckpt train) judges that session, not a predecessor that died.
     """
     logger = get_run_logger()
     t0 = time.time()
@@ -138,7 +141,7 @@ def watchdog(
                   rerun=submit_rerun if rerun else None,
                   resume=(lambda d: resume_from_deployment(d, logger)) if resume else None,
                   specs={url: spec} if spec is not None else None, allow_workloads=allow_workloads or (),
-                  by=f"{watchdog_name()} ({_flow_run_label()})", by_flow_run_id=_flow_run_id())
+                  by=f"{watchdog_name()} ({_flow_run_label()})", by_flow_run_id=_flow_run_id(), since=since)
     logger.info("watching %s: dead after %g s without a beat or progress, a look every %g s%s", url, timeout_s,
                 poll_s, f", for {duration_s:g} s" if duration_s > 0 else " until stopped")
     polls = 0

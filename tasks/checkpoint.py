@@ -7,12 +7,15 @@ final); writing retries only a store that could not be reached, never a conflict
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from ckptlib import Checkpointer, branch
 from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
 from ckptlib.store import Store
+from ckptlib.validate import Thresholds
 from trainrun.credentials import StoreAccess
 from trainrun.cut import cut_round
 from trainrun.documents import Cut
@@ -27,11 +30,31 @@ from .retry import transient_store_error
 
 @task(name="plan-run", retries=0, cache_policy=NO_CACHE)
 def plan_run(run_url: str, spec: RunSpec, resume: bool, run_id: str = "", access: StoreAccess | None = None,
-             from_step: int | None = None) -> RunPlan:
-    """Where the run starts (``trainrun.resume.where_to_start``); RunRefused when it must not start."""
-    with Checkpointer(run_url, storage_options(access)) as ck:
-        plan = where_to_start(ck, spec, resume=resume, run_id=run_id, from_step=from_step)
-    get_run_logger().info("%s: %s", run_url, plan.note)
+             from_step: int | None = None, given: list[str] | None = None,
+             thresholds: dict[str, Any] | None = None, validate: bool = True) -> RunPlan:
+    """Where the run starts and its trajectory (``trainrun.resume.where_to_start``: a resume takes the
+    run's own config but for the ``given`` fields); RunRefused when it must not start. With
+    ``validate``, committed steps newer than the last healthy one that were never validated (the
+    run was killed before their validation ended) are validated here first, newest first."""
+    logger = get_run_logger()
+    options = storage_options(access)
+
+    def validated(step: int) -> bool:
+        from trainrun.checks import validate_run_checkpoint
+
+        from .validate import publish
+
+        verdict = validate_run_checkpoint(run_url, step, storage_options=options,
+                                          thresholds=Thresholds.from_dict(thresholds))
+        logger.info("%s: validated committed step %d before resuming: %s", run_url, step,
+                    "passed" if verdict.passed else f"FAILED ({', '.join(verdict.failed)})")
+        publish(run_url, verdict, logger)
+        return verdict.passed
+
+    with Checkpointer(run_url, options) as ck:
+        plan = where_to_start(ck, spec, resume=resume, run_id=run_id, from_step=from_step, given=given,
+                              validate=validated if validate else None)
+    logger.info("%s: %s", run_url, plan.note)
     return plan
 
 

@@ -182,6 +182,8 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     finally:
         ck.close()
     written, full = result.bytes_written or 0, result.logical_bytes or 0
-    logger.info("%s round %d: loss %.4f, fragment %d B written of %d B (%.1fx), %.1f s", part, round_no, result.loss,
-                written, full, full / max(written, 1), result.seconds["total"])
+    # nothing written: an earlier attempt (before a kill, a retry) had stored this very fragment
+    size = f"{written} B written of {full} B ({full / written:.1f}x)" if written else f"already stored ({full} B)"
+    logger.info("%s round %d: loss %.4f, fragment %s, %.1f s", part, round_no, result.loss, size,
+                result.seconds["total"])
     return result

@@ -6,11 +6,17 @@
 (``ckpt-validation-<run>``: a table; ``ckpt-validation-<run>-report``: markdown with where each
 failure is) and the event ``ckpt.validation.passed`` / ``failed`` (resource ``ckpt.run.<run>``).
 
-A corrupt checkpoint is a failed verdict, never an exception. A store that cannot be reached is
-retried by Prefect (``transient_store_error``); if it stays unreachable the task fails, and the
-training flow records ``ckptlib.validate.error_verdict`` for the step (not stored: not healthy until
-validated again, e.g. by the ``validate-checkpoint`` flow). An uncommitted step or bad thresholds
-fail at once (caller errors).
+A checkpoint that fails validation (a corrupt one included) ends the task run **Failed**: its state's
+message names the step, the failed checks and the report, and its data is a ``ValidationFailed``
+carrying the verdict (what ``future.result()`` raises, in this process or from the validation
+worker process); the verdict is stored either way. A store that cannot be reached is retried by
+Prefect (``transient_store_error``); if it stays unreachable the task fails, and the training flow
+records ``ckptlib.validate.error_verdict`` for the step (not stored: not healthy until validated
+again, e.g. by the ``validate-checkpoint`` flow). An uncommitted step or bad thresholds fail at once
+(caller errors).
+
+The event's payload is typed (``step`` an int) and carries the report's HTTP address where the
+store has one (``report_http``, ``tasks/links.py``) beside its store URL (``report_url``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from ckptlib.errors import CheckpointError
 from ckptlib.validate import Thresholds, Verdict, format_verdict
 from trainrun.checks import validate_run_checkpoint
 from trainrun.credentials import StoreAccess
@@ -30,6 +37,19 @@ from trainrun.credentials import StoreAccess
 from .access import storage_options
 from .links import http_url, md_link
 from .retry import transient_store_error
+
+
+class ValidationFailed(CheckpointError, RuntimeError):
+    """A checkpoint failed its validation: ``verdict`` says which checks and where (not retried)."""
+
+    def __init__(self, verdict: Verdict):
+        self.verdict = verdict
+        report = http_url(verdict.report.get("url")) or verdict.report.get("url") or "-"
+        super().__init__(f"step {verdict.step} failed validation: {', '.join(verdict.failed) or 'no verdict'} "
+                         f"(report: {report})")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # travels from the validation worker process as the state's data
+        return (ValidationFailed, (self.verdict,))
 
 
 def run_key(run_url: str) -> str:
@@ -119,9 +139,10 @@ def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
                    resource={"prefect.resource.id": f"ckpt.run.{run_key(run_url)}",
                              "prefect.resource.name": run_url, "ckpt.run-url": run_url,
                              "ckpt.step": str(verdict.step)},
-                   payload={"step": verdict.step, "passed": verdict.passed, "failed": list(verdict.failed),
-                            "report_url": verdict.report.get("url"), "bytes_written": s.get("bytes_written"),
-                            "ratio": s.get("ratio")})
+                   payload={"step": int(verdict.step), "passed": verdict.passed, "failed": list(verdict.failed),
+                            "report_url": verdict.report.get("url"),
+                            "report_http": http_url(verdict.report.get("url")),
+                            "bytes_written": s.get("bytes_written"), "ratio": s.get("ratio")})
     except Exception as e:  # noqa: BLE001 - publishing is secondary: the verdict is stored
         logger.warning("could not emit the validation event: %s", e)
 
@@ -129,16 +150,25 @@ def publish(run_url: str, verdict: Verdict, logger: Any) -> None:
 @task(name="validate-checkpoint-step", task_run_name="validate-step-{step}", retries=2, retry_delay_seconds=2,
       retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
 def validate_step(run_url: str, step: int, access: StoreAccess | None = None,
-                  thresholds: dict[str, Any] | None = None) -> Verdict:
-    """Validate checkpoint ``step`` of the run at ``run_url``; store, publish and return the verdict."""
+                  thresholds: dict[str, Any] | None = None) -> Any:
+    """Validate checkpoint ``step`` of the run at ``run_url``; store and publish the verdict. Returns
+    it when it passed, else a Failed state whose data is ``ValidationFailed(verdict)`` (see the
+    module docstring); outside a flow (``validate_step.fn``) it raises that instead."""
     from prefect import get_run_logger
+    from prefect.states import Failed
 
     try:
         logger: Any = get_run_logger()
+        in_run = True
     except Exception:  # noqa: BLE001 - called as validate_step.fn(...) outside a run
-        logger = logging.getLogger("tasks.validate")
+        logger, in_run = logging.getLogger("tasks.validate"), False
     verdict = validate_run_checkpoint(run_url, step, storage_options=storage_options(access),
                                       thresholds=Thresholds.from_dict(thresholds))
     (logger.info if verdict.passed else logger.warning)("%s", format_verdict(verdict))
     publish(run_url, verdict, logger)
-    return verdict
+    if verdict.passed:
+        return verdict
+    failure = ValidationFailed(verdict)
+    if not in_run:
+        raise failure
+    return Failed(message=str(failure), data=failure)

@@ -136,7 +136,7 @@ def test_the_golden_data_is_untouched(copy):
 
 
 def test_a_reader_without_the_planes_codec_refuses_it_naming_the_upgrade(tmp_path, monkeypatch):
-    """Dense chunks are written with the ``planes`` codec (docs/decisions.md 37) in format 2: a reader
+    """Dense chunks are written with the ``planes`` codec (docs/decisions.md 42) in format 2: a reader
     that predates it (simulated: the codec taken out of the registry) refuses the step in one error
     naming the codec and the upgrade, rather than decoding it wrongly; the current reader restores it."""
     import torch

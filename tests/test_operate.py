@@ -62,8 +62,12 @@ def test_a_branch_starts_from_a_step_of_another_run_and_reaches_the_same_digests
     # the objects are the source's, linked (content addressing): the branch point cost no bytes
     chunk = next(k for k in Store.from_url(s["run_url"]).list("chunks"))
     assert (Store.from_url(source["url"]).exists(chunk))
-    shown = CliRunner().invoke(app, ["show", s["run_url"], "--step", "1"])
-    assert shown.exit_code == 0 and f"branched from step 1 of {src}" in shown.output, shown.output
+    for step in (1, 3):  # the branch point's own lineage, and a later step's (its meta): before, step 3 said "-"
+        shown = CliRunner().invoke(app, ["show", s["run_url"], "--step", str(step)])
+        assert shown.exit_code == 0 and f"lineage: branched from step 1 of {src}" in shown.output, shown.output
+    listed = CliRunner().invoke(app, ["ls", s["run_url"]], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "from" in listed.output and "src@1" in listed.output, listed.output
+    assert s["lineage"] == {"run": src, "step": 1}  # the summary (and its artifact) say where it came from
     index = (Store.from_url(s["run_url"]).get("reports/index.html")).decode()
     assert "Branched from step 1 of run" in index and src in index
     # branching again into it (a retry of the same flow run) changes nothing; into a run with others, refused
@@ -78,6 +82,40 @@ def test_resume_from_a_chosen_step_of_the_same_run(source):
     s = train_run(params(store=source["store"], run_id="src", start_from=StartFrom(run_id="src", step=1)))
     assert s["start_step"] == 1 and s["note"] == "starting from committed step 1"
     assert digests(source["url"]) == source["digests"]  # recomputed identically
+
+
+def test_a_resume_validates_the_committed_steps_nobody_validated_before_it_decides(source, tmp_path):
+    """A run killed after its commits but before their validations ended (here: trained without
+    validation) resumes from its newest committed step, validated by the resume itself, not from
+    scratch (before: "no validated checkpoint yet: starting from scratch", every round trained again)."""
+    from flows.train import train_run
+
+    store = str(tmp_path)
+    first = train_run(params(store=store, run_id="nv", rounds=2, validate_checkpoints=False))
+    assert first["validated"] == [] and first["committed"] == [0, 1, 2]
+    again = train_run(params(store=store, run_id="nv", rounds=3, resume=True))
+    assert again["start_step"] == 2 and again["committed"] == [3], again["note"]
+    assert "validated now: step 2; step 2 passed" in again["note"], again["note"]
+    assert digests(again["run_url"]) == source["digests"]
+    with Checkpointer(again["run_url"]) as ck:
+        assert ck.healthy_steps() == [2, 3]
+
+
+def test_form_descriptions_render_in_the_ui():
+    """The UI renders a description as HTML: ``<store>/<run_id>`` became "/." there. No field of a
+    deployed flow's form may hold an angle bracket."""
+    import json
+
+    from flows.gc import gc_store
+    from flows.train import train_run
+    from flows.validate import validate_checkpoint_flow
+    from flows.watchdog import watchdog
+
+    for f in (train_run, watchdog, validate_checkpoint_flow, gc_store):
+        schema = f.parameters.model_dump()
+        texts = re.findall(r'"description": "((?:[^"\\]|\\.)*)"', json.dumps(schema))
+        assert texts, f.name
+        assert not [t for t in texts if "<" in t], (f.name, [t for t in texts if "<" in t])
 
 
 def test_refusals_name_the_cause_and_both_fixes(source, tmp_path):

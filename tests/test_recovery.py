@@ -95,7 +95,7 @@ def test_sub_step_fragments_chain_their_own_bases_and_leave_the_cuts_as_they_wer
 
 def test_on_written_gets_every_unit_of_a_dense_state(tmp_path):
     """A dense state (every value new at each write: no delta pays) keeps no base bytes for its
-    units once a delta did not pay (docs/decisions.md 36); a local copy still needs every unit, so
+    units once a delta did not pay (docs/decisions.md 41); a local copy still needs every unit, so
     ``on_written`` gets each unit's raw bytes by raw checksum, and a read from them reads no chunk."""
     from ckptlib.codecs import checksum
     from ckptlib.store import WrapperStore

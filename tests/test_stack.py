@@ -237,11 +237,12 @@ class Webhook(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/hook"
 
-    def wait_for(self, what: str, timeout: float = 90) -> dict:
+    def wait_for(self, what: str, timeout: float = 90, where=lambda body: True) -> dict:
+        """The first notification of automation ``what`` whose body ``where`` accepts."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for _, body in self.received:
-                if isinstance(body, dict) and body.get("ckpt") == what:
+                if isinstance(body, dict) and body.get("ckpt") == what and where(body):
                     return body
             time.sleep(0.5)
         raise AssertionError(f"no {what} notification within {timeout:.0f} s; received {self.received}")
@@ -274,7 +275,7 @@ def stack(tmp_path_factory, postgres):
     t0 = time.monotonic()
     env = {"DATABASE_URL": postgres.url} if postgres else {}
     up = stack_cli("up", "--dir", str(d), "--api-port", str(free_port()), "--s3-port", "0", "--filer-port", "0",
-                   "--poll-seconds", "1", "--timeout", "150", env=env)
+                   "--reports-port", "0", "--poll-seconds", "1", "--timeout", "150", env=env)
     info = Stack(d).info()
     try:
         assert up.returncode == 0, f"stack up failed:\n{up.stdout}\n{up.stderr}"
@@ -314,6 +315,30 @@ def test_up_answers_and_tells_where_everything_is(stack):
     # A second `up` of a running stack is a no-op.
     again = stack_cli("up", "--dir", stack["dir"], "--api-port", str(stack["api_port"]))
     assert again.returncode == 0 and "already running" in again.stdout
+    assert stack["s3_http_base"] == f"http://127.0.0.1:{stack['reports_port']}/buckets"  # the report server
+
+
+def test_every_file_holding_a_secret_is_this_users_only(stack):
+    """The S3 secrets are the stack's own (random, not the source code's), and every file holding
+    one is 0600 in a 0700 folder (before: .stack/env, stack.json and seaweedfs/s3.json were 0644)."""
+    from deployments.local_services import ADMIN_SECRET, READER_SECRET
+
+    secrets = [stack["env"]["AWS_SECRET_ACCESS_KEY"].encode(), stack["reader"][1].encode()]
+    assert ADMIN_SECRET.encode() not in secrets and READER_SECRET.encode() not in secrets
+    holding = []
+    root = Path(stack["dir"])
+    files = [f for f in root.rglob("*") if f.is_file() and not f.is_symlink() and f.stat().st_size < 50_000_000
+             and "data" not in f.relative_to(root).parts]  # (SeaweedFS's volumes: the bucket's objects)
+    for f in files:
+        if any(x in f.read_bytes() for x in secrets):
+            holding.append(f.relative_to(root).as_posix())
+            assert f.stat().st_mode & 0o777 == 0o600, (f, oct(f.stat().st_mode))
+            for folder in [f.parent, *f.parent.parents]:
+                if folder == root.parent:
+                    break
+                assert folder.stat().st_mode & 0o777 == 0o700, (folder, oct(folder.stat().st_mode))
+    assert {"env", "stack.json", "seaweedfs/s3.json"} <= set(holding), holding
+    assert (root / "seaweedfs" / "security.toml").stat().st_mode & 0o777 == 0o600
 
 
 def test_postgres_holds_the_server_state(stack):
@@ -361,7 +386,7 @@ def test_deploy_registers_typed_deployments(stack, webhook):
         assert watchdog["parameters"]["duration_s"] == 0 and watchdog["parameters"]["timeout_s"] == 8
         automations = {a["name"] for a in api._call("POST", "/automations/filter", {})}
         assert {"ckpt-watchdog-keeper", "ckpt-notify-validation-failed", "ckpt-notify-watchdog-gave-up",
-                "ckpt-notify-run-crashed"} <= automations, automations
+                "ckpt-notify-run-not-completed"} <= automations, automations
         # the long-lived watchdog runs (started by deploy); deploying again starts no second one
         run = _wait_state(api, _only_live_watchdog(api)["id"], "RUNNING", 120)
         stack["watchdog_run"] = run["id"]
@@ -425,6 +450,73 @@ def test_training_run_on_the_worker(stack):
     print(f"training run {run_id}: {seconds:.1f} s from trigger to Completed")
     stack["run_id"] = run_id
     stack["digest"] = digest(stack, run_id)
+
+
+def test_the_report_server_serves_reports_read_only_and_nothing_else(stack):
+    """Reports over HTTP, and only them: GET and HEAD of a report answer; a manifest, a chunk, a verdict,
+    another bucket or a path climbing out of reports/ is 404; PUT, POST and DELETE are 405, and the
+    objects are untouched. SeaweedFS's own filer, which served every object and took PUT (201) and
+    DELETE (204) from any local process, answers 401 without its JWT."""
+    run_id = _need(stack, "run_id")
+    base = f"{stack['s3_http_base']}/checkpoints/runs/{run_id}"
+    assert _status("GET", f"{base}/reports/1/index.html") == 200
+    assert _status("HEAD", f"{base}/reports/index.html") == 200
+    assert _status("GET", f"{base}/reports/1/") == 200  # a folder: its index.html
+    for path in ("manifests/1.json", "validations/1.json", "heartbeats/coordinator.json", "reports/../manifests/1.json",
+                 "reports/%2e%2e/manifests/1.json", "reports/manifests/1.json", "ckptlib.json"):
+        assert _status("GET", f"{base}/{path}") == 404, path
+    assert _status("GET", f"{stack['s3_http_base']}/other-bucket/runs/{run_id}/reports/index.html") == 404
+    before = s3_client(stack).get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/1.json")["Body"].read()
+    for method in ("PUT", "POST", "DELETE", "PATCH"):
+        assert _status(method, f"{base}/manifests/1.json", b"{}") == 405, method
+        assert _status(method, f"{base}/reports/index.html", b"x") == 405, method
+    filer = f"http://127.0.0.1:{stack['filer_port']}/buckets/checkpoints/runs/{run_id}"
+    for method, body in (("GET", None), ("PUT", b"{}"), ("POST", b"{}"), ("DELETE", None)):
+        assert _status(method, f"{filer}/manifests/1.json", body) == 401, method
+    assert _status("PUT", f"{filer}/manifests/99.json", b"{}") == 401
+    s3 = s3_client(stack)
+    assert s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/1.json")["Body"].read() == before
+    assert not keys_under(s3, "checkpoints", f"runs/{run_id}/manifests/99.json")
+    with pytest.raises(Exception, match="Access Denied|AccessDenied|denied"):  # the server's own identity reads only
+        _reader(stack).put_object(Bucket="checkpoints", Key=f"runs/{run_id}/reports/planted.html", Body=b"x")
+
+
+def test_prefect_cli_runs_the_documented_parameters_and_a_diverging_run_fails(stack, webhook):
+    """`prefect deployment run train-run/train --param params='{...}'`, the documented form: the fields
+    given go over the deployment's (before: the whole object was replaced and the run trained with the
+    flow's defaults, a local ./runs, and showed green). The run diverges (lr 1e30): its checkpoints are
+    in the bucket, its validate task run and the flow run end Failed with one message naming the step,
+    the check and the last healthy step, and both notifications arrive, typed and with HTTP links."""
+    run_id = f"div-{uuid.uuid4().hex[:8]}"
+    given = {"shards": 1, "rounds": 2, "steps_per_round": 2, "lr": 1e30, "run_id": run_id}
+    prefect, env = str(Path(sys.executable).parent / "prefect"), {**_clean_env(), **stack["env"]}
+    wrong = subprocess.run([prefect, "deployment", "run", "train-run/train", "--param", "rounds=2"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)  # not a field of the form: loud
+    assert wrong.returncode != 0 and "not found on the deployment" in wrong.stdout + wrong.stderr, wrong.stdout
+    res = subprocess.run(
+        [prefect, "deployment", "run", "train-run/train",
+         "--param", f"params={json.dumps(given)}", "--watch", "--watch-timeout", "400"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=450)
+    assert res.returncode != 0, res.stdout[-3000:] + res.stderr[-3000:]  # --watch fails on a Failed run
+    assert not (REPO / "runs" / run_id).exists()
+    keys = keys_under(s3_client(stack), "checkpoints", f"runs/{run_id}/manifests/")
+    assert f"runs/{run_id}/manifests/1.json" in keys, keys  # the deployment's store: the bucket
+    with PrefectAPI(stack["api_url"]) as api:
+        fr = next(r for r in api.flow_runs(api.deployment("train-run/train")["id"]) if r["name"] == f"train-{run_id}")
+        assert fr["state_type"] == "FAILED", fr["state"]
+        message = fr["state"]["message"]
+        assert "step 1 failed validation" in message and "no_nan" in message, message
+        assert "the last healthy step is 0: resume from it" in message, message
+        typed = fr["parameters"]["params"]  # what was typed (the CLI sends 1e30 as an int); the run merged the rest
+        assert {**typed, "lr": float(typed["lr"])} == given, typed
+        validate = next(t for t in api.task_runs(fr["id"]) if t["name"] == "validate-step-1")
+        assert validate["state_type"] == "FAILED" and "no_nan" in validate["state"]["message"], validate["state"]
+    what = webhook.wait_for("ckpt-notify-validation-failed", where=lambda b: run_id in b["what"]["run"])["what"]
+    assert what["step"] == 1 and "no_nan" in what["failed"], what  # typed: an int, a list
+    assert what["report"].startswith("http://") and _status("GET", what["report"]) == 200, what
+    ended = webhook.wait_for("ckpt-notify-run-not-completed", where=lambda b: b["what"]["flow_run"] == fr["name"])
+    assert ended["what"]["state"] == "Failed" and "step 1 failed validation" in ended["what"]["message"], ended
+    assert ended["what"]["url"].endswith(f"/runs/flow-run/{fr['id']}"), ended
 
 
 def test_a_killed_worker_takes_no_run_with_it_and_one_command_restarts_it(stack):
@@ -496,9 +588,13 @@ def test_hang_drill_through_the_stack(stack):
 
 
 def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
-    """kill -9 of a training run's whole process group after step 0: the watchdog finds its coordinator
-    silent, marks the flow run and its task runs Crashed, and starts the deployment again with resume;
-    that run completes with the clean digest. The crash is notified."""
+    """kill -9 of a training run's flow-run process (that process alone) after step 0: every process
+    it started ends with it (before: its validation worker, 585 MB, and a resource tracker lived on
+    until `make stack-down`); the watchdog finds its coordinator silent, marks the flow run and its
+    task runs Crashed, and starts the deployment again with resume; that run says which one it
+    continues (tags, its summary artifact) and completes with the clean digest. The crash is notified."""
+    import psutil
+
     clean = _need(stack, "digest")
     run_id = f"dead-{uuid.uuid4().hex[:8]}"
     with PrefectAPI(stack["api_url"]) as api:
@@ -507,8 +603,14 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
                                 name=f"test-{run_id}")
         _wait_key(stack, f"runs/{run_id}/manifests/0.json")
         pid = _flow_run_pid(stack, fr["id"])
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (children := psutil.Process(pid).children(recursive=True)):  # the validation worker, ...
+            assert time.monotonic() < deadline, "the flow-run process started no validation worker"
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not alive, [" ".join(p.cmdline())[:100] for p in alive]
         deadline = time.monotonic() + 120
         resumed = []
         while not resumed and time.monotonic() < deadline:
@@ -536,11 +638,17 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
                 msgs = "\n".join(f"{x['timestamp']} {x['message'][:200]}" for x in logs)
                 raise AssertionError(f"task runs of the dead run still live: {live}\nstates: {hist}\nlogs:\n{msgs}")
             time.sleep(2)
+        # the new run links the one it continues: tags, and its summary artifact (a link to its page)
+        assert "resumed" in new["tags"] and f"resumes:{fr['id'][:8]}" in new["tags"], new["tags"]
+        summary = next(a["data"] for a in api.artifacts(new["id"]) if a["key"] == f"train-{run_id}-summary")
+        assert "continues flow run" in summary and f"/runs/flow-run/{fr['id']})" in summary, summary
+        assert not [p for p in stack_processes(Stack(stack["dir"]).info()["stack_id"])
+                    if psutil.Process(p).environ().get("PREFECT__FLOW_RUN_ID") == fr["id"]]
     assert digest(stack, run_id) == clean
     print(f"dead run {run_id}: resumed run created {started_s:.1f} s after the kill, completed {done_s:.1f} s "
           f"after it, with the clean digest")
-    body = webhook.wait_for("ckpt-notify-run-crashed")
-    assert body["event"] == "prefect.flow-run.Crashed" and body["what"]["flow_run"] == old["name"], body
+    body = webhook.wait_for("ckpt-notify-run-not-completed", where=lambda b: b["what"]["flow_run"] == old["name"])
+    assert body["event"] == "prefect.flow-run.Crashed" and body["what"]["state"] == "Crashed", body
 
 
 def test_retry_of_a_failed_run_resumes_it(stack):
@@ -594,9 +702,10 @@ def test_failed_revalidation_notifies_and_its_index_agrees(stack, webhook):
         fr = api.run_deployment("validate-checkpoint/validate", {
             "run_url": f"{stack['store']}/{run_id}", "step": 1, "thresholds": {"max_norm": 1e-9}})
         fr = api.wait(fr["id"], timeout=300)
-        assert fr["state_type"] == "COMPLETED", fr["state"]
-    what = webhook.wait_for("ckpt-notify-validation-failed")["what"]
-    assert what["step"] == "1" and run_id in what["run"] and what["failed"] and what["report"], what
+        assert fr["state_type"] == "FAILED" and "step 1 failed validation" in fr["state"]["message"], fr["state"]
+    what = webhook.wait_for("ckpt-notify-validation-failed", where=lambda b: run_id in b["what"]["run"])["what"]
+    assert what["step"] == 1 and isinstance(what["failed"], list) and what["failed"], what  # typed: an int, a list
+    assert what["report"].startswith("http://") and _status("GET", what["report"]) == 200, what
     html = _get(index)
     assert re.search(r"<td>1</td><td class='fail'>failed</td>", html), html
     assert _red_pixels(_get_bytes(index.replace("index.html", "run.png"))) > 0  # the plot shows it red too
@@ -633,11 +742,27 @@ def test_down_leaves_nothing_running(stack):
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
     assert stack["dir"] not in ps, ps
     assert not any(f":{stack['api_port']}" in line and "prefect" in line for line in ps.splitlines()), ps
-    for port in (stack["api_port"], stack["s3_port"], stack["filer_port"]):
+    for port in (stack["api_port"], stack["s3_port"], stack["filer_port"], stack["reports_port"]):
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
     again = stack_cli("down", "--dir", stack["dir"])
     assert again.returncode == 0
+
+
+def test_make_stack_and_deploy_reuse_a_venv_that_runs_the_project(tmp_path):
+    """`make deploy` (and `make stack`) with a venv that runs the project but has no `.installed`
+    stamp use it as it is (before: pip installed everything again into it); VENV= names another."""
+    for f in ("Makefile", "pyproject.toml", "constraints.txt"):
+        shutil.copy(REPO / f, tmp_path / f)
+    venv = tmp_path / "elsewhere" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")  # this test's environment
+    (venv / "python").chmod(0o755)
+    res = subprocess.run(["make", "deploy", f"VENV={venv.parent}", "DEPLOY_ARGS=--list"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=_clean_env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "pip install" not in res.stdout + res.stderr and f"using {venv.parent} as it is" in res.stdout, res.stdout
+    assert "flows.train.train_run" in res.stdout and not (venv.parent / ".installed").exists()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -651,6 +776,23 @@ def _need(stack: dict, key: str):
 def digest(stack: dict, run_id: str, step: int = FINAL) -> str:
     body = s3_client(stack).get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/{step}.json")["Body"]
     return json.loads(body.read())["digest"]
+
+
+def _status(method: str, url: str, body: bytes | None = None) -> int:
+    req = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _reader(stack: dict):
+    """An S3 client with the stack's read-only identity (the report server's)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=stack["s3_endpoint"], region_name="us-east-1",
+                        aws_access_key_id=stack["reader"][0], aws_secret_access_key=stack["reader"][1])
 
 
 def _get(url: str) -> str:

@@ -100,7 +100,7 @@ def test_crash_chaos_is_retried_and_reaches_the_clean_digest(clean, tmp_path):
     assert round2[1]["attempt"] == 2 and round2[0]["attempt"] == 1
 
 
-def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
+def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean, monkeypatch):
     from typer.testing import CliRunner
 
     from ckpt.cli import app
@@ -116,6 +116,17 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
     assert r.exit_code == 2 and "already has committed checkpoints" in r.output and "--resume" in r.output
     r = CliRunner().invoke(app, ["train", "--store", clean["store"], "--workload", "nosuchpkg.mod:build"])
     assert r.exit_code == 2 and "cannot import module 'nosuchpkg.mod'" in r.output
+    # A resume takes the run's own trajectory: only the option typed again is checked (before: every
+    # option left out fell back to its default and was refused), and before Prefect is even started.
+    import flows.api
+
+    def no_prefect(*a, **k):
+        raise AssertionError("a refusal must not start or contact Prefect")
+
+    monkeypatch.setattr(flows.api.PrefectAPI, "__init__", no_prefect)
+    r = CliRunner().invoke(app, ["train", "--store", clean["store"], "--run-id", "clean", "--resume", "--seed", "1"])
+    assert r.exit_code == 2 and "seed: 0 -> 1" in r.output and "steps_per_round" not in r.output, r.output
+    monkeypatch.undo()
     # the flow itself refuses too (deployments); another shard count alone would reshard (test_reshard.py)
     with pytest.raises(RunRefused, match="seed: 0 -> 1"):
         train_run(params(store=clean["store"], run_id="clean", resume=True, shards=3, seed=1))
@@ -123,28 +134,81 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean):
 
 
 def test_kill_9_mid_run_then_resume_reaches_the_clean_digest(clean, tmp_path):
+    """SIGKILL of the `ckpt train` process alone (not its group) after a commit: every process it
+    started ends with it (its validation worker and multiprocessing's resource tracker lived on
+    before). `ckpt train --resume --run-id R --store S` alone continues it (the trajectory and the
+    rounds are the run's) to the clean digests, names the session it continues, and its watchdog
+    does not take that dead predecessor for this run (before: "run killed is dead")."""
+    import psutil
+
     store, env = str(tmp_path / "store"), cli_env(tmp_path)
     url = Path(store, "killed")
     proc = subprocess.Popen(cli_args(store, "killed"), env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    children: list = []
     try:
         deadline = time.monotonic() + 180
-        while not (url / "manifests" / "1.json").exists():
+        while not (url / "manifests" / "1.json").exists() or not children:
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint committed in 180 s"
+            children = psutil.Process(proc.pid).children(recursive=True)  # the validation worker, ...
             time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: CLI, validation worker, ...
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+    finally:  # what this test started, by pid: a failed check must not leave them running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        for p in children:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
     assert proc.returncode == -signal.SIGKILL
     assert not (url / "manifests" / "3.json").exists(), "the run finished before it could be killed"
-    out = subprocess.run(cli_args(store, "killed", "--resume"), env=env, capture_output=True, text=True,
-                         timeout=300)
+    resume = [sys.executable, "-m", "ckpt", "train", "--resume", "--run-id", "killed", "--store", store,
+              "--json", str(tmp_path / "summary.json")]
+    out = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"digest: {clean['digests'][3]}" in out.stdout.splitlines()
     assert digests(str(url)) == clean["digests"]
     with Checkpointer(str(url)) as ck:
-        assert ck.healthy_steps() == [0, 1, 2, 3]
+        assert ck.healthy_steps()[-1] == 3
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["predecessor"]["status"] == "running", summary["predecessor"]  # it died mid-run
+    assert not [d for d in summary.get("watchdog", []) if d["kind"] == "run-dead"], summary["watchdog"]
+    assert "is dead" not in out.stdout + out.stderr and "continues" in out.stdout, out.stdout[-2000:]
+
+
+def test_a_diverging_run_fails_cleanly(clean, tmp_path):
+    """`ckpt train --lr 1e30`: NaN losses (before: a 60-line traceback, "Out of range float values are
+    not JSON compliant"). The checkpoints are committed with null metrics, validation fails them,
+    the run ends Failed with one line naming the step, its checks and the last healthy step, and
+    `ckpt train` exits 1 without a traceback."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterName
+
+    store, env = str(tmp_path / "store"), cli_env(tmp_path)
+    out = subprocess.run(cli_args(store, "div", "--lr", "1e30", "--rounds", "2"), env=env, capture_output=True,
+                         text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert "Traceback" not in text and "JSON compliant" not in text, text[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: run div: step 1 failed validation") and "no_nan" in line, line
+    assert f"the last healthy step is 0: resume from it with `ckpt train --resume --run-id div --store {store}`" in line
+    with Checkpointer(str(Path(store, "div"))) as ck:
+        m = ck.manifest(1)
+        assert m.meta["loss"] is None and "loss" in m.meta["non_finite"]  # JSON has no NaN: null and a flag
+        assert ck.healthy_steps() == [0]
+    with get_client(sync_client=True) as c:
+        run = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["train-div"])))[0]
+        assert run.state.is_failed() and run.state.message in line, run.state
+        tasks = {t.name: t.state for t in c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))}
+    assert tasks["validate-step-1"].is_failed() and "no_nan" in tasks["validate-step-1"].message
+    assert tasks["validate-step-0"].is_completed()
 
 
 def test_user_supplied_workload_trains(prefect_harness, tmp_path):

@@ -86,7 +86,7 @@ def ui_stack(tmp_path_factory):
     _need_browser()
     stack = Stack(tmp_path_factory.mktemp("ui-stack"))
     try:
-        info = stack.up(api_port=free_port(), s3_port=0, filer_port=0, poll_seconds=1.0, timeout=150)
+        info = stack.up(api_port=free_port(), s3_port=0, filer_port=0, reports_port=0, poll_seconds=1.0, timeout=150)
         env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CKPT_STORE", "CKPT_WORK_POOL")}
         res = subprocess.run([sys.executable, "-m", "deployments.deploy", "--stack-dir", str(stack.dir),
                               "--schedules-inactive", "--only", "train,watchdog", "--watchdog-timeout", "8",
@@ -148,6 +148,9 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         store = page.get_by_label("Store (Optional)", exact=True)
         expect(store).to_have_value(ui_stack["store"])  # the stack's bucket is the default
         expect(page.get_by_text("Where runs live:").first).to_be_visible()  # field descriptions render
+        # ... whole: a placeholder in angle brackets was taken for an HTML tag ("checkpoints are at /.")
+        expect(page.get_by_text("checkpoints are at store/run_id, e.g.").first).to_be_visible()
+        expect(page.get_by_text("(heartbeats/shard-N.json for shard N)").first).to_be_visible()
         expect(page.get_by_label("Rounds (Optional)", exact=True)).to_have_value("8")
         # typed sub-forms, filled in: the validation thresholds (no free dict), start from a checkpoint
         expect(page.get_by_label("Max Rel Change (Optional)", exact=True)).to_have_value("10")
@@ -198,7 +201,8 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
                .first).to_be_visible()
         shot(page, "04-run-artifacts")
 
-        # The report is one click away: the link artifact opens the HTML report over the stack's HTTP.
+        # The report is one click away: the "-link" artifact (a markdown artifact holding one link:
+        # Prefect's create_link_artifact) opens the HTML report over the stack's report server.
         link = page.get_by_role("link").filter(has_text="-link").filter(has_text="LINK").first
         expect(link).to_be_visible()
 

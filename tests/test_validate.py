@@ -447,8 +447,11 @@ def test_flow_and_task_publish_artifacts(clean_run, tmp_path, prefect_harness):
     shutil.copytree(clean_run[0], root)
     commit_variant(str(root), ROUNDS + 1, lambda part, st: part == "shard-1" and st["model"]["0.bias"].fill_(float("nan")))
     assert validate_checkpoint_flow(str(root), ROUNDS)["passed"]
-    failed = validate_checkpoint_flow(str(root), ROUNDS + 1)
-    assert failed["failed"] == ["no_nan"]
+    from tasks.validate import ValidationFailed
+
+    with pytest.raises(ValidationFailed, match=rf"step {ROUNDS + 1} failed validation: no_nan") as failed:
+        validate_checkpoint_flow(str(root), ROUNDS + 1)  # a failed verdict fails the flow run (and its task run)
+    assert failed.value.verdict.failed == ("no_nan",)
     keys = artifact_keys(str(root))
     assert all(re.fullmatch(r"[a-z0-9-]+", k) for k in keys.values())
     with get_client(sync_client=True) as client:

@@ -135,6 +135,62 @@ def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path
     assert v.state == "dead" and "coordinator has not beaten" in v.coordinator.reason
 
 
+def test_a_watchdog_of_one_session_does_not_take_a_dead_predecessor_for_its_run(tmp_path):
+    """The run was killed (its coordinator's and shards' last beats say running, long ago); a new
+    session resumes it. The watchdog beside that session (``since`` = its start) sees nothing dead
+    until the session beats, and then judges only the session's beats. Before: "run-dead: the
+    coordinator has not beaten for 40.1 s" in the resumed run's own summary."""
+    store = Store.from_url(str(tmp_path / "r"))
+    now = time.time()
+    meta = {"spec": {"shards": 2}, "phase": "shards", "phase_time": now - 60, "cut": {"step": 1}}
+    _beat(store, "coordinator", t=now - 40, round=2, step=2, started=now - 100, meta=meta)
+    for i in range(2):
+        _beat(store, f"shard-{i}", t=now - 40, round=2)
+    ignoring = Watchdog(str(tmp_path / "r"), timeout_s=4, since=now - 1)
+    assert ignoring.poll() == [] and ignoring.views[str(tmp_path / "r")].coordinator is None
+    assert [d.kind for d in Watchdog(str(tmp_path / "r"), timeout_s=4).poll()] == ["run-dead"]  # another watchdog
+    # the session beats: from then on it is judged (a silent shard of this session is dead again)
+    _beat(store, "coordinator", t=now + 4.8, round=2, step=2, started=now - 0.5, meta={**meta, "phase_time": now - 0.5})
+    _beat(store, "shard-0", t=now, round=2)
+    view = assess_run(store, "u", timeout_s=4, now=now + 5, since=now - 1)
+    assert view.state == "running" and view.shards[0].state == "silent" and view.shards[1].state == "waiting"
+
+
+def test_describe_says_the_same_step_in_the_fence_and_in_the_steps_to_redo():
+    """A drill knows the step it struck at, later than the last beat: both lines count from it
+    (before: "at step 8/20" in the fence, then "10 steps to redo")."""
+    from trainrun.watchdog import Decision, describe
+
+    d = Decision(kind="fenced", run="r", run_url="u", part="shard-0", state="silent", detected=10.0,
+                 failure_time=2.0, detection_latency_s=8.0, by="w", round=1, round_step=8, steps_per_round=20,
+                 reason="no heartbeat for 8.0 s (timeout 8 s) at step 8/20 of round 1", generation=1,
+                 steps_lost=10, strike_time=2.5, strike_latency_s=7.5)
+    assert "the drill struck at step 10/20, 7.5 s ago" in describe(d)
+
+
+def test_a_fenced_attempt_ends_at_info_and_a_failed_one_at_error():
+    """Prefect logs every final state but Completed at ERROR; a Fenced attempt is recovery, not an error."""
+    import logging
+
+    import tasks  # noqa: F401 - installs the filter (tasks/log_levels.py)
+
+    seen: list[tuple[int, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.levelno, record.getMessage()))
+
+    logger = logging.getLogger("prefect.task_runs")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.error("Finished in state Fenced('fenced by watchdog@h: no heartbeat', type=CANCELLED)")
+        logger.error("Finished in state Failed('boom')")
+    finally:
+        logger.removeHandler(handler)
+    assert [level for level, _ in seen] == [logging.INFO, logging.ERROR], seen
+
+
 # --- real processes: detection, the zombie stops itself --------------------------------------------
 
 BEATER = """
@@ -469,27 +525,36 @@ def test_a_stopped_dask_worker_is_fenced_replaced_and_stops_itself_when_woken(cl
            steps_lost=d["steps_lost"])
 
 
+def _dead_deployment_run(deployment_store: str, where: Path, run_id: str):
+    """(deployment id, flow run): a deployment of train_run on ``deployment_store``, a flow run of it
+    for ``run_id``, and under ``where`` that run's coordinator beat naming them, silent from now on."""
+    from prefect.client.orchestration import get_client
+
+    from flows.train import train_run
+
+    base = params(store=deployment_store).model_dump(mode="json")
+    with get_client(sync_client=True) as c:
+        flow_id = c.create_flow(train_run)
+        dep_id = c.create_deployment(flow_id=flow_id, name=f"wd-{uuid.uuid4().hex[:6]}", parameters={"params": base},
+                                     entrypoint="flows.train.train_run")
+        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": run_id}})
+    hb = Heartbeat(Store.from_url(str(where / run_id)), "coordinator", generation=0, round=2, every_s=1,
+                   meta={"run_id": run_id, "flow_run_id": str(old.id), "deployment_id": str(dep_id),
+                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
+    hb.start(step=2)
+    time.sleep(1.2)  # silent from now on
+    return dep_id, old
+
+
 @pytest.mark.prefect
 def test_a_dead_run_from_a_deployment_is_reported_and_started_again_once(prefect_harness, tmp_path):
     """The coordinator of a deployment's run stops beating: the watchdog marks the flow run crashed
     and runs the deployment again with resume (once, whatever the number of watchdogs)."""
     from prefect.client.orchestration import get_client
 
-    from flows.train import train_run
     from flows.watchdog import watchdog
 
-    base = params(store=str(tmp_path)).model_dump(mode="json")
-    with get_client(sync_client=True) as c:
-        flow_id = c.create_flow(train_run)
-        dep_id = c.create_deployment(flow_id=flow_id, name=f"wd-{uuid.uuid4().hex[:6]}", parameters={"params": base},
-                                     entrypoint="flows.train.train_run")
-        old = c.create_flow_run_from_deployment(dep_id, parameters={"params": {**base, "run_id": "dead"}})
-    store = Store.from_url(str(tmp_path / "dead"))
-    hb = Heartbeat(store, "coordinator", generation=0, round=2, every_s=1,
-                   meta={"run_id": "dead", "flow_run_id": str(old.id), "deployment_id": str(dep_id),
-                         "spec": {"shards": 2}, "phase": "shards", "phase_time": time.time()})
-    hb.start(step=2)
-    time.sleep(1.2)  # silent from now on
+    dep_id, old = _dead_deployment_run(str(tmp_path), tmp_path, "dead")
     first = watchdog(store=str(tmp_path), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
     kinds = [d["kind"] for d in first["decisions"]]
     assert kinds == ["run-dead", "resumed"], first["decisions"]
@@ -503,6 +568,27 @@ def test_a_dead_run_from_a_deployment_is_reported_and_started_again_once(prefect
         assert c.read_flow_run(old.id).state.type.value == "CRASHED"
         runs = c.read_flow_runs()
         assert sum(1 for r in runs if r.deployment_id == dep_id) == 2  # the dead one and one restart
+
+
+@pytest.mark.prefect
+def test_the_watchdog_resumes_only_runs_of_its_own_store(prefect_harness, tmp_path):
+    """A beat in the watchdog's store names a flow run of a deployment that trained a run of the same
+    id in another store (anyone who can write this store can write that beat). The watchdog refuses
+    to start it (a resume-failed decision, notified), and starts nothing: before, it ran that
+    deployment again, i.e. resumed a run of another store."""
+    from prefect.client.orchestration import get_client
+
+    from flows.watchdog import watchdog
+
+    mine = tmp_path / "mine"
+    dep_id, old = _dead_deployment_run(str(tmp_path / "theirs"), mine, "victim")
+    out = watchdog(store=str(mine), timeout_s=1.0, poll_s=0.2, duration_s=0.5)
+    kinds = [d["kind"] for d in out["decisions"]]
+    assert kinds == ["run-dead", "resume-failed"], out["decisions"]
+    assert "not the run this watchdog found dead" in out["decisions"][1]["reason"]
+    with get_client(sync_client=True) as c:
+        assert [r.id for r in c.read_flow_runs() if r.deployment_id == dep_id] == [old.id]  # nothing started
+        assert not c.read_flow_run(old.id).state.is_crashed()  # and the other store's flow run left alone
 
 
 @pytest.mark.prefect

@@ -28,6 +28,7 @@ from ckptlib.distributed.documents import AnyFragment
 
 from .documents import Cut
 from .layout import COORDINATOR, shard_part
+from .metrics import finite_metrics
 from .outer import ShardMean, outer_step
 from .results import CutResult
 from .shard_round import apply_threads, read_cut_part
@@ -80,14 +81,15 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     generations = {p: f.generation for p, f in frags.items()}
     cfrag = ck.write_fragment(round_no, COORDINATOR, coord, generation=ck.live_generation(COORDINATOR),
                               config_hash=spec.config_hash(),
-                              meta={"round": round_no, "loss": loss, "eval_loss": eval_loss, "generations": generations})
+                              meta={"round": round_no, **finite_metrics(loss=loss, eval_loss=eval_loss),
+                                    "generations": generations})
     generations[COORDINATOR] = cfrag.generation
     clock.lap("write")
     result = CutResult(step=round_no, committed=False, created=False, loss=loss, eval_loss=eval_loss,
                        generations=generations, bytes_written=cfrag.bytes_written,
                        logical_bytes=cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()))
     if publish:
-        meta = {**(run_meta or {}), "round": round_no, "loss": loss, "eval_loss": eval_loss,
+        meta = {**(run_meta or {}), "round": round_no, **finite_metrics(loss=loss, eval_loss=eval_loss),
                 **({"reshards": reshards} if reshards else {})}
         # the coordinator's fragment as stored, and the shards' exactly as combined
         info = ck.commit(round_no, [COORDINATOR, *shard_parts], fragments=gathered, parent=_parent(ck, cut, round_no),

@@ -14,7 +14,7 @@ Importing this module loads neither torch nor Prefect.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ckptlib.documents import Document
 
@@ -34,7 +34,8 @@ class Reshard(Document):
 @dataclass(frozen=True)
 class RunPlan(Document):
     """Where a run starts: ``start_step`` None = from scratch (write step 0 first); ``committed``
-    steps so far, the ``latest`` of them; ``note`` says why, for people."""
+    steps so far, the ``latest`` of them; ``note`` says why, for people; ``config`` the trajectory
+    (a ``RunSpec`` as JSON) it trains on: a resume's comes from the run itself."""
 
     KIND = "run plan"
 
@@ -44,6 +45,7 @@ class RunPlan(Document):
     note: str
     reshard: Reshard | None = None
     seconds: float = 0.0
+    config: dict[str, Any] | None = None
 
 
 # finished: its fragment of the round is written; fenced: a watchdog fenced it before it wrote;

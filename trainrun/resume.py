@@ -1,13 +1,20 @@
 """Where a run starts: the resume rules (``docs/training.md``, *Resume rules*), without Prefect or torch.
 
 ``where_to_start`` reads the run's committed steps, its verdicts and the configuration stored in a
-checkpoint, and either says where the run starts or refuses (``RunRefused``) with the fix. The CLI
-asks before Prefect starts (fast refusals); the flow's ``plan-run`` task asks again (deployments).
+checkpoint, and either says where the run starts, and with which trajectory, or refuses
+(``RunRefused``) with the fix. The CLI asks before Prefect starts (fast refusals); the flow's
+``plan-run`` task asks again (deployments).
+
+A resume takes its trajectory from the run itself (``stored_config`` of the step it starts from):
+the fields the caller *gave* (``given``) are checked against it and a changed one is refused by
+name; the others are the run's. ``ckpt train`` knows which options were typed; a flow run knows
+only what differs from the schema's defaults (``given_fields``): a form shows every field filled in.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +29,9 @@ from .spec import RunSpec, describe_changes
 # How to resume, said to both kinds of users: the CLI's and the form's (deployments, the UI).
 HOW_TO_RESUME = "resume (`ckpt train --resume`, or resume: true in the form), with the same run id and store"
 
+# validate(step) -> passed: validates a committed step that has no verdict yet (plan-run passes one)
+Validator = Callable[[int], bool]
+
 
 def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
     """The ``config`` of the coordinator part of committed ``step`` (its fragment; no chunk read)."""
@@ -34,23 +44,40 @@ def stored_config(ck: Checkpointer, step: int) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def where_to_start(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "",
-                   from_step: int | None = None) -> RunPlan:
-    """Where a run starts. Raises RunRefused when it must not start (see the resume rules).
+def given_fields(spec: RunSpec, fields_set: Collection[str]) -> set[str]:
+    """The trajectory fields a flow run was given: set explicitly and unlike the schema's default
+    (a form sends every field; a value equal to its default cannot be told from one left alone)."""
+    default = RunSpec().to_dict()
+    mine = spec.to_dict()
+    return {k for k in mine if k in fields_set and mine[k] != default[k]}
 
-    ``from_step`` (with ``resume``): start from this committed step rather than the last healthy
-    one (the form's ``start_from``; it need not be validated: it is validated again as the run goes).
-    ``RunPlan.start_step`` None means "from scratch" (write step 0 first). A resume with another ``shards`` (and every other trajectory field
-    the same) reshards from the last healthy step (``trainrun.reshard``) when that step is the
-    latest committed one. Cost: one listing of the manifests, and verdicts read from the newest
-    step back to the first healthy one (not every step's: runs may hold thousands).
+
+def where_to_start(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str = "",
+                   from_step: int | None = None, given: Collection[str] | None = None,
+                   validate: Validator | None = None) -> RunPlan:
+    """Where a run starts, and its trajectory (``RunPlan.config``). Raises RunRefused when it must
+    not start (see the resume rules).
+
+    ``given``: the fields of ``spec`` the caller chose (None: all of them); on a resume the others
+    come from the run's stored config. ``from_step`` (with ``resume``): start from this committed
+    step rather than the last healthy one (the form's ``start_from``; it need not be validated: it
+    is validated again as the run goes). ``validate``: committed steps newer than the last healthy
+    one that have no verdict yet are validated first, newest first, and the run resumes from the
+    first that passes (a kill then loses at most the round in flight, not every step whose
+    validation had not finished). ``RunPlan.start_step`` None means "from scratch" (write step 0
+    first). A resume with another ``shards`` (and every other trajectory field the same) reshards
+    from the last healthy step (``trainrun.reshard``) when that step is the latest committed one.
+    Cost: one listing of the manifests, and verdicts read from the newest step back to the first
+    healthy one (not every step's: runs may hold thousands).
     """
     t0 = time.perf_counter()
-    plan = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id, from_step=from_step)
+    plan = _plan(ck, spec.trajectory(), resume=resume, run_id=run_id, from_step=from_step,
+                 given=set(RunSpec.model_fields) if given is None else set(given), validate=validate)
     return replace(plan, seconds=round(time.perf_counter() - t0, 4))
 
 
-def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_step: int | None) -> RunPlan:
+def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_step: int | None,
+          given: set[str], validate: Validator | None) -> RunPlan:
     steps = ck.steps()
     where = f"run '{run_id}' at {ck.url}" if run_id else ck.url
     if steps and not resume:
@@ -62,26 +89,19 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
                          f"{', '.join(map(str, steps[-8:])) or 'none'}): choose one of them")
     if not steps:
         note = "nothing to resume: starting from scratch" if resume else "new run"
-        return RunPlan(start_step=None, committed=0, latest=None, note=note)
+        return RunPlan(start_step=None, committed=0, latest=None, note=note, config=spec.to_dict())
     at = steps[-1] if from_step is None else from_step
     old = stored_config(ck, at)
     if old is None:
         raise RunRefused(f"{where}: step {at} has no coordinator config; it was not written by a "
                          "training run. Choose another run id.")
-    new = spec.to_dict()
-    changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k, "<absent>") != new.get(k, "<absent>")]
-    if changed and (changed != ["shards"] or from_step is not None):
-        raise RunRefused(
-            f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
-            f"{'; '.join(describe_changes(old, new))}. Resume with the run's settings (only rounds, shards, "
-            f"checkpoint_every, keyframe_every, task_runner may change; shards only when resuming from the "
-            f"last healthy step, not from a chosen one), or start a new run id.")
-    committed, latest = len(steps), steps[-1]
+    spec, changed = _resolved(spec, old, given, where, reshard_ok=from_step is None)
+    committed, latest, config = len(steps), steps[-1], spec.to_dict()
     if from_step is not None:
         validated = (ck.verdict(from_step) or {}).get("passed") is True
         return RunPlan(from_step, committed, latest, f"starting from committed step {from_step}"
-                       + ("" if validated else " (not validated: validated again as the run goes)"))
-    healthy = ck.latest_step(healthy=True)
+                       + ("" if validated else " (not validated: validated again as the run goes)"), config=config)
+    healthy, checked = _healthy_after_validating(ck, steps, validate)
     if changed:
         if healthy != steps[-1]:
             what = f"step {healthy}" if healthy is not None else "no step"
@@ -93,8 +113,62 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
                 f"--shards {old['shards']}, then resume with --shards {spec.shards}.")
         return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with {spec.shards} shards "
                        f"instead of {old['shards']} (resharded: a new trajectory from step {healthy})",
-                       reshard=Reshard(healthy, (old["shards"], spec.shards)))
+                       reshard=Reshard(healthy, (old["shards"], spec.shards)), config=config)
+    note = _pending_note(ck, steps, healthy, checked, validate)
     if healthy is None:
         return RunPlan(None, committed, latest, "no validated checkpoint yet: starting from scratch (committed "
-                       "steps are recomputed identically)")
-    return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy}")
+                       f"steps are recomputed identically){note}", config=config)
+    return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy}{note}", config=config)
+
+
+def _resolved(spec: RunSpec, old: dict[str, Any], given: set[str], where: str, *,
+              reshard_ok: bool) -> tuple[RunSpec, bool]:
+    """The run's trajectory with the ``given`` fields of ``spec`` (RunRefused naming each that
+    changed, but ``shards`` where a reshard may follow); and whether ``shards`` changed."""
+    mine = spec.to_dict()
+    merged = {**mine, **{k: v for k, v in old.items() if k not in given}}
+    changed = [k for k in dict.fromkeys([*old, *merged]) if old.get(k, "<absent>") != merged.get(k, "<absent>")]
+    if changed and (changed != ["shards"] or not reshard_ok):
+        raise RunRefused(
+            f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
+            f"{'; '.join(describe_changes(old, merged))}. Resume without them (a resume takes the run's own "
+            f"settings) or with the run's values (only rounds, shards, checkpoint_every, keyframe_every, "
+            f"task_runner may change; shards only when resuming from the last healthy step, not from a chosen "
+            f"one), or start a new run id.")
+    try:
+        resolved = RunSpec.from_dict({k: merged[k] for k in RunSpec.model_fields if k in merged})
+    except ValueError as e:
+        raise RunRefused(f"{where}: the run's stored config does not parse ({e}): choose another run id") from None
+    return resolved, bool(changed)
+
+
+def _healthy_after_validating(ck: Checkpointer, steps: list[int], validate: Validator | None) -> tuple[int | None, list[int]]:
+    """The last healthy step, after validating (``validate``) the committed steps newer than it that
+    have no verdict yet, newest first, until one passes; and the steps validated so."""
+    healthy = ck.latest_step(healthy=True)
+    if validate is None:
+        return healthy, []
+    checked = []
+    for step in reversed([s for s in steps if healthy is None or s > healthy]):
+        if ck.verdict(step) is not None:
+            continue  # validated already (and failed): not healthy
+        checked.append(step)
+        if validate(step):
+            return step, checked
+    return healthy, checked
+
+
+def _pending_note(ck: Checkpointer, steps: list[int], healthy: int | None, checked: list[int],
+                  validate: Validator | None) -> str:
+    """What the plan did about steps newer than the healthy one that had no verdict (or would do)."""
+    if checked:
+        passed = [s for s in checked if s == healthy]
+        return (f" (validated now: step{'s' if len(checked) > 1 else ''} {', '.join(map(str, checked))}"
+                + (f"; step {passed[0]} passed" if passed else ": none passed") + ")")
+    if validate is not None:
+        return ""
+    pending = [s for s in steps if (healthy is None or s > healthy) and ck.verdict(s) is None]
+    if not pending:
+        return ""
+    return (f" for now: committed step{'s' if len(pending) > 1 else ''} {', '.join(map(str, pending[-4:]))} "
+            "not validated yet; the run validates them first and resumes from the newest that passes")

@@ -58,6 +58,7 @@ from .chaos import Chaos, strike
 from .documents import Cut, ShardInfo
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier
+from .metrics import finite_metrics
 from .recovery import Failure, write_recovery
 from .reshard import cut_shards, reshard_state
 from .results import ShardResult
@@ -294,7 +295,7 @@ def write_round_fragment(a: ShardAttempt, wl: Workload, loss: float, clock: Stop
     state = {**wl.checkpoint_state(), "rng": ShardRNG(a.spec.seed, a.shard, a.round_no).state(),
              "round": a.round_no, "loss": loss}
     return a.ck.write_fragment(a.round_no, a.part, state, generation=a.generation, config_hash=a.spec.config_hash(),
-                               meta={"round": a.round_no, "loss": loss, "attempt": a.attempt,
+                               meta={"round": a.round_no, **finite_metrics(loss=loss), "attempt": a.attempt,
                                      "host": socket.gethostname(), "load_s": clock.spent("load"),
                                      "build_s": clock.spent("build"), "train_s": clock.spent("train"),
                                      "resumed_at_step": start.round_step, "start_source": start.source,

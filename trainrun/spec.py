@@ -110,7 +110,7 @@ class RunSettings(BaseModel):
     shard_retries: int = Field(2, ge=0, description="Prefect retries of a failed shard task.")
     retry_delay_s: float = Field(1.0, ge=0, description="Delay before a shard task retry.")
     heartbeat_every_s: float = Field(2.0, gt=0, description="Seconds between a shard's heartbeats "
-                                     "(heartbeats/shard-<i>.json).")
+                                     "(heartbeats/shard-N.json for shard N).")
     heartbeat_events: bool = Field(False, description="Also emit each heartbeat as a Prefect event "
                                    "(ckpt.shard.heartbeat) for automations.")
     commit_timeout_s: float = Field(DEFAULT_COMMIT_TIMEOUT_S, gt=0, description="How long a cut waits for every "

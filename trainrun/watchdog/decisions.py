@@ -157,7 +157,9 @@ def describe(d: Decision) -> str:
     """One line per decision, for logs and the CLI."""
     where = f"{d.part} of run {d.run}" + (f" round {d.round}" if d.round is not None else "")
     if d.kind == "fenced":
-        extra = f"; strike {d.strike_latency_s:.1f} s ago" if d.strike_latency_s is not None else ""
+        # a drill knows the step it struck at, later than the last beat: the steps to redo count from it
+        extra = (f"; the drill struck at step {d.steps_lost}/{d.steps_per_round}, {d.strike_latency_s:.1f} s ago"
+                 if d.strike_latency_s is not None else "")
         return (f"{where}: {d.reason} -> fenced generation {d.generation} ({d.detection_latency_s:.1f} s "
                 f"after its last sign of life{extra}); "
                 + (f"rerun as attempt {d.rerun.attempt_offset + 1}" if d.rerun else "not rerun here"))

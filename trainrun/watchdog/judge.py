@@ -16,7 +16,9 @@ An attempt whose fragment for its round is already written is ``done``, whatever
 beat older than the coordinator's session (a previous run of the same run id) is ignored. In a run
 without a coordinator beat (ckptlib used directly), a shard silent for ``abandoned_after(timeout)``
 is ``abandoned``, not dead: nobody would gather its rerun. The run is ``dead`` when the coordinator
-is silent for ``coordinator_timeout_s``.
+is silent for ``coordinator_timeout_s``. A watchdog that watches one session only (the one beside
+``ckpt train``) ignores every beat written before that session began (``since``): a resumed run's
+predecessor died, this session did not.
 
 Pure but for the store reads: the clock is a parameter (``now``), so the rules are tested with
 beats written by hand (``tests/test_watchdog.py``). ``ckpt status`` shows these views.
@@ -116,9 +118,10 @@ class RunView:
 
 def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: float | None = None,
                coordinator_timeout_s: float | None = None, now: float | None = None,
-               memory: Memory | None = None, with_committed: bool = True) -> RunView:
+               memory: Memory | None = None, with_committed: bool = True, since: float | None = None) -> RunView:
     """Judge every part of one run at wall time ``now`` (default: the clock). ``memory`` (the
-    caller's, kept between looks) enables ``stalled``; without it only silence counts.
+    caller's, kept between looks) enables ``stalled``; without it only silence counts. ``since``:
+    beats older than this wall time are not looked at (a previous session's).
 
     What one look costs, on S3, for N shards: a listing of ``heartbeats/`` and N beat reads (in
     parallel), one listing of ``fences/`` (every part's generation), one listing of the current
@@ -130,6 +133,8 @@ def assess_run(store: Store, url: str, *, timeout_s: float, start_timeout_s: flo
     start_timeout_s = start_timeout_for(timeout_s) if start_timeout_s is None else start_timeout_s
     coordinator_timeout_s = timeout_s if coordinator_timeout_s is None else coordinator_timeout_s
     beats = read_heartbeats(store, threads=BEAT_READERS)
+    if since is not None:
+        beats = {part: beat for part, beat in beats.items() if beat.time >= since}
     cbeat = beats.pop(COORDINATOR, None)
     coordinator, info, session_start = None, None, None
     if cbeat is not None:

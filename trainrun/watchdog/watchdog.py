@@ -73,6 +73,8 @@ class Watchdog:
     ``specs`` maps a run's URL to its spec as this process knows it; ``allow_workloads`` lists the
     ``module:factory`` workloads a spec read from the store may name (``rerun.py``). ``by`` names this
     watchdog in fences and decisions; ``by_flow_run_id`` is its Prefect flow run (fences link to it).
+    ``since``: beats written before this wall time are ignored (``judge.assess_run``): the watchdog
+    beside one session of a run, which must not take a dead predecessor for its own run.
     """
 
     def __init__(self, url: str, storage_options: dict | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -81,7 +83,7 @@ class Watchdog:
                  resume: Callable[[Decision], Resumed | None] | None = None,
                  specs: Mapping[str, RunSpec] | None = None, allow_workloads: Collection[str] = (),
                  by: str | None = None, by_flow_run_id: str | None = None, discover_every_s: float = 15.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, since: float | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url
@@ -96,6 +98,7 @@ class Watchdog:
         self.by_flow_run_id = by_flow_run_id
         self.discover_every_s = discover_every_s
         self.clock = clock
+        self.since = since
         self.memory = Memory()
         self.runs: dict[str, Store] = {}
         self.views: dict[str, RunView] = {}
@@ -147,7 +150,7 @@ class Watchdog:
         now = self.clock()
         view = assess_run(store, url, timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
                           coordinator_timeout_s=self.coordinator_timeout_s, now=now, memory=self.memory,
-                          with_committed=False)  # a look must not grow with the run's history
+                          with_committed=False, since=self.since)  # a look must not grow with the run's history
         self.views[url] = view
         out = self._running_again(url, view)
         if view.coordinator is not None and view.coordinator.state == "dead":
