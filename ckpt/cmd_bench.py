@@ -26,8 +26,8 @@ def _names(text: str, what: str) -> tuple[str, ...]:
 @app.command("bench")
 def bench(
     workloads: Annotated[Optional[str], typer.Option(
-        "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, or module:factory "
-                            "(default: all four; --distributed: tinylm,finetune).")
+        "--workloads", help="Comma-separated workloads: tinylm, recsys, finetune, finetune-bf16, dense-lm, or "
+                            "module:factory (default: all five; --distributed: tinylm,finetune).")
     ] = None,
     saves: Annotated[Optional[int], typer.Option(
         "--saves", help="Checkpoints per series (means are over all but the first; default 17, --distributed 5).")
@@ -134,7 +134,7 @@ def _bench_distributed(workloads: str | None, ranks: str, saves: int | None, ste
         raise CheckpointError(f"ckptlib did not restore {', '.join(ours)} bit-exactly: a ckptlib bug")
 
 
-_DEFAULT_WORKLOADS = "tinylm,recsys,finetune,finetune-bf16"
+_DEFAULT_WORKLOADS = "tinylm,recsys,finetune,finetune-bf16,dense-lm"
 
 
 def _bench_recovery(workloads: tuple[str, ...], json_out: str | None) -> None:

@@ -7,11 +7,18 @@ bookkeeping: it finds a part's base (its own last save or restore, else the late
 checkpoint's table, without bytes), adopts a save's result once it is published, and forgets the
 bytes of a save that failed. Memory: one copy of the state at most (``retain_unit`` writes a
 synchronous save's bytes into the old base's buffers instead of holding old and new side by side).
+
+``BufferPool`` is where snapshots write: the buffers of the last snapshot that the base did not
+keep (units written as keyframes keep no base bytes: ``encoding.UnitHint``) are handed to the
+next snapshot of the same part, their pages already faulted in, so a snapshot of a dense state
+runs at memcpy speed while the writer holds one copy of it.
 """
 
 from __future__ import annotations
 
+import bisect
 import mmap
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .chunking import DEFAULT_CHUNK_BYTES, Unit, plan_units
-from .encoding import Previous
+from .encoding import Previous, UnitHint
 from .manifest import Blob, Fragment
 
 
@@ -36,9 +43,10 @@ class Base:
     units: dict[tuple, str] = field(default_factory=dict)
     raw: dict[str, np.ndarray] = field(default_factory=dict)
     chunk_bytes: int | None = None  # what it was planned with
+    hints: dict[tuple, UnitHint] = field(default_factory=dict)  # unit identity -> what its last encode measured
 
     def without_bytes(self) -> Base:
-        return Base(self.step, self.blobs, self.units, chunk_bytes=self.chunk_bytes)
+        return Base(self.step, self.blobs, self.units, chunk_bytes=self.chunk_bytes, hints=self.hints)
 
     def previous(self, unit: Unit) -> Previous | None:
         """``unit``'s previous version, when this base holds its bytes (of the same size) and blob."""
@@ -109,7 +117,12 @@ class Retainer:
         # a buffer may be written over in place only if no other unit still needs it as its base
         self._shared = Counter(base.units.values()) if base is not None else Counter()
 
-    def keep(self, unit: Unit, view: np.ndarray, owned: bool, digest: str) -> np.ndarray:
+    def keep(self, unit: Unit, view: np.ndarray, owned: bool, digest: str, hint: UnitHint,
+             position: int) -> np.ndarray | None:
+        """The buffer holding ``unit``'s bytes for the next base, or None when its next save will
+        not take a delta (``hint``): then its snapshot buffer goes back to the pool."""
+        if not hint.keep_bytes(position):
+            return None
         if owned:
             return view
         prev = self.base.units.get(unit.ident) if self.base is not None else None
@@ -125,16 +138,82 @@ class Retainer:
         return kept
 
 
+class BufferPool:
+    """Snapshot buffers of one part, by size: ``take`` hands out a free one (its pages already
+    faulted in) or a new one, and remembers it; ``settle`` keeps, of what the last snapshot took,
+    the buffers the new base does not hold (and drops every other free buffer), so the pool never
+    holds more than one snapshot's worth, less what the base holds."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._taken: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool = False) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = host_buffer(nbytes, pinned=pinned)
+        with self._lock:
+            self._taken.append(buf)
+        return buf
+
+    def settle(self, held: list[np.ndarray], extra: list[np.ndarray] | None = None) -> None:
+        """After a save: ``held`` are the arrays the new base keeps; ``extra`` more buffers to keep
+        free (an old base's, for pinned memory)."""
+        kept = _Ranges(held)
+        with self._lock:
+            taken, self._taken = self._taken, []
+            self._free = {}
+            seen: set[int] = set()
+            for buf in [*taken, *(extra or [])]:
+                if _address(buf) not in seen and not kept.overlaps(buf):
+                    seen.add(_address(buf))
+                    self._free.setdefault(buf.nbytes, []).append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free, self._taken = {}, []
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.nbytes for bufs in self._free.values() for b in bufs)
+
+
+class _Ranges:
+    """Address ranges of arrays (merged), to ask whether a buffer shares memory with any of them."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        merged: list[list[int]] = []
+        for lo, hi in sorted((_address(a), _address(a) + a.nbytes) for a in arrays if a.nbytes):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._starts = [lo for lo, _ in merged]
+        self._ends = [hi for _, hi in merged]
+
+    def overlaps(self, buf: np.ndarray) -> bool:
+        lo, hi = _address(buf), _address(buf) + buf.nbytes
+        i = bisect.bisect_left(self._starts, hi) - 1  # the last range that starts before our end
+        return i >= 0 and self._ends[i] > lo
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
 class DeltaBases:
-    """Per part: the delta base and the staging buffers kept for the next snapshot.
+    """Per part: the delta base and the pool of snapshot buffers (``BufferPool``).
 
     ``load(part)`` gives the base of a part this writer has neither saved nor restored yet (the
-    latest committed checkpoint's blob table, or None); it is called at most once per part."""
+    latest committed checkpoint's table, or None); it is called at most once per part."""
 
     def __init__(self, load: Callable[[str], Base | None]):
         self._load = load
         self._bases: dict[str, Base] = {}
-        self._spare: dict[str, dict[int, list[np.ndarray]]] = {}
+        self._pools: dict[str, BufferPool] = {}
 
     def get(self, part: str) -> Base | None:
         if part not in self._bases:
@@ -149,24 +228,21 @@ class DeltaBases:
         return self._bases.get(part)
 
     def set(self, part: str, base: Base) -> None:
-        """A restore kept ``base`` (with its bytes): the staging buffers of older saves are dropped."""
+        """A restore kept ``base`` (with its bytes): the snapshot buffers of older saves are dropped."""
         self._bases[part] = base
-        self._spare.pop(part, None)
+        self._pools.pop(part, None)
 
-    def take_spare(self, part: str) -> dict[int, list[np.ndarray]] | None:
-        return self._spare.pop(part, None)
+    def buffers(self, part: str) -> BufferPool:
+        """Where the next snapshot of ``part`` writes (one snapshot of a part at a time)."""
+        return self._pools.setdefault(part, BufferPool())
 
     def adopt(self, part: str, new: Base, old: Base | None, keep_spare: bool) -> None:
-        """A published save's result becomes the part's base. With ``keep_spare``, the old base's
-        buffers that the new one does not hold are kept for the next snapshot (by size)."""
+        """A published save's result becomes the part's base; the snapshot buffers it does not hold
+        go back to the pool. With ``keep_spare`` (pinned memory, slow to allocate), so do the old
+        base's buffers that the new one does not hold."""
         self._bases[part] = new
-        if keep_spare and old is not None:
-            live = {id(b) for b in new.raw.values()}
-            spare: dict[int, list[np.ndarray]] = {}
-            for buf in old.raw.values():
-                if id(buf) not in live:
-                    spare.setdefault(buf.nbytes, []).append(buf)
-            self._spare[part] = spare
+        extra = list(old.raw.values()) if keep_spare and old is not None else []
+        self.buffers(part).settle(list(new.raw.values()), [_owner(b) for b in extra])
 
     def forget_bytes(self, part: str) -> None:
         """After a failed save: a save that read the caller's memory in place has written over the
@@ -174,8 +250,21 @@ class DeltaBases:
         base = self._bases.get(part)
         if base is not None:
             self._bases[part] = base.without_bytes()
-        self._spare.pop(part, None)
+        self._pools.pop(part, None)
 
     def clear(self) -> None:
         self._bases.clear()
-        self._spare.clear()
+        self._pools.clear()
+
+
+def buffer_address(view: np.ndarray) -> int:
+    """The address of the whole buffer ``view`` was cut from (views of one buffer share it)."""
+    return _address(_owner(view))
+
+
+def _owner(view: np.ndarray) -> np.ndarray:
+    """The whole buffer a view was cut from (a snapshot buffer), as a flat uint8 array."""
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root.reshape(-1).view(np.uint8) if root.flags.c_contiguous else view

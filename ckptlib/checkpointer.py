@@ -46,11 +46,11 @@ from .leases import Lease
 from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
+from .save import EncodedPart, Snapshot, WriteOptions, encode_part, secure_snapshot, take_snapshot
+from .store import Store
 
 if TYPE_CHECKING:
     from .distributed.restoring import RankState
-from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_snapshot
-from .store import Store
 
 log = logging.getLogger("ckptlib")
 T = TypeVar("T")
@@ -180,7 +180,8 @@ class Checkpointer:
         self._drain()
         if self._collective is not None:
             return self._group_persist(self._group_begin(step, state, meta, copy=False), t0, blocked=None)
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False,
+                             buffers=self._bases.buffers(SINGLE_PART).take)
         return self._persist(step, snap, meta, t0, blocked=None)
 
     def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture[CommitInfo]:
@@ -197,8 +198,9 @@ class Checkpointer:
             group_fut: SaveFuture[CommitInfo] = SaveFuture(step)
             self._in_background(group_fut, lambda: self._group_persist(pending, t0, blocked))
             return group_fut
-        spare = self._bases.take_spare(SINGLE_PART)
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=True, spare=spare)
+        buffers = self._bases.buffers(SINGLE_PART).take
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers)
+        secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
         fut: SaveFuture[CommitInfo] = SaveFuture(step)
         self._in_background(fut, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
         return fut
@@ -586,7 +588,7 @@ class Checkpointer:
             return out
         self._drain()
         commit.check_live(self.store, part, generation)
-        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False)
+        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False, buffers=self._bases.buffers(part).take)
         return self._write_snapshot(snap, step, part, generation, None, config_hash, meta)
 
     def write_fragment_async(self, step: int, part: str, state: Any, *, generation: int = 0,
@@ -613,8 +615,8 @@ class Checkpointer:
         self._check_open()
         self._drain()
         base_key = _substep_base(part) if substep is not None else part
-        spare = self._bases.take_spare(base_key) if substep is None or self._bases.held(base_key) else None
-        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True, spare=spare)
+        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True,
+                             buffers=self._bases.buffers(base_key).take)
         fut: SaveFuture[Fragment] = SaveFuture(step, f"write of part '{part}'")
 
         def work() -> Fragment:
@@ -622,7 +624,7 @@ class Checkpointer:
             frag = self._write_snapshot(snap, step, part, generation, substep, config_hash, meta)
             held = self._bases.held(base_key)
             if on_written is not None and held is not None:
-                on_written(frag, held.raw)
+                on_written(frag, _unit_bytes(snap, held))
             return frag
 
         self._in_background(fut, work)
@@ -886,6 +888,12 @@ def _only_part(m: Manifest) -> str:
 def _substep_base(part: str) -> str:
     """Where a part's chain of sub-step bases is kept (no part name holds a '/')."""
     return f"{part}/substeps"
+
+
+def _unit_bytes(snap: Snapshot, base: Base) -> dict[str, np.ndarray]:
+    """The raw bytes of every unit of a snapshot the writer owns, by raw checksum (the base it
+    became names each unit's; it holds the bytes of only those whose next save takes a delta)."""
+    return {base.units[unit.ident]: data for unit, data in zip(snap.units, snap.unit_data)}
 
 
 def _pinned(snap: Snapshot) -> bool:

@@ -36,6 +36,14 @@ def checksum(data: np.ndarray | bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(_mv(data))
 
 
+def checksum_of(parts: list[np.ndarray]) -> str:
+    """``checksum`` of the concatenation of ``parts``, without concatenating them."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(_mv(part))
+    return h.hexdigest()
+
+
 def _mv(data: np.ndarray | bytes | memoryview) -> memoryview:
     """A memoryview of any buffer (numpy's stubs do not declare ndarray a Buffer)."""
     return memoryview(data)  # type: ignore[arg-type]
@@ -205,24 +213,188 @@ class Zstd(_Transform):
 
     def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
         dctx = self._local.__dict__.setdefault("decompressor", zstandard.ZstdDecompressor())
-        try:
-            # The frame header declares its content size, and zstd would allocate that much before
-            # finding out it lies: a small hostile chunk could declare gigabytes. Check it first.
-            declared = zstandard.frame_content_size(_mv(data))
-            if declared != nbytes:
-                raise CorruptCheckpoint(f"zstd frame declares {declared} bytes, the chunk holds {nbytes}")
-            out = dctx.decompress(_mv(data), max_output_size=nbytes, allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpoint(f"zstd frame does not decode ({e})") from None
-        if len(out) != nbytes:
-            raise CorruptCheckpoint(f"zstd frame decoded to {len(out)} bytes, expected {nbytes}")
-        return np.frombuffer(out, dtype=np.uint8)
+        return _unzstd(dctx, data, nbytes)
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "configuration": {"level": self.level}}
 
 
+def _fast_compressor(level: int) -> zstandard.ZstdCompressor:
+    """The zstd compressor of a byte plane (one per thread and level).
+
+    At levels up to 3 it is tuned as an order-0 coder: a plane of float exponents or of small
+    differences has skewed byte frequencies but few long repeats, so zstd's Huffman stage does the
+    work and its match finder mostly wastes time. A tiny hash table (2^6), matches of 7 bytes or
+    more and the fastest strategy compress those planes 2-4x faster than level 1 and 3-8% smaller
+    than levels 1-3 (measured on dense-lm's planes: docs/decisions.md, "Planes"). Above level 3,
+    zstd's own level (more search, for users who trade time for bytes). Frames are standard zstd
+    either way: how they were made is not part of the format."""
+    cache = Zstd._local.__dict__.setdefault("planes", {})
+    if level not in cache:
+        if level <= 3:
+            params = zstandard.ZstdCompressionParameters(
+                window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+                strategy=zstandard.STRATEGY_FAST, write_checksum=1, write_content_size=1)
+            cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return cache[level]
+
+
+class Planes(_Transform):
+    """Byte planes, each stored either zstd-compressed or raw: code only the planes that pay.
+
+    The mantissa bytes of trained float weights and moments are close to random (zstd saves
+    nothing on them, and a reader would decompress them for nothing); the exponent byte, and the
+    high bytes of small differences, compress 3-30x. ``coded`` lists the planes stored as zstd
+    frames (plane ``k`` holds byte ``k`` of every element, little-endian order: for float32, plane 3
+    is the sign and 7 exponent bits). Which planes pay is the writer's choice, measured per unit
+    (``ckptlib.encoding``); any choice decodes, and ``coded=[]`` is the raw bytes themselves.
+
+    Payload: for each coded plane in ``coded`` order, its frame's length as a little-endian uint64;
+    then the raw part: every element's raw (not coded) bytes in plane order, element after element
+    (for float32 with plane 3 coded, bytes 0-2 of each element); then the coded planes' zstd frames
+    (content size and checksum set) in ``coded`` order. A chunk that is not whole elements is one
+    plane. The raw part keeps the element order so that a reader copies it with one strided pass
+    of machine words (the coded planes then overwrite their bytes), not one pass per plane.
+    """
+
+    name: ClassVar[str] = "planes"
+
+    def __init__(self, itemsize: int = 1, coded: list[int] | tuple[int, ...] = (), level: int = 3):
+        self.itemsize = int(itemsize)
+        if not 1 <= self.itemsize <= 16:
+            raise ValueError(f"planes itemsize must be in 1..16, got {itemsize}")
+        self.coded = tuple(sorted({int(k) for k in coded}))
+        if any(not 0 <= k < self.itemsize for k in self.coded):
+            raise ValueError(f"planes coded {list(coded)} out of range for itemsize {self.itemsize}")
+        self.level = int(level)
+
+    def _layout(self, nbytes: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(planes, coded planes, raw planes) of a chunk of ``nbytes``."""
+        if nbytes % self.itemsize:
+            return 1, ((0,) if self.coded else ()), (() if self.coded else (0,))
+        return self.itemsize, self.coded, tuple(p for p in range(self.itemsize) if p not in self.coded)
+
+    def encode(self, data: np.ndarray, base: np.ndarray | None) -> np.ndarray:
+        k, coded, raw = self._layout(data.nbytes)
+        elements = data.reshape(-1, k)
+        compressor = _fast_compressor(self.level)
+        # One strided copy per plane (numpy's general transpose is 3-6x slower for small itemsizes).
+        frames = [compressor.compress(_mv(np.ascontiguousarray(elements[:, p]) if k > 1 else data)) for p in coded]
+        head, raw_bytes = 8 * len(coded), len(raw) * (data.nbytes // k)
+        out = np.empty(head + raw_bytes + sum(len(f) for f in frames), dtype=np.uint8)
+        out[:head] = np.array([len(f) for f in frames], dtype="<u8").view(np.uint8)
+        if len(raw) == k:
+            out[head:] = data
+        elif raw:
+            rest = out[head:head + raw_bytes].reshape(-1, len(raw))
+            for j, p in enumerate(raw):
+                rest[:, j] = elements[:, p]
+        at = head + raw_bytes
+        for frame in frames:
+            out[at:at + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+            at += len(frame)
+        return out
+
+    @staticmethod
+    def paying(data: np.ndarray, itemsize: int, level: int, pays: float = 0.97) -> tuple[int, ...]:
+        """The planes of ``data`` worth coding: those whose sample (8 runs spread over the chunk,
+        64 KiB of the plane in all) zstd shrinks to at most ``pays`` of its size. A function of the
+        bytes alone, so the same chunk is always encoded the same way (one object, whoever writes
+        it); the sample costs a few percent of coding the planes that pay."""
+        if itemsize < 1 or data.nbytes % itemsize:
+            itemsize = 1
+        elements = data.reshape(-1, itemsize)
+        n = elements.shape[0]
+        run = max(1, min(n, _SAMPLE_BYTES) // _SAMPLE_RUNS)
+        starts = np.linspace(0, max(0, n - run), _SAMPLE_RUNS).astype(np.int64) if n > run else np.zeros(1, np.int64)
+        rows = np.concatenate([np.arange(a, min(n, a + run)) for a in np.unique(starts)]) if n else np.zeros(0, np.int64)
+        sample = elements[rows]
+        compressor = _fast_compressor(level)
+        return tuple(p for p in range(itemsize)
+                     if rows.size and len(compressor.compress(_mv(np.ascontiguousarray(sample[:, p])))) <= pays * rows.size)
+
+    def frame_sizes(self, payload: np.ndarray, nbytes: int) -> dict[int, int]:
+        """Stored bytes of each coded plane of a payload this codec wrote for a chunk of ``nbytes``
+        (the writer's measure of which planes pay)."""
+        coded = self._layout(nbytes)[1]
+        return dict(zip(coded, (int(n) for n in payload[:8 * len(coded)].view("<u8"))))
+
+    def decode(self, data: np.ndarray, base: np.ndarray | None, nbytes: int) -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        self.decode_into(data, out)
+        return out
+
+    def decode_into(self, data: np.ndarray, out: np.ndarray) -> None:
+        """Straight into ``out`` (e.g. the destination tensor's memory): the raw part, then each
+        coded plane into its bytes."""
+        k, coded, raw = self._layout(out.nbytes)
+        plane_bytes = out.nbytes // k
+        head, raw_bytes = 8 * len(coded), len(raw) * plane_bytes
+        if data.nbytes < head:
+            raise CorruptCheckpoint(f"planes payload of {data.nbytes} bytes has no room for its header")
+        lengths = [int(n) for n in data[:head].view("<u8")]
+        total = head + raw_bytes + sum(lengths)
+        if total != data.nbytes:
+            raise CorruptCheckpoint(f"planes payload holds {data.nbytes} bytes, its header says {total}")
+        if len(raw) == k:
+            out[:] = data[head:]
+            return
+        elements = out.reshape(-1, k)
+        if raw:
+            _raw_into(data[head:head + raw_bytes], elements, raw)
+        at = head + raw_bytes
+        dctx = Zstd._local.__dict__.setdefault("decompressor", zstandard.ZstdDecompressor())
+        for plane, size in zip(coded, lengths):
+            decoded = _unzstd(dctx, data[at:at + size], plane_bytes)
+            at += size
+            if k == 1:
+                out[:] = decoded
+            else:
+                elements[:, plane] = decoded
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "configuration": {"itemsize": self.itemsize, "coded": list(self.coded),
+                                                     "level": self.level}}
+
+
+def _raw_into(rest: np.ndarray, elements: np.ndarray, raw: tuple[int, ...]) -> None:
+    """Copy the raw part ``rest`` (``len(raw)`` bytes per element) into the bytes ``raw`` of each
+    row of ``elements``. When the raw bytes are the low ones of 2, 4 or 8-byte elements, one strided
+    pass of machine words does it: word ``i`` is read from byte ``i * r`` of ``rest``, so its high
+    bytes are the next element's raw bytes, which the coded planes overwrite afterwards (twice as
+    fast as a pass per plane). The last elements, whose word would read past ``rest``, go by plane."""
+    n, k = elements.shape
+    r = len(raw)
+    by_word = 0
+    if raw == tuple(range(r)) and k in (2, 4, 8) and 2 * r >= k and elements.flags.c_contiguous:
+        by_word = max(0, min(n, (r * n - k) // r + 1))  # words that end within ``rest``
+    if by_word:
+        words = np.ndarray((by_word,), dtype=f"<u{k}", buffer=rest, strides=(r,))
+        elements[:by_word].reshape(-1).view(f"<u{k}")[:] = words
+    tail = rest.reshape(-1, r)[by_word:]
+    for j, p in enumerate(raw):
+        elements[by_word:, p] = tail[:, j]
+
+
+def _unzstd(dctx: zstandard.ZstdDecompressor, data: np.ndarray, nbytes: int) -> np.ndarray:
+    """One zstd frame of exactly ``nbytes`` bytes, its declared size checked before anything is
+    allocated (a small hostile frame could declare gigabytes)."""
+    try:
+        declared = zstandard.frame_content_size(_mv(data))
+        if declared != nbytes:
+            raise CorruptCheckpoint(f"zstd frame declares {declared} bytes, the chunk holds {nbytes}")
+        out = dctx.decompress(_mv(data), max_output_size=nbytes, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpoint(f"zstd frame does not decode ({e})") from None
+    if len(out) != nbytes:
+        raise CorruptCheckpoint(f"zstd frame decoded to {len(out)} bytes, expected {nbytes}")
+    return np.frombuffer(out, dtype=np.uint8)
+
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SAMPLE_BYTES, _SAMPLE_RUNS = 64 << 10, 8  # what Planes.paying measures a plane on
 
 
 def _ordered(x: np.ndarray, is_float: bool) -> np.ndarray:
@@ -359,10 +531,19 @@ class SparseDelta(_InPlaceDelta):
             raise ValueError("sparse_delta needs a base chunk of the same size, whole elements")
         uint = _UINT[self.itemsize]
         new, old = data.view(uint), base.view(uint)
-        changed = new != old
-        positions = np.flatnonzero(changed)
+        positions = np.flatnonzero(new != old)
+        return self.encode_changes(positions, new[positions], old[positions], data.nbytes // self.itemsize)
+
+    def encode_changes(self, positions: np.ndarray, new: np.ndarray, old: np.ndarray, n: int) -> np.ndarray:
+        """The payload of a chunk of ``n`` elements whose elements at ``positions`` (increasing)
+        went from ``old`` to ``new`` (unsigned views): what ``encode`` writes for the same change,
+        from a writer that found the changes itself (a snapshot by difference)."""
         f = self.ordered_float
-        diffs = _zigzag(_ordered(new[positions], f) - _ordered(old[positions], f))
+        diffs = _zigzag(_ordered(new, f) - _ordered(old, f))
+        changed = None
+        if self.index == "bitmap":
+            changed = np.zeros(n, dtype=bool)
+            changed[positions] = True
         z = Zstd(self.level)
         widths = b""
         if self.index == "vgaps":
@@ -381,7 +562,7 @@ class SparseDelta(_InPlaceDelta):
             gaps = np.diff(positions, prepend=0).astype(np.uint32)
             index = z.encode(BytePlane(4).encode(gaps.view(np.uint8), None), None)
         else:
-            index = z.encode(np.packbits(changed), None)
+            index = z.encode(np.packbits(changed), None)  # type: ignore[arg-type]
         planes = BytePlane(diffs.itemsize).encode(diffs.view(np.uint8), None)
         header = np.concatenate([np.array([index.nbytes, positions.size], dtype="<u8").view(np.uint8),
                                  np.frombuffer(widths, dtype=np.uint8)])
@@ -461,7 +642,7 @@ def _narrowest(largest: int, limit: int) -> int:
     return limit
 
 
-REGISTRY: dict[str, type] = {c.name: c for c in (Raw, XorDelta, BytePlane, Zstd, ArithDelta, SparseDelta)}
+REGISTRY: dict[str, type] = {c.name: c for c in (Raw, XorDelta, BytePlane, Zstd, ArithDelta, SparseDelta, Planes)}
 
 
 def from_configs(configs: list[dict[str, Any]]) -> list[Codec]:

@@ -9,15 +9,23 @@ part, with the unit's previous version (its delta base) when the writer holds on
 * ``delta`` against the previous version of the same unit, while its chain is shorter than
   ``keyframe_every`` (lowered by up to a quarter for some units, so chains that began together do
   not all end at the same save), the chain's deltas stay within ``delta_budget`` keyframes, and the
-  delta is at least 10% smaller than a keyframe.
-* ``keyframe`` otherwise: byte planes + zstd, or the raw bytes when zstd does not pay.
+  delta is at least 10% smaller than a keyframe (a dense delta, one that changes most elements:
+  25%).
+* ``keyframe`` otherwise: byte planes, each zstd-coded only where that pays, or the raw bytes when
+  nothing does.
+
+Which byte planes to code is measured on a sample of each chunk (a function of its bytes: the
+same chunk is always the same object). Whether a delta paid is remembered per unit (``UnitHint``)
+and spares the next save work that cannot pay: a unit whose dense delta did not pay is written as
+keyframes from then on, and its writer keeps no base bytes for it (a delta is tried again every
+``PROBE_EVERY`` saves, staggered by position); nor for a unit found unchanged twice in a row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -35,9 +43,19 @@ _DELTA_PAYS = 0.9
 # gets a new keyframe once its deltas add up to twice the keyframe's size, or after 32 links.
 DEFAULT_KEYFRAME_EVERY = 32
 DEFAULT_DELTA_BUDGET = 2.0
+# A dense delta (most elements changed: the previous version held in memory, a snapshot into fresh
+# memory, one more link per restore) must save more: dense fp32 AdamW deltas between saves 10 steps
+# apart save 13-18% over a keyframe (dense-lm, tinylm), sparse ones 60-98% (docs/decisions.md 42).
+_DENSE_DELTA_PAYS = 0.75
 # Below this share of changed elements a sparse delta beats a dense one (measured on the tinylm,
 # recsys, finetune and finetune-bf16 workloads: within 0.5% of always picking the smaller).
 _SPARSE_BELOW = 0.3
+# A byte plane is coded when zstd shrinks it by at least this much (else it is stored raw).
+_PLANE_PAYS = 0.97
+# A unit that keeps no base bytes tries a delta again (and re-measures its planes) every this many saves.
+PROBE_EVERY = 16
+# After this many saves in a row that found a unit unchanged, its writer stops holding its bytes.
+_STILL_KEEPS = 2
 # A keyframe that zstd shrinks by less than this is stored raw: its restore is then a copy
 # (docs/decisions.md, "Raw keyframes").
 RAW_KEYFRAME_ABOVE = 0.98
@@ -54,74 +72,128 @@ class EncodeOptions:
 
 @dataclass(frozen=True)
 class Previous:
-    """The previous version of a unit: its raw checksum, its raw bytes, its stored blob."""
+    """The previous version of a unit: its raw checksum, its raw bytes, its stored blob.
+
+    ``changes``: set when a snapshot found the unit's changes itself (``save.secure_snapshot``):
+    ``data`` then holds the new bytes already (patched in place) and ``changes`` is (positions of
+    the changed elements, their old values as unsigned integers)."""
 
     digest: str
     data: np.ndarray
     blob: Blob
+    changes: tuple[np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class UnitHint:
+    """What encoding a unit found, for its next save: whether its last dense delta failed to pay
+    (``dense``), how many saves in a row found it unchanged (``still``), how many saves it has
+    seen (``saves``: when to try a delta again), and whether its last change was patched by the
+    snapshot (``patched``: else the next snapshot copies it without comparing first)."""
+
+    dense: bool = False
+    still: int = 0
+    saves: int = 0
+    patched: bool = True  # its last change was few enough for a snapshot by difference (or none was seen)
+
+    def due(self, position: int) -> bool:
+        return (self.saves + position) % PROBE_EVERY == 0
+
+    def keep_bytes(self, position: int) -> bool:
+        """Whether the writer keeps this unit's bytes as the base of its next save: not when deltas
+        do not pay for it (but before a save that tries one again), nor when it was unchanged twice
+        in a row (a frozen weight: if it ever changes, that save writes a keyframe)."""
+        if self.dense:
+            return self.due(position)
+        return self.still < _STILL_KEEPS
 
 
 @dataclass
 class EncodedUnit:
-    """One unit's raw checksum and, unless it is unchanged, the blob to store and its payload."""
+    """One unit's raw checksum and, unless it is unchanged, the blob to store and its payload;
+    ``hint``: what this encode measured, for the unit's next save."""
 
     digest: str
     kind: str  # "unchanged" | "delta" | "keyframe"
     blob: Blob | None = None
     payload: np.ndarray | None = None
+    hint: UnitHint = UnitHint()
 
 
 def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Blob], previous: Previous | None,
-                opts: EncodeOptions) -> EncodedUnit:
+                opts: EncodeOptions, hint: UnitHint | None = None) -> EncodedUnit:
     """Encode the raw bytes ``view`` of ``unit`` (the ``position``-th of its part). ``known``: the
-    base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held."""
+    base's blob table (raw checksum -> stored blob); ``previous``: the unit's delta base, if held;
+    ``hint``: what its previous encode measured."""
+    hint = replace(hint or UnitHint(), saves=(hint.saves + 1) if hint else 1)
     digest = codecs.checksum(view)
     if digest in known:
-        return EncodedUnit(digest, "unchanged")
+        return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
+    hint = replace(hint, still=0, patched=previous is None or previous.changes is not None)
     if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
-        chosen, payload, base = _delta_or_keyframe(view, unit, previous, known, opts)
+        chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:
         (chosen, payload), base = keyframe(view, unit, opts.zstd_level), None
     configs = [c.to_config() for c in chosen]
     depth = 0 if base is None else previous.blob.depth + 1  # type: ignore[union-attr]
     blob = Blob(blob_key(digest, base, configs), payload.nbytes, view.nbytes, tuple(configs), base, depth)
-    return EncodedUnit(digest, "keyframe" if base is None else "delta", blob, payload)
+    return EncodedUnit(digest, "keyframe" if base is None else "delta", blob, payload, hint)
 
 
 def _delta_or_keyframe(view: np.ndarray, unit: Unit, previous: Previous, known: dict[str, Blob],
-                       opts: EncodeOptions) -> tuple[list, np.ndarray, str | None]:
-    """(codecs, payload, base checksum or None): a delta against ``previous``, unless a keyframe is
-    better. The chain's own keyframe estimates this unit's; only when the estimate says a keyframe
-    may be better is one encoded, to decide on its real size."""
-    chosen = delta_codecs(view, previous.data, unit, opts.zstd_level)
-    payload = codecs.encode(view, chosen, previous.data)
+                       opts: EncodeOptions, hint: UnitHint) -> tuple[list, np.ndarray, str | None, UnitHint]:
+    """(codecs, payload, base checksum or None, hint): a delta against ``previous``, unless a
+    keyframe is better. The chain's own keyframe estimates this unit's; only when the estimate says
+    a keyframe may be better is one encoded, to decide on its real size."""
+    chosen: list
+    if previous.changes is not None:  # a sparse change found by the snapshot
+        positions, old = previous.changes
+        sparse = codecs.SparseDelta(unit.itemsize, unit.is_float, opts.zstd_level, index="vgaps")
+        elements = view.view(f"u{unit.itemsize}")
+        chosen, payload = [sparse], sparse.encode_changes(positions, elements[positions], old, elements.size)
+    else:
+        chosen, payload = dense_or_sparse_delta(view, previous.data, unit, opts.zstd_level)
+    dense = not isinstance(chosen[0], codecs.SparseDelta)
+    pays = _DENSE_DELTA_PAYS if dense else _DELTA_PAYS
     key_estimate, chain_deltas = chain_sizes(previous.blob, known)
     chain_deltas += payload.nbytes
-    if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget):
+    if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget, pays):
         key_codecs, key_payload = keyframe(view, unit, opts.zstd_level)
-        if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget):
-            return key_codecs, key_payload, None
-    return chosen, payload, previous.digest
+        if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget, pays):
+            # a dense delta that does not pay marks the unit dense (no base bytes kept for it)
+            return key_codecs, key_payload, None, replace(hint, dense=dense and payload.nbytes >= pays * key_payload.nbytes)
+    return chosen, payload, previous.digest, replace(hint, dense=False)
 
 
-def delta_codecs(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> list:
-    """Sparse or dense integer deltas for 1/2/4/8-byte elements, XOR for anything else."""
+def dense_or_sparse_delta(view: np.ndarray, base_view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
+    """(codecs, payload): a sparse or dense integer delta for 1/2/4/8-byte elements, XOR for
+    anything else. A dense delta codes the byte planes of its differences that pay."""
     if not codecs.integer_deltas_apply(unit.itemsize):
-        return codecs.delta_codecs(unit.itemsize, level)
+        chosen = codecs.delta_codecs(unit.itemsize, level)
+        return chosen, codecs.encode(view, chosen, base_view)
     uint = np.dtype(f"u{unit.itemsize}")
     changed = np.count_nonzero(view.view(uint) != base_view.view(uint))
     if changed < _SPARSE_BELOW * (view.nbytes // unit.itemsize):
-        return codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
-    return codecs.arith_codecs(unit.itemsize, level, unit.is_float)
+        chosen = codecs.sparse_codecs(unit.itemsize, level, unit.is_float)
+        return chosen, codecs.encode(view, chosen, base_view)
+    arith = codecs.ArithDelta(unit.itemsize, ordered_float=unit.is_float)
+    differences = arith.encode(view, base_view)
+    planes = codecs.Planes(unit.itemsize, codecs.Planes.paying(differences, unit.itemsize, level, _PLANE_PAYS), level)
+    return [arith, planes], planes.encode(differences, None)
 
 
 def keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
-    """(codecs, payload) of a keyframe: byte planes + zstd, or the raw bytes when zstd does not pay."""
-    chosen = codecs.keyframe_codecs(unit.itemsize, level)
-    payload = codecs.encode(view, chosen)
+    """(codecs, payload) of a keyframe: byte planes, zstd-coded where that pays (measured on a
+    sample of the chunk), or the raw bytes when nothing does."""
+    itemsize = unit.itemsize if 1 <= unit.itemsize <= 16 else 1
+    planes = codecs.Planes.paying(view, itemsize, level, _PLANE_PAYS)
+    if not planes:
+        return [codecs.Raw()], view
+    codec = codecs.Planes(itemsize, planes, level)
+    payload = codec.encode(view, None)
     if payload.nbytes >= RAW_KEYFRAME_ABOVE * view.nbytes:
         return [codecs.Raw()], view
-    return chosen, payload
+    return [codec], payload
 
 
 def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
@@ -136,10 +208,11 @@ def chain_sizes(blob: Blob, known: dict[str, Blob]) -> tuple[int, int]:
     return blob.size, deltas
 
 
-def keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None) -> bool:
+def keyframe_better(delta: int, chain_deltas: int, keyframe: int, budget: float | None, pays: float = _DELTA_PAYS) -> bool:
     """Whether a keyframe of ``keyframe`` bytes beats a delta of ``delta`` bytes that would bring its
-    chain's deltas to ``chain_deltas`` bytes: the delta does not pay, or the chain is over budget."""
-    return delta >= _DELTA_PAYS * keyframe or (budget is not None and chain_deltas > budget * keyframe)
+    chain's deltas to ``chain_deltas`` bytes: the delta is not ``pays`` times smaller, or the chain
+    is over budget."""
+    return delta >= pays * keyframe or (budget is not None and chain_deltas > budget * keyframe)
 
 
 def chain_cap(keyframe_every: int, position: int) -> int:

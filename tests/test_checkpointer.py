@@ -416,6 +416,44 @@ def test_upload_bandwidth_limit_spreads_the_upload(tmp_path):
         RateLimiter(-1)
 
 
+def test_dense_units_keep_no_base_bytes_and_snapshots_reuse_the_pool(tmp_path):
+    """A state that changes everywhere (fresh random floats every save: no delta pays) is written
+    as keyframes; once its first delta did not pay, the writer keeps no base bytes for it and each
+    snapshot writes into the previous snapshot's buffers (pages already faulted in), so it holds
+    one copy of the state. A sparse tensor beside it keeps its base bytes (its deltas pay), and its
+    snapshots patch the changes into them (no copy)."""
+    gen = torch.Generator().manual_seed(3)
+    sparse = torch.randn(1 << 16, generator=gen)
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        addresses, infos = [], []
+        for step in range(5):
+            sparse = sparse.clone()
+            sparse[torch.randint(0, sparse.numel(), (50,), generator=gen)] += 1.0
+            dense = torch.randn(1 << 18, generator=gen)
+            fut = ck.save_async(step, {"dense": dense, "sparse": sparse})
+            infos.append(fut.result())
+            pool = ck._bases.buffers("state")
+            addresses.append(sorted(b.__array_interface__["data"][0] for bufs in pool._free.values() for b in bufs))
+        base = ck._bases.held("state")
+        dense_units = [u for u in base.units if u[1] == "/dense"]
+        assert dense_units and all(base.hints[u].dense for u in dense_units)
+        held = sum(a.nbytes for a in base.raw.values())
+        # the sparse tensor's bytes, and one dense chunk of 16 (its next save tries a delta again)
+        assert held == sparse.numel() * 4 + dense.numel() * 4 // 16
+        assert infos[-1].chunks == {"delta": 4, "keyframe": 16, "unchanged": 0}
+        # the same buffers each time, but for the chunk whose next save tries a delta again
+        assert len(addresses[-1]) == 15 and len(set(addresses[-1]) & set(addresses[-2])) >= 14
+        assert pool.free_bytes == dense.numel() * 4 * 15 // 16
+        assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
+        sparse_buffers = {base.raw[d].__array_interface__["data"][0] for u, d in base.units.items() if u[1] == "/sparse"}
+        sparse = sparse.clone()
+        sparse[7] += 1.0
+        ck.save_async(5, {"dense": dense, "sparse": sparse}).result()
+        after = ck._bases.held("state")
+        assert sparse_buffers <= {b.__array_interface__["data"][0] for b in after.raw.values()}  # patched in place
+        assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
+
+
 def _objects(root) -> int:
     return sum(len(files) for _, _, files in os.walk(os.path.join(root, "chunks")))
 

@@ -145,3 +145,69 @@ def test_sparse_delta_wins_on_ulp_steps_of_bf16():
     xor = codecs.encode(new, codecs.delta_codecs(2, 3), base).nbytes
     sparse = codecs.encode(new, codecs.sparse_codecs(2, 3, True), base).nbytes
     assert sparse < xor
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=raw_bytes, itemsize=st.sampled_from([1, 2, 3, 4, 8, 16]), coded=st.sets(st.integers(0, 15)),
+       level=st.sampled_from([1, 3, 5]))
+def test_planes_round_trip_any_bytes_any_choice_of_coded_planes(data, itemsize, coded, level):
+    codec = codecs.Planes(itemsize, [p for p in coded if p < itemsize], level)
+    enc = codec.encode(data, None)
+    again = codecs.from_configs([codec.to_config()])
+    assert np.array_equal(codecs.decode(enc, again, data.nbytes), data)
+    out = np.full(data.nbytes, 0xAB, dtype=np.uint8)
+    codecs.decode_into(enc, again, out)  # straight into a destination, as a restore does
+    assert np.array_equal(out, data)
+    if not codec.coded and data.nbytes % itemsize == 0:
+        assert enc.tobytes() == data.tobytes()  # nothing coded: the raw bytes themselves
+
+
+def test_planes_code_only_what_pays_on_float_weights():
+    w = np.random.default_rng(0).normal(0, 0.02, 1 << 18).astype(np.float32).view(np.uint8)
+    exponent_only = codecs.Planes(4, [3]).encode(w, None)
+    every_plane = codecs.Planes(4, [0, 1, 2, 3]).encode(w, None)
+    sizes = codecs.Planes(4, [0, 1, 2, 3]).frame_sizes(every_plane, w.nbytes)
+    plane = w.nbytes // 4
+    assert sizes[3] < 0.5 * plane and min(sizes[0], sizes[1]) > 0.99 * plane  # exponents pay, low mantissas not
+    assert exponent_only.nbytes < 0.85 * w.nbytes
+    assert exponent_only.nbytes <= every_plane.nbytes + 64
+    # an arithmetic delta into planes decodes in place over its base, as a chain link does
+    base = w.copy()
+    base.view(np.float32)[::7] += 1e-4
+    delta = [codecs.ArithDelta(4, True), codecs.Planes(4, [2, 3])]
+    enc = codecs.encode(w, delta, base)
+    out = base.copy()
+    codecs.decode_into(enc, codecs.from_configs([c.to_config() for c in delta]), out)
+    assert np.array_equal(out, w)
+
+
+def test_hostile_planes_payloads_are_refused_before_allocating():
+    data = np.random.default_rng(1).normal(0, 1, 4096).astype(np.float32).view(np.uint8)
+    codec = codecs.Planes(4, [2, 3])
+    enc = codec.encode(data, None)
+    out = np.empty(data.nbytes, dtype=np.uint8)
+    for bad in (enc[:4],  # no room for the header
+                enc[:-1],  # truncated
+                np.concatenate([enc, np.zeros(3, np.uint8)])):  # trailing bytes
+        with pytest.raises(CorruptCheckpoint, match="planes payload"):
+            codec.decode_into(bad, out)
+    lying = enc.copy()
+    lying[:8] = np.array([1 << 40], "<u8").view(np.uint8)  # a frame "of a terabyte"
+    with pytest.raises(CorruptCheckpoint, match="planes payload holds"):
+        codec.decode_into(lying, out)
+    # frames swapped between planes: lengths add up, but a frame of the wrong plane breaks the data
+    # (the reader's chunk checksum catches it) or does not decode; a frame declaring another
+    # content size is refused before zstd allocates it
+    other = codecs.Planes(4, [2, 3]).encode(np.concatenate([data, data]), None)
+    head = 16
+    raw_part = 2 * (data.nbytes // 4)
+    frames = enc[head + raw_part:]
+    big = other[16 + 2 * raw_part:]
+    first = int(other[:8].view("<u8")[0])
+    forged = np.concatenate([np.array([first, frames.nbytes - int(enc[:8].view("<u8")[0])], "<u8").view(np.uint8),
+                             enc[head:head + raw_part], big[:first], frames[int(enc[:8].view("<u8")[0]):]])
+    with pytest.raises(CorruptCheckpoint, match="declares"):
+        codec.decode_into(forged, out)
+    for config in ({"itemsize": 4, "coded": [4]}, {"itemsize": 0}, {"itemsize": 4, "coded": "x"}):
+        with pytest.raises(CorruptCheckpoint, match="unknown codec configuration"):
+            codecs.from_configs([{"name": "planes", "configuration": config}])

@@ -133,3 +133,24 @@ def test_the_golden_data_is_untouched(copy):
     for path in (DATA / "single").rglob("*"):
         if path.is_file():
             assert (copy / "single" / path.relative_to(DATA / "single")).read_bytes() == path.read_bytes()
+
+
+def test_a_reader_without_the_planes_codec_refuses_it_naming_the_upgrade(tmp_path, monkeypatch):
+    """Dense chunks are written with the ``planes`` codec (docs/decisions.md 43) in format 2: a reader
+    that predates it (simulated: the codec taken out of the registry) refuses the step in one error
+    naming the codec and the upgrade, rather than decoding it wrongly; the current reader restores it."""
+    import torch
+
+    from ckptlib import CheckpointError, codecs
+
+    state = {"w": torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))}
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, state)
+        assert any(c["name"] == "planes" for b in ck.manifest(1).parts["state"].fragment.blobs.values()
+                   for c in b.codecs)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert_same_state(state, ck.restore(1))
+    monkeypatch.delitem(codecs.REGISTRY, "planes")
+    with Checkpointer(str(tmp_path)) as ck, pytest.raises(CheckpointError) as err:
+        ck.restore(1)
+    assert "planes" in str(err.value) and "newer ckptlib" in str(err.value), err.value

@@ -93,6 +93,33 @@ def test_sub_step_fragments_chain_their_own_bases_and_leave_the_cuts_as_they_wer
         ck.close()
 
 
+def test_on_written_gets_every_unit_of_a_dense_state(tmp_path):
+    """A dense state (every value new at each write: no delta pays) keeps no base bytes for its
+    units once a delta did not pay (docs/decisions.md 42); a local copy still needs every unit, so
+    ``on_written`` gets each unit's raw bytes by raw checksum, and a read from them reads no chunk."""
+    from ckptlib.codecs import checksum
+    from ckptlib.store import WrapperStore
+
+    gen = torch.Generator().manual_seed(5)
+    got: dict[int, dict] = {}
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        ck.write_fragment(1, "p", {"w": torch.randn(1 << 17, generator=gen)})
+        for k in (10, 20, 30):
+            s = {"w": torch.randn(1 << 17, generator=gen)}  # 512 KiB: 8 chunks
+            ck.write_fragment_async(2, "p", s, substep=k, on_written=lambda f, units, k=k: got.setdefault(
+                k, {c: b.copy() for c, b in units.items()})).result()
+            assert len(got[k]) == 8 and all(checksum(b) == c for c, b in got[k].items()), (k, len(got[k]))
+
+    class NoChunks(WrapperStore):
+        def _forward(self, op, key, *args):
+            assert not key.startswith("chunks/"), key  # every unit comes from known=
+            return super()._forward(op, key, *args)
+
+    with Checkpointer(NoChunks(Store.from_url(str(tmp_path)))) as reader:
+        back = reader.read_fragment(2, "p", generation=0, substep=30, known=got[30])
+    assert torch.equal(back["w"], s["w"])
+
+
 def test_gc_sweeps_the_shard_checkpoints_of_committed_rounds_and_keeps_pending_ones(tmp_path):
     with Checkpointer(str(tmp_path)) as ck:
         for step in (0, 1):

@@ -16,14 +16,14 @@ import torch
 # maps `workloads` as a namespace package, whose __init__ never runs; the submodule works either way)
 from workloads.base import BUILTIN_WORKLOADS, WorkloadConfig, build_workload, clone_state, describe, state_nbytes
 
-BUILTINS = ["tinylm", "recsys", "finetune", "finetune-bf16"]
+BUILTINS = ["tinylm", "recsys", "finetune", "finetune-bf16", "dense-lm"]
 EXAMPLE = "workloads.example_user:build"
 ALL = BUILTINS + [EXAMPLE]
 N = 3  # steps per half in the determinism / resume tests
 
 # mean(last 5 losses) must be below mean(first 5) * (1 - margin) after LEARN_STEPS steps
 LEARN_STEPS = 40
-MARGINS = {"tinylm": 0.25, "recsys": 0.05, "finetune": 0.25, "finetune-bf16": 0.05, EXAMPLE: 0.25}
+MARGINS = {"tinylm": 0.25, "recsys": 0.05, "finetune": 0.25, "finetune-bf16": 0.05, "dense-lm": 0.2, EXAMPLE: 0.25}
 
 
 def build(name: str, shard: int = 0, num_shards: int = 1, **kw):

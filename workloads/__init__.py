@@ -6,7 +6,8 @@
     state = wl.checkpoint_state()
 
 Built-ins: tinylm (dense AdamW), recsys (sparse embedding rows), finetune (frozen backbone + LoRA),
-finetune-bf16 (bf16 weights published at lr 1e-5); any other as "package.module:factory".
+finetune-bf16 (bf16 weights published at lr 1e-5), dense-lm (a 256 MiB transformer + AdamW state);
+any other as "package.module:factory".
 The protocol and its guarantees are in workloads/base.py; a guide is docs/workloads.md.
 """
 

@@ -53,6 +53,7 @@ BUILTIN_WORKLOADS: dict[str, str] = {
     "recsys": "workloads.recsys:build",
     "finetune": "workloads.finetune:build",
     "finetune-bf16": "workloads.bf16:build",
+    "dense-lm": "workloads.denselm:build",
 }
 
 # What a workload object must have for the callers; checked on every object a factory returns.
@@ -64,7 +65,7 @@ REQUIRED_METHODS = ("train_step", "state_dict", "load_state_dict", "evaluate", "
 class WorkloadConfig:
     """Which workload, seeded how. JSON-serialisable (``to_dict`` / ``from_dict``); part of a run's config."""
 
-    name: str  # "tinylm" | "recsys" | "finetune" | "finetune-bf16" | "package.module:factory"
+    name: str  # "tinylm" | "recsys" | "finetune" | "finetune-bf16" | "dense-lm" | "package.module:factory"
     seed: int = 0
     batch_size: int | None = None  # None = the workload's default
     lr: float | None = None  # None = the workload's default

@@ -88,7 +88,7 @@ class TinyLMWorkload(TorchWorkload):
             raise ValueError(f"corpus of {self.corpus.numel()} bytes is too small for ctx={self.ctx}")
         self.model = build_on_meta(lambda: TinyLM(int(hp["d_model"]), int(hp["n_layers"]), int(hp["n_heads"]),
                                                   self.ctx))
-        init_params_(self.model, "tinylm", "init", config.seed, linear_std=0.02, embedding_std=0.02)
+        init_params_(self.model, self.workload_name, "init", config.seed, linear_std=0.02, embedding_std=0.02)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
@@ -109,7 +109,7 @@ class TinyLMWorkload(TorchWorkload):
         return self._windows(torch.randint(0, self.n_train - self.ctx - 1, (self.batch_size,), generator=g))
 
     def make_eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = generator("tinylm", "eval", self.config.seed)
+        g = generator(self.workload_name, "eval", self.config.seed)
         lo, hi = self.n_train, self.corpus.numel() - self.ctx - 1
         return self._windows(torch.randint(lo, hi, (int(self.hparams["eval_batch_size"]),), generator=g))
 

@@ -8,7 +8,7 @@ import torch
 
 from .contenders import SYSTEMS
 
-DEFAULT_WORKLOADS = ("tinylm", "recsys", "finetune", "finetune-bf16")
+DEFAULT_WORKLOADS = ("tinylm", "recsys", "finetune", "finetune-bf16", "dense-lm")
 # Training steps between two saves: finetune-bf16 is a publish stream (a bf16 copy of the weights
 # after every step, for inference workers); the others checkpoint every 10 steps.
 STEPS_BETWEEN = {"finetune-bf16": 1}

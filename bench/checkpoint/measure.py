@@ -46,7 +46,7 @@ from .series import Series, capture_states
 from .trees import map_tensors
 
 # Dense states, whose order-0 entropy (the bound of a coder without a model) the benchmark reports.
-DENSE_WORKLOADS = ("tinylm",)
+DENSE_WORKLOADS = ("tinylm", "dense-lm")
 RECORD_KEYS = ("workload", "device", "system", "bytes_written", "blocked_s", "durable_s", "restore_s",
                "peak_rss_bytes")
 
@@ -59,6 +59,7 @@ class _Saves:
     durable: list[float] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
     peaks: list[int | None] = field(default_factory=list)
+    before: list[int | None] = field(default_factory=list)  # RSS right before each save
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def measure_system(system: str, series: Series, cfg: BenchConfig) -> dict[str, A
     record["blocked_median_s"] = statistics.median(saves.blocked[1:])
     record["durable_median_s"] = statistics.median(saves.durable[1:])
     record["per_save"] = {"blocked_s": saves.blocked, "durable_s": saves.durable, "bytes_written": saves.written,
-                          "peak_rss_bytes": saves.peaks}
+                          "peak_rss_bytes": saves.peaks, "rss_before_bytes": saves.before}
     record["cpus"] = os.cpu_count()
     record.update(extra)
     if restores.difference is not None:
@@ -131,6 +132,7 @@ def _save_series(runner: Runner, series: Series, root: str) -> _Saves:
     saves = _Saves()
     for step, state in zip(series.steps, series.states):
         before = dir_bytes(root)
+        saves.before.append(rss_bytes())
         with PeakRss() as peak:
             b, d = runner.save(step, state)
         saves.blocked.append(b)
@@ -193,6 +195,7 @@ def _record(system: str, series: Series, cfg: BenchConfig, saves: _Saves, restor
     tail = slice(1, None)
     peak_values = [p for p in saves.peaks[tail] if p is not None]
     peak_mean = statistics.fmean(peak_values) if peak_values else None
+    extra = [p - b for p, b in zip(saves.peaks[tail], saves.before[tail]) if p is not None and b is not None]
     return {
         "workload": series.workload,
         "device": cfg.device,
@@ -203,6 +206,8 @@ def _record(system: str, series: Series, cfg: BenchConfig, saves: _Saves, restor
         "restore_s": restores.warm_s,
         "peak_rss_bytes": peak_mean,
         "held_bytes": held,  # RSS after the series, above the RSS before its first save
+        # what a save adds at its peak to the RSS right before it (what the system already holds excluded)
+        "save_peak_extra_bytes": max(0.0, statistics.fmean(extra)) if extra else None,
         "restore_peak_bytes": restores.fresh_peak,  # peak RSS of a restore (allocations included) above before it
         "restore_into_peak_bytes": restores.into_peak,  # peak RSS of a restore into allocated tensors, above before it
         # context

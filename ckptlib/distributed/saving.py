@@ -247,8 +247,8 @@ def begin(ck: Checkpointer, coll: Collective, step: int, state: Any, target: Tar
     base_key = rank_base_key(target.part, coll.rank)
     try:
         stored, order = stored_values(local, coll.rank, plan)
-        spare = ck._bases.take_spare(base_key) if copy else None
-        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=copy, spare=spare)
+        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=copy,
+                             buffers=ck._bases.buffers(base_key).take)
     except Exception as e:
         _report_failure(coll, e)  # the other ranks wait for this rank's report
         raise
@@ -333,7 +333,8 @@ def write_group(ck: Checkpointer, step: int, part: str, locals_: list[LocalState
         digests = _candidate_digests(local, summaries[r])
         stored, order = stored_values(local, r, plan)
         base_key = rank_base_key(part, r)
-        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=False)
+        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=False,
+                             buffers=ck._bases.buffers(base_key).take)
 
         def publish(enc: EncodedPart, r: int = r, local: LocalState = local, order: list[int] = order,
                     digests: dict[int, str] = digests) -> tuple[RankFragment, str]:
