@@ -363,14 +363,18 @@ def test_a_run_killed_mid_round_resumes_from_its_shard_checkpoints(prefect_harne
         proc.wait(30)
     assert not (run / "manifests" / f"{killed_in}.json").exists(), "the round ended before the kill"
     with Checkpointer(str(run)) as ck:
-        healthy = (ck.healthy_steps() or [0])[-1]
+        committed = ck.steps()
     out = subprocess.run(args + ["--resume", "--json", str(tmp_path / "s.json")], env=env, capture_output=True,
                          text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert digests(str(run)) == digests(ref["run_url"])
     s = json.loads((tmp_path / "s.json").read_text())
-    # the resume starts from the last healthy step (validations lag behind): each shard redoes the rounds
-    # after it, each from its newest checkpoint of that round (the dead run's, of the same cut)
+    # the resume validates the committed steps that have no verdict yet before it decides: it starts
+    # from the newest committed one (validations lagged behind the killed run)
+    healthy = s["start_step"]
+    assert healthy == committed[-1], (healthy, committed)
+    # each shard redoes the rounds after it, each from its newest checkpoint of that round (the dead run's,
+    # of the same cut)
     rows = {(r["shard"], r["round"]): r for r in s["recoveries"] if r["kind"] == "run-died"}
     assert set(rows) == {(i, r) for i in range(2) for r in range(healthy + 1, killed_in + 1)}, s["recoveries"]
     for (_, rnd), r in rows.items():
