@@ -220,7 +220,6 @@ def shard_result(parameters: dict[str, Any]) -> ShardResult:
     round (``status: fenced`` when there is none: the attempt was fenced before it wrote)."""
     from ckptlib import commit
     from ckptlib.errors import ObjectNotFound
-    from ckptlib.manifest import loads_fragment
     from ckptlib.store import Store
     from tasks.access import storage_options
     from trainrun.layout import shard_part
@@ -232,7 +231,7 @@ def shard_result(parameters: dict[str, Any]) -> ShardResult:
     gen = commit.live_generation(store, part)
     key = commit.fragment_key(round_no, part, gen)
     try:
-        frag = loads_fragment(store.get(key), f"{store.url}/{key}")
+        frag, _ = commit.read_fragment(store, key)  # with the fragment cap
     except ObjectNotFound:
         return ShardResult(shard=shard, round=round_no, part=part, status="fenced", generation=gen)
     m = frag.meta

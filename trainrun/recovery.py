@@ -144,7 +144,7 @@ def read_recoveries(store: Store, round_no: int | None = None) -> list[Recovery]
     rows = []
     for info in store.scan(prefix):
         try:
-            rows.append(Recovery.from_json(store.get(info.key), f"{store.url}/{info.key}"))
+            rows.append(Recovery.read(store, info.key))  # with its kind's cap
         except (DocumentError, ObjectNotFound, StoreError) as e:
             log.warning("recovery row %s ignored: %s", info.key, e)
     return sorted(rows, key=lambda r: (r.round, r.failed_at or 0.0, r.part))

@@ -45,7 +45,7 @@ import numpy as np
 
 from ckptlib import FencedError, commit
 from ckptlib.errors import CheckpointError, StoreError
-from ckptlib.manifest import Fragment, loads_fragment
+from ckptlib.manifest import MAX_FRAGMENT_BYTES, Fragment, loads_fragment
 
 from .layout import COORDINATOR
 from .local_tier import LocalTier
@@ -209,7 +209,7 @@ def cut_signature(a: ShardAttempt) -> dict[str, Any]:
         for p in parts:
             gen = cut.generations.get(p)
             key = commit.fragment_key(cut.step, p, gen) if gen is not None else None
-            digests[p] = loads_fragment(a.ck.store.get(key), f"{a.ck.url}/{key}").digest if key else None
+            digests[p] = commit.read_fragment(a.ck.store, key)[0].digest if key else None
     return {"step": cut.step, **digests}
 
 
@@ -219,7 +219,7 @@ def load_checkpoint(a: ShardAttempt, ref: ShardCheckpointRef, signature: dict[st
     the local tier where a valid copy is there, else from the store; None (logged) when it does not
     check out or cannot be read: the attempt then starts from the cut."""
     try:
-        frag = loads_fragment(a.ck.store.get(ref.key), f"{a.ck.url}/{ref.key}")
+        frag = loads_fragment(a.ck.store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES), f"{a.ck.url}/{ref.key}")
         meta = frag.meta
         why = None
         if frag.config_hash != a.spec.config_hash():
