@@ -321,7 +321,10 @@ def test_a_killed_and_a_stopped_dask_worker_continue_from_shard_checkpoints(clea
     assert digests(s["run_url"]) == clean
     slack = int(TINY["steps_per_round"])  # a killed attempt's last beat can be that far behind (beats every 0.5 s)
     by = check_recoveries(s["recoveries"], {(1, 2): "process-died", (0, 3): "silent"}, slack=slack)
-    assert by[(1, 2)]["failed_at_step"] == 25 and by[(1, 2)]["steps_recomputed"] <= N  # the strike says where
+    # the strike says where; a kill -9 can also lose the one checkpoint still being written (step 20's,
+    # 5 steps before the kill, when its background write is slower than 5 steps): at most 2N, never more,
+    # since a write due while another is in flight waits for it (the CI machine lost step 20's: 15)
+    assert by[(1, 2)]["failed_at_step"] == 25 and by[(1, 2)]["steps_recomputed"] < 2 * N
     assert by[(0, 3)]["cause"] == "stop"
 
 
