@@ -155,11 +155,16 @@ def load_part(store: Store, manifest: Manifest, name: str) -> Fragment:
 def part_keys(store: Store, manifest: Manifest, name: str) -> set[str]:
     """Every object part ``name`` of a committed manifest needs: its fragment object, a group's rank
     fragments, and the chunks (delta chains included) they name. What GC marks and a branch copies."""
-    frag = load_any_part(store, manifest, name)
-    keys = {b.key for b in frag.blobs.values()}
+    keys = fragment_needs(load_any_part(store, manifest, name))
     ref = manifest.parts[name]
     if ref.key is not None:
         keys.add(ref.key)
+    return keys
+
+
+def fragment_needs(frag: AnyFragment) -> set[str]:
+    """The objects a fragment names: the chunks of its blob table and, a group's, its rank fragments."""
+    keys = {b.key for b in frag.blobs.values()}
     if isinstance(frag, GroupFragment):
         keys.update(r.key for r in frag.ranks)
     return keys

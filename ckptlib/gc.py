@@ -34,9 +34,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .commit import committed_steps, is_store, manifest_key, part_keys, read_fragment, read_manifest, validation_key
+from .commit import (
+    committed_steps,
+    fragment_needs,
+    is_store,
+    manifest_key,
+    part_keys,
+    read_fragment,
+    read_manifest,
+    validation_key,
+)
 from .concurrency import map_ahead
-from .distributed.documents import GroupFragment
 from .errors import CheckpointError, CorruptCheckpoint, ObjectNotFound, StoreError
 from .leases import GcLock, expired_leases, live_leases
 from .quarantine import quarantined_objects
@@ -309,7 +317,5 @@ def _pending_fragment_marks(store: Store, newest: int) -> set[str]:
                 frag, _ = read_fragment(store, info.key)
             except (ObjectNotFound, CorruptCheckpoint, StoreError, json.JSONDecodeError):
                 continue  # unreadable: it can never be committed; its chunks are not protected by it
-            keys.update(b.key for b in frag.blobs.values())
-            if isinstance(frag, GroupFragment):
-                keys.update(r.key for r in frag.ranks)
+            keys |= fragment_needs(frag)
     return keys
