@@ -179,7 +179,11 @@ def _report(base: dict[str, Any], clean: dict[str, Any], drilled: dict[str, Any]
     rows = drilled["recoveries"]
     struck = sum(1 for d in os.scandir(os.path.join(drilled["run_url"], "chaos"))) \
         if os.path.isdir(os.path.join(drilled["run_url"], "chaos")) else None
+    from trainrun.shard_checkpoint import AUTO_MAX_STEPS
+
     c, d = rounds_s(clean), rounds_s(drilled)
+    every = base["shard_checkpoint_every"]
+    bound = AUTO_MAX_STEPS if every == "auto" else int(every) or base["steps_per_round"]
     return {
         "workload": base["workload"], "size": base["workload_size"], "shards": base["shards"],
         "rounds": len(clean["rounds_log"]), "steps_per_round": base["steps_per_round"],
@@ -191,6 +195,8 @@ def _report(base: dict[str, Any], clean: dict[str, Any], drilled: dict[str, Any]
         "failures_scheduled": len(schedule), "failures_struck": struck, "recoveries": len(rows),
         "failures_per_drilled_minute": round(len(schedule) / (d / 60.0), 3) if d else None,
         "steps_recomputed": _stats([r["steps_recomputed"] for r in rows]),
+        # at most N (auto: its step ceiling) after each failure; the rows' failed_at_step is the last beat's
+        "steps_bound": bound, "beyond_bound": sum(1 for r in rows if r["steps_recomputed"] > bound),
         "detect_s": _stats([r["detect_s"] for r in rows if r["detect_s"] is not None]),
         "back_to_training_s": _stats([r["back_to_training_s"] for r in rows if r["back_to_training_s"] is not None]),
         "kinds_recovered": {k: sum(1 for r in rows if r["kind"] == k) for k in sorted({r["kind"] for r in rows})},
@@ -198,6 +204,9 @@ def _report(base: dict[str, Any], clean: dict[str, Any], drilled: dict[str, Any]
         "clean_digest": clean["final_digest"], "drilled_digest": drilled["final_digest"],
         "same_digest": clean["final_digest"] == drilled["final_digest"],
         "schedule": schedule, "rows": rows,
+        # each round's wall time in both runs: a struck round's loss, and the load's drift in the others
+        "clean_round_wall_s": [x["seconds"]["wall"] for x in clean["rounds_log"]],
+        "drilled_round_wall_s": [x["seconds"]["wall"] for x in drilled["rounds_log"]],
     }
 
 
@@ -218,7 +227,7 @@ def _print(r: dict[str, Any]) -> None:
         f"  with failures     {r['drilled_rounds_s']:.1f} s of rounds: {r['failures_struck']} failures struck of "
         f"{r['failures_scheduled']} scheduled, {r['recoveries']} recoveries {r['kinds_recovered']}",
         f"  goodput           {r['goodput']:.1%}" if r["goodput"] is not None else "  goodput           -",
-        f"  steps recomputed  {dist('steps_recomputed')}",
+        f"  steps recomputed  {dist('steps_recomputed')} (bound {r['steps_bound']}: {r['beyond_bound']} beyond)",
         f"  detect            {dist('detect_s', ' s')}",
         f"  back to training  {dist('back_to_training_s', ' s')}",
         f"  digest            {'the same' if r['same_digest'] else 'DIFFERENT'}: {r['drilled_digest']}"

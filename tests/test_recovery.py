@@ -36,7 +36,7 @@ from trainrun.documents import Cut
 from trainrun.local_tier import LocalTier
 from trainrun.recovery import read_recoveries
 from trainrun.resume_point import resume_point
-from trainrun.shard_checkpoint import Cadence
+from trainrun.shard_checkpoint import AUTO_MAX_STEPS, Cadence
 from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec
 from trainrun.step_zero import write_step_zero
@@ -166,6 +166,17 @@ def test_auto_cadence_spends_about_two_percent_and_a_step_count_is_exact():
     assert auto.interval_s == pytest.approx(50.0)
     assert not auto.due(1, 40, busy=False, now=auto.since + 49) and auto.due(1, 40, busy=False, now=auto.since + 51)
     assert not auto.due(1, 40, busy=True, now=auto.since + 99)  # never two writes in flight
+
+
+def test_auto_cadence_never_lets_more_than_its_step_ceiling_pass_even_with_slow_writes():
+    # a loaded machine: a checkpoint costs 10 s, so the time rule alone would wait 500 s of training
+    auto = Cadence("auto", cost_s=10.0, max_steps=AUTO_MAX_STEPS)
+    now = auto.since + 1
+    due = [k for k in range(1, 120) if auto.due(k, 120, busy=True, now=now) and (auto.taken(k, now) or True)]
+    assert due == list(range(AUTO_MAX_STEPS, 120, AUTO_MAX_STEPS))  # busy or not: ``take`` waits for the write
+    resumed = Cadence("auto", cost_s=10.0, last_step=30)  # an attempt continuing from its checkpoint at step 30
+    assert not resumed.due(30 + AUTO_MAX_STEPS - 1, 120, busy=False, now=now)
+    assert resumed.due(30 + AUTO_MAX_STEPS, 120, busy=False, now=now)
 
 
 # --- a shard round that fails and continues (no Prefect) ----------------------------------------------

@@ -15,8 +15,10 @@ of the shard's own part), its attempt and host.
   machine both the training and the write slow down), so checkpoints cost about 2% of the
   training. What one costs is measured by each write; an attempt starts from what the last one of
   the same shard cost in this process (the previous round's), else from an estimate from the
-  state's size after its first step. Never at the round's last step (the round's fragment is
-  written then).
+  state's size after its first step. And never more than ``AUTO_MAX_STEPS`` steps apart (waiting
+  for the write in flight if need be), so that a failure recomputes at most that many steps
+  whatever the machine's load (a slow write under load stretches the time rule). Never at the
+  round's last step (the round's fragment is written then).
 * **How** (``ShardCheckpoints``): ``Checkpointer.write_fragment_async``: the loop waits only for
   the snapshot; encoding and uploads run in the background, each checkpoint a delta against the
   previous one (the first against the cut). A failed write is logged and training goes on, but a
@@ -62,6 +64,9 @@ Every = int | Literal["auto"]
 AUTO_BUDGET = 0.02  # "auto": checkpoints take about this share of the training time
 ESTIMATED_BYTES_PER_S = 100e6  # the first checkpoint's cost, before one was measured (encode + write, measured ~120 MB/s)
 MIN_COST_S = 0.01  # the fixed cost of a write (lease, fragment, fence checks): a floor of the estimate
+# "auto": at most this many steps between checkpoints (the bound on a failure's recomputation);
+# measured at 1.3% of training time for tinylm (docs/decisions.md, decision 45)
+AUTO_MAX_STEPS = 25
 
 
 # What a shard checkpoint cost, by (run URL, part), in this process: the next attempt of the shard
@@ -76,6 +81,8 @@ class Cadence:
     every: Every
     cost_s: float | None = None  # what one checkpoint costs (measured, or estimated at the first step)
     since: float = field(default_factory=time.monotonic)  # when the last one was taken (or training began)
+    last_step: int = 0  # the round step of the last one (or where the attempt started)
+    max_steps: int = AUTO_MAX_STEPS  # "auto": never more steps apart than this
 
     @property
     def interval_s(self) -> float:
@@ -92,7 +99,12 @@ class Cadence:
             return False
         if self.every != "auto":
             return round_step % self.every == 0
+        if round_step - self.last_step >= self.max_steps:
+            return True  # the step bound holds even while a write is in flight: ``take`` waits for it
         return not busy and (time.monotonic() if now is None else now) - self.since >= self.interval_s
+
+    def taken(self, round_step: int, at: float) -> None:
+        self.since, self.last_step = at, round_step
 
 
 @dataclass
@@ -110,10 +122,11 @@ class Start:
 class ShardCheckpoints:
     """One attempt's shard checkpoints: at most one write in flight; counts, bytes and seconds."""
 
-    def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], tier: LocalTier | None):
+    def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], tier: LocalTier | None,
+                 start_step: int = 0):
         self.a, self.signature, self.tier = a, signature, tier
         self._memo = (a.ck.url, a.part)
-        self.cadence = Cadence(every, _LAST_COST.get(self._memo))
+        self.cadence = Cadence(every, _LAST_COST.get(self._memo), last_step=start_step)
         self.count = 0
         self.bytes_written = 0
         self.blocked_s = 0.0  # the loop waited: snapshots (and, with a step count, a write still in flight)
@@ -145,7 +158,7 @@ class ShardCheckpoints:
         fut.add_done_callback(lambda _f: setattr(self, "_done_at", time.monotonic()))
         now = time.monotonic()
         self.blocked_s += now - t0
-        self.cadence.since = t0
+        self.cadence.taken(round_step, t0)
         self._inflight = (fut, round_step, now, now - t0)
 
     def _keep_local(self, frag: Fragment, units: Mapping[str, np.ndarray]) -> None:

@@ -162,7 +162,7 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
         rng = ShardRNG(spec.seed, shard, round_no)
         if start.rng is not None:
             rng.set_state(start.rng)
-        saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier)
+        saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier, start.round_step)
         del start.state
         # loaded and built: say so now (its round step), so that a watchdog times the steps from here
         # (before this beat it allows the start timeout: loading is slow in a fresh process)

@@ -1,0 +1,35 @@
+"""``ckpt soak`` end to end, small: a clean run and the same run with failures injected (a crash and a
+stall: Prefect's retry and the watchdog's rerun), through the real CLI, Prefect and the watchdog.
+The report must say that every failure struck and was recovered, that the drilled run ended on the
+clean run's digest, that no recovery recomputed more than the cadence's bound, and give a goodput."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_watchdog import _cli_env
+
+from trainrun.shard_checkpoint import AUTO_MAX_STEPS
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step_bound(prefect_harness, tmp_path):
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "-m", "ckpt", "soak", "--rounds", "3", "--failures", "2", "--kinds", "crash,stall",
+           "--steps-per-round", str(2 * AUTO_MAX_STEPS + 10), "--seed", "3", "--store", str(tmp_path / "runs"),
+           "--json", str(out)]
+    p = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["failures_scheduled"] == 2 and r["failures_struck"] == 2, r["schedule"]
+    assert r["recoveries"] == 2 and set(r["kinds_recovered"]) <= {"crash", "stalled"}, r["rows"]
+    assert r["same_digest"] and r["clean_digest"] == r["drilled_digest"]
+    assert r["steps_bound"] == AUTO_MAX_STEPS and r["beyond_bound"] == 0, r["rows"]
+    assert all(0 <= row["steps_recomputed"] <= AUTO_MAX_STEPS for row in r["rows"]), r["rows"]
+    assert r["shard_checkpoints"]["clean"]["count"] >= 2 * 3 * 2  # the ceiling: at least 2 a round per shard
+    assert 0.0 < r["goodput"] <= 1.5 and r["detect_s"]["median"] is not None
+    assert "goodput" in p.stdout and f"(bound {AUTO_MAX_STEPS}: 0 beyond)" in p.stdout
