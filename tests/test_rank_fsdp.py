@@ -31,6 +31,7 @@ def test_parallelism_ddp_keeps_the_config_and_its_hash_and_fsdp_is_a_trajectory_
     assert RunSpec(shards=2, ranks_per_shard=2, parallelism="ddp").config_hash() == ddp.config_hash()
     fsdp = RunSpec(shards=2, ranks_per_shard=2, parallelism="fsdp")
     assert fsdp.to_dict()["parallelism"] == "fsdp" and fsdp.config_hash() != ddp.config_hash()
+    assert RunSpec(shards=2, parallelism="fsdp").config_hash() == RunSpec(shards=2).config_hash()  # R = 1
     with pytest.raises(ValueError, match="parallelism"):
         RunSpec(parallelism="tp")
 
@@ -134,3 +135,25 @@ def test_a_step_of_fsdp_groups_passes_validation_its_shards_compared_by_global_s
     ck, *_ = fsdp_round
     report = validate_run_checkpoint(ck.url, 1)
     assert report.passed, report
+
+
+@pytest.mark.slow
+def test_a_resume_may_change_the_parallelism_from_the_last_healthy_step_only(tmp_path):
+    from trainrun.checks import validate_run_checkpoint
+    from trainrun.errors import RunRefused
+    from trainrun.resume import where_to_start
+
+    url = str(tmp_path / "run")
+    write_step_zero(Checkpointer(url), spec(2, "ddp"))
+    with Checkpointer(url) as ck:
+        with pytest.raises(RunRefused, match=r"from 2 \(ddp\) to 2 ranks per shard \(fsdp\) yet: .* resume once with "
+                                             r"--ranks-per-shard 2 --parallelism ddp"):
+            where_to_start(ck, spec(2, "fsdp"), resume=True)
+        with pytest.raises(RunRefused, match=r"parallelism: 'ddp' -> 'fsdp'"):  # not from a chosen step
+            where_to_start(ck, spec(2, "fsdp"), resume=True, from_step=0)
+        assert validate_run_checkpoint(url, 0).passed
+        plan = where_to_start(ck, spec(2, "fsdp"), resume=True)
+        assert plan.start_step == 0 and "2 ranks per shard (fsdp) instead of 2 (ddp)" in plan.note
+        assert plan.config["parallelism"] == "fsdp"
+        plan = where_to_start(ck, spec(1, "fsdp"), resume=True)
+        assert "ranks_per_shard" not in plan.config and "parallelism" not in plan.config  # one process shards nothing

@@ -68,10 +68,11 @@ class RunSpec(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """The JSON of the spec, as saved in checkpoints (``config``), field order as declared.
         ``ranks_per_shard`` 1 and ``parallelism`` "ddp" are left out: a run keeps the config, hash and
-        digests it had before the fields existed (and an old config reads as 1 and "ddp")."""
+        digests it had before the fields existed (and an old config reads as 1 and "ddp"). So is
+        ``parallelism`` with one rank per shard: one process shards nothing (the same trajectory)."""
         d = self.model_dump(mode="json", include=set(RunSpec.model_fields))
         for field, default in FIELD_DEFAULTS_LEFT_OUT.items():
-            if d[field] == default:
+            if d[field] == default or (field == "parallelism" and self.ranks_per_shard == 1):
                 del d[field]
         return d
 
