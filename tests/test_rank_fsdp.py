@@ -157,3 +157,22 @@ def test_a_resume_may_change_the_parallelism_from_the_last_healthy_step_only(tmp
         assert plan.config["parallelism"] == "fsdp"
         plan = where_to_start(ck, spec(1, "fsdp"), resume=True)
         assert "ranks_per_shard" not in plan.config and "parallelism" not in plan.config  # one process shards nothing
+
+
+@pytest.mark.slow
+def test_ckpt_show_and_export_of_a_step_of_fsdp_groups(fsdp_round, tmp_path):
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from ckpt.cli import app
+
+    ck, *_ = fsdp_round
+    out = CliRunner().invoke(app, ["show", ck.url, "--step", "1"])
+    assert out.exit_code == 0 and "shard-0: generation 0, 2 ranks" in out.output, out.output
+    path = str(tmp_path / "shard-0.safetensors")
+    out = CliRunner().invoke(app, ["export", ck.url, "--step", "1", "--select", "shard-0/model", "--out", path])
+    assert out.exit_code == 0, out.output
+    exported = load_file(path)
+    model = ck.read_fragment(1, "shard-0", select=["model"])["model"]
+    assert exported.keys() == model.keys() and all(torch.equal(exported[k], model[k]) for k in model)
+    assert tuple(exported["tok.weight"].shape) == (256, 32)  # whole, from both ranks' halves
