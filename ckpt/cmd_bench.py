@@ -61,8 +61,11 @@ def bench(
         "--recovery", help="Instead: what shard checkpoints cost at the default cadence, the round's fragment's "
                            "bytes, back-to-training time with and without the local tier (bench/recovery.py).")] = False,
     ranks_per_shard: Annotated[bool, typer.Option(
-        "--ranks-per-shard", help="Instead: a shard's round trained by 2 rank processes (DDP, gloo) against one "
-                                  "process, on the same batches; and the group's start (bench/ranks.py).")] = False,
+        "--ranks-per-shard", help="Instead: a shard's round trained by 2 rank processes (DDP and FSDP2, gloo) "
+                                  "against one process, on the same batches; and the group's start "
+                                  "(bench/ranks.py).")] = False,
+    parallelism: Annotated[str, typer.Option(
+        "--parallelism", help="With --ranks-per-shard: the groups' parallelisms, in order.")] = "ddp,fsdp",
 ) -> None:
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
@@ -78,7 +81,9 @@ def bench(
         if ranks_per_shard:
             from bench.ranks import render, run
 
-            result = run(progress=lambda m: typer.echo(m, err=True))
+            pars = _names(parallelism, "parallelism")
+            result = run(workloads=tuple(_names(workloads, "workloads")) if workloads else ("tinylm",),
+                         layouts=((1, "ddp"), *((2, p) for p in pars)), progress=lambda m: typer.echo(m, err=True))
             _write_json(json_out, result)
             typer.echo(render(result))
             return

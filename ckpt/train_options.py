@@ -81,6 +81,9 @@ class TrainOptions:
     ranks_per_shard: Annotated[int, _opt("--ranks-per-shard", metavar="R", panel=TRAJECTORY,
                                          help="Rank processes per shard (a gloo group training with DDP; 1 = "
                                               "the task's own process).")] = 1
+    parallelism: Annotated[str, _opt("--parallelism", metavar="ddp|fsdp", panel=TRAJECTORY,
+                                     help="How a shard's ranks share it: ddp (replicas) or fsdp (FSDP2: each rank "
+                                          "1/R of the parameters and optimizer state).")] = "ddp"
     no_validate: Annotated[bool, _opt("--no-validate", panel=RUN, help="Skip validation (then no checkpoint is "
                                       "healthy: resume restarts).")] = False
     json_out: Annotated[Optional[str], _opt("--json", metavar="PATH", panel=OUTPUT,
@@ -125,7 +128,7 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "workload_extra": "workload_extra", "batch_size": "batch_size", "lr": "lr", "seed": "seed",
               "shards": "shards", "steps_per_round": "steps_per_round", "outer_lr": "outer_lr",
               "outer_momentum": "outer_momentum", "torch_threads": "torch_threads",
-              "ranks_per_shard": "ranks_per_shard", "rounds": "rounds",
+              "ranks_per_shard": "ranks_per_shard", "parallelism": "parallelism", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
               "shard_checkpoint_every": "shard_checkpoint_every",

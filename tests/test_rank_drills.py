@@ -67,3 +67,31 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
         assert "ranks_per_shard" not in stored_config(ck, 3)
         assert ck.read_fragment(3, COORDINATOR, select=["round"])["round"] == 3
         assert not isinstance(ck.fragment(3, "shard-0"), GroupFragment)  # one process wrote it
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_digest_and_resume_as_ddp(
+        prefect_harness, tmp_path):
+    """`--parallelism fsdp`: each shard's 2 ranks hold half of every parameter and moment. The kill
+    and the hang of one rank (as above) end on the clean FSDP run's digest at every step; a resume
+    with --parallelism ddp continues from the FSDP shards (read whole, sharded no more)."""
+    fsdp = {**R2, "parallelism": "fsdp"}
+    clean, decisions = train_with_watchdog(params(store=str(tmp_path / "clean"), run_id="clean", **fsdp), timeout_s=30)
+    assert decisions == [], decisions
+    clean_digests = digests(clean["run_url"])
+    p = params(store=str(tmp_path / "kh"), run_id="kh", **fsdp,
+               chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
+    s, ds = train_with_watchdog(p)
+    check_run(s["run_url"], None, clean_digests, struck={"shard-0": 2})
+    fenced(ds, "shard-0")
+    with Checkpointer(s["run_url"]) as ck:
+        assert stored_config(ck, 2)["parallelism"] == "fsdp"
+        assert isinstance(ck.fragment(2, "shard-0"), GroupFragment)
+    cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path / "kh"), "--run-id", "kh", "--resume",
+           "--parallelism", "ddp", "--rounds", "3", "--no-watchdog"]
+    p2 = subprocess.run(cmd, env=_cli_env(tmp_path / "kh"), capture_output=True, text=True, timeout=600)
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    with Checkpointer(s["run_url"]) as ck:
+        assert ck.steps()[-1] == 3 and "parallelism" not in stored_config(ck, 3)
+        assert stored_config(ck, 3)["ranks_per_shard"] == 2

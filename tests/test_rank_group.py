@@ -238,3 +238,33 @@ def test_the_ranks_of_a_shard_task_killed_outright_end_with_it(tmp_path):
     while any(alive(b.pid) for b in beats.values() if b.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(b.pid) for b in beats.values() if b.pid)
+
+
+def test_a_rank_still_loading_is_judged_by_the_start_timeout_though_rank_0_trains(tmp_path):
+    """Rank 0 has built its part (FSDP2: it shards alone, then waits in its first all-gather) while
+    rank 1 still loads the cut: rank 1 is starting, not silent, until the start timeout (it was
+    judged by the 4 s timeout, and a clean FSDP run was fenced three times)."""
+    import json
+
+    from ckptlib.store import Store
+    from trainrun.watchdog import assess_run
+
+    store = Store.from_url(str(tmp_path))
+    now = 1_000_000.0
+
+    def beat(key: str, t: float, part: str, rank: int | None, round_step: int | None, **kw) -> None:
+        doc = {"format": 1, "part": part, "generation": 0, "round": 1, "step": 0, "round_step": round_step,
+               "steps_per_round": 40, "status": "running", "time": t, "started": t - 1, "beats": 3, "host": "h",
+               "pid": 1, "attempt": 1, "loss": None, "meta": {}, "rank": rank, **kw}
+        store.put(key, json.dumps(doc).encode())
+
+    meta = {"spec": {"shards": 1, "ranks_per_shard": 2}, "phase": "shards", "phase_time": now - 5, "cut": {"step": 0}}
+    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, None, meta=meta)
+    beat("heartbeats/shard-0.json", now - 0.2, "shard-0", 0, 0)
+    beat("heartbeats/ranks/shard-0/1.json", now - 9, "shard-0", 1, None)  # loading for 9 s
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
+    assert [p.state for p in v.shards] == ["running"], v.shards[0].reason
+    beat("heartbeats/ranks/shard-0/1.json", now - 41, "shard-0", 1, None)  # past the start timeout
+    v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
+    assert [p.state for p in v.shards] == ["silent"]
+    assert v.shards[0].reason.startswith("rank 1 of the group has not beaten for 41.0 s (start timeout 40 s)")

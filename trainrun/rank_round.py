@@ -155,7 +155,8 @@ def train_rank_round(job: RankJob) -> ShardResult:
 
 
 def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> Any:
-    """The shard's workload holding ``state``, trained as this rank of the group (DDP)."""
+    """The shard's workload holding ``state`` (full tensors), trained as this rank of the group
+    (``spec.parallelism``: DDP replicas, or FSDP2 shards cut from that full state)."""
     from workloads import build_workload
 
     wl = build_workload(spec.workload_config(), job.shard, spec.shards)
@@ -164,7 +165,11 @@ def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> A
     if not callable(train_as_rank):
         raise ValueError(f"workload {spec.workload!r} cannot be trained by a group of ranks: it has no "
                          "train_as_rank(rank, ranks) (docs/workloads.md, Ranks per shard); use --ranks-per-shard 1")
-    train_as_rank(job.rank, job.ranks)
+    if spec.parallelism not in getattr(wl, "parallelisms", ("ddp",)):
+        raise ValueError(f"workload {spec.workload!r} cannot be trained with --parallelism {spec.parallelism} (it "
+                         f"supports {list(getattr(wl, 'parallelisms', ())) or 'none'}): choose one of those")
+    # (the protocol's train_as_rank(rank, ranks) is DDP's: a workload's own may not take a third argument)
+    train_as_rank(job.rank, job.ranks, *([] if spec.parallelism == "ddp" else [spec.parallelism]))
     return wl
 
 

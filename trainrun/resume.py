@@ -24,11 +24,11 @@ from ckptlib.tree import unflatten
 from .errors import RunRefused
 from .layout import COORDINATOR
 from .results import Reshard, RunPlan
-from .spec import RunSpec, describe_changes
+from .spec import FIELD_DEFAULTS_LEFT_OUT, RunSpec, describe_changes
 
 # How to resume, said to both kinds of users: the CLI's and the form's (deployments, the UI).
 # the trajectory fields a resume may change (from the last healthy step): a new trajectory from there
-RESIZES = ("shards", "ranks_per_shard")
+RESIZES = ("shards", "ranks_per_shard", "parallelism")
 HOW_TO_RESUME = "resume (`ckpt train --resume`, or resume: true in the form), with the same run id and store"
 
 # validate(step) -> passed: validates a committed step that has no verdict yet (plan-run passes one)
@@ -105,21 +105,25 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
                        + ("" if validated else " (not validated: validated again as the run goes)"), config=config)
     healthy, checked = _healthy_after_validating(ck, steps, validate)
     old_ranks = old.get("ranks_per_shard", 1)
+    old_par = old.get("parallelism", "ddp")
+    same_par = old_par == spec.parallelism
+    old_group = str(old_ranks) if same_par else f"{old_ranks} ({old_par})"
+    new_group = f"{spec.ranks_per_shard} ranks per shard" + ("" if same_par else f" ({spec.parallelism})")
     if changed:
         if healthy != steps[-1]:
             what = f"step {healthy}" if healthy is not None else "no step"
             resize = (f"from {old['shards']} to {spec.shards} shards" if "shards" in changed else
-                      f"from {old_ranks} to {spec.ranks_per_shard} ranks per shard")
+                      f"from {old_group} to {new_group}")  # "from 2 to 1 ranks per shard"
             raise RunRefused(
                 f"cannot reshard {where} {resize} yet: its latest committed "
                 f"step {steps[-1]} is not validated ({what} is healthy). Resharding starts a new trajectory from "
                 f"the latest committed step, which later steps of the old trajectory would contradict. Validate "
                 f"step {steps[-1]} (`ckpt validate {ck.url} --step {steps[-1]}`), or resume once with "
-                f"{'--shards ' + str(old['shards']) if 'shards' in changed else '--ranks-per-shard ' + str(old_ranks)}"
+                f"{'--shards ' + str(old['shards']) if 'shards' in changed else _old_group_options(old)}"
                 f", then resume with the new value.")
         if "shards" not in changed:
             return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with "
-                           f"{spec.ranks_per_shard} ranks per shard instead of {old_ranks} (a new "
+                           f"{new_group} instead of {old_group} (a new "
                            f"trajectory from step {healthy}: the gradients' reduction order changes)", config=config)
         return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with {spec.shards} shards "
                        f"instead of {old['shards']} (resharded: a new trajectory from step {healthy})",
@@ -136,21 +140,26 @@ def _resolved(spec: RunSpec, old: dict[str, Any], given: set[str], where: str, *
     """The run's trajectory with the ``given`` fields of ``spec`` (RunRefused naming each that
     changed, but ``shards`` and ``ranks_per_shard`` where a resize may follow); and which of those changed."""
     mine = spec.to_dict()
-    old = {"ranks_per_shard": 1, **old}  # a config without the field: one process per shard
-    merged = {"ranks_per_shard": 1, **mine, **{k: v for k, v in old.items() if k not in given}}
+    old = {**FIELD_DEFAULTS_LEFT_OUT, **old}  # a config without the fields: one process per shard, ddp
+    merged = {**FIELD_DEFAULTS_LEFT_OUT, **mine, **{k: v for k, v in old.items() if k not in given}}
     changed = [k for k in dict.fromkeys([*old, *merged]) if old.get(k, "<absent>") != merged.get(k, "<absent>")]
     if changed and (not set(changed) <= set(RESIZES) or not reshard_ok):
         raise RunRefused(
             f"cannot resume {where}: these settings differ from the run's and would change its trajectory: "
             f"{'; '.join(describe_changes(old, merged))}. Resume without them (a resume takes the run's own "
-            f"settings) or with the run's values (only rounds, shards, ranks_per_shard, checkpoint_every, "
-            f"keyframe_every, task_runner may change; shards and ranks_per_shard only when resuming from the last "
+            f"settings) or with the run's values (only rounds, shards, ranks_per_shard, parallelism, checkpoint_every, "
+            f"keyframe_every, task_runner may change; shards, ranks_per_shard and parallelism only when resuming from the last "
             f"healthy step, not from a chosen one), or start a new run id.")
     try:
         resolved = RunSpec.from_dict({k: merged[k] for k in RunSpec.model_fields if k in merged})
     except ValueError as e:
         raise RunRefused(f"{where}: the run's stored config does not parse ({e}): choose another run id") from None
     return resolved, changed
+
+
+def _old_group_options(old: dict[str, Any]) -> str:
+    """The options that give a run its stored group shape back."""
+    return f"--ranks-per-shard {old.get('ranks_per_shard', 1)} --parallelism {old.get('parallelism', 'ddp')}"
 
 
 def _healthy_after_validating(ck: Checkpointer, steps: list[int], validate: Validator | None) -> tuple[int | None, list[int]]:

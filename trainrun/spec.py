@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from workloads import WorkloadConfig
 
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
+# trajectory fields added after runs existed: at their default, absent from the config (and its hash)
+FIELD_DEFAULTS_LEFT_OUT: dict[str, Any] = {"ranks_per_shard": 1, "parallelism": "ddp"}
 TASK_RUNNERS = "threads | dask | dask://HOST:PORT | pool:FLOW/DEPLOYMENT"
 
 
@@ -57,14 +59,21 @@ class RunSpec(BaseModel):
                                  "group (gloo on CPU) that trains the shard's batches with DDP, each rank a slice "
                                  "of every batch; 1 = the shard trains in the task's own process. A resume may "
                                  "change it (docs/training.md, Ranks per shard).")
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="How a shard's group of ranks shares the "
+                                                "work (with ranks_per_shard > 1): ddp = every rank a replica, "
+                                                "gradients averaged; fsdp = FSDP2, each rank holds 1/R of the "
+                                                "parameters and optimizer state. One of the workload's "
+                                                "parallelisms (docs/workloads.md).")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON of the spec, as saved in checkpoints (``config``), field order as declared.
-        ``ranks_per_shard`` 1 is left out: a run of one process per shard keeps the config, hash and
-        digests it had before the field existed (and an old config reads as 1)."""
+        ``ranks_per_shard`` 1 and ``parallelism`` "ddp" are left out: a run keeps the config, hash and
+        digests it had before the fields existed (and an old config reads as 1 and "ddp"). So is
+        ``parallelism`` with one rank per shard: one process shards nothing (the same trajectory)."""
         d = self.model_dump(mode="json", include=set(RunSpec.model_fields))
-        if d["ranks_per_shard"] == 1:
-            del d["ranks_per_shard"]
+        for field, default in FIELD_DEFAULTS_LEFT_OUT.items():
+            if d[field] == default or (field == "parallelism" and self.ranks_per_shard == 1):
+                del d[field]
         return d
 
     @classmethod

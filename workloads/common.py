@@ -138,7 +138,9 @@ class TorchWorkload:
     workload_name = "?"
     SIZES: dict[str, dict[str, Any]] = {}
     # how a shard of it may be trained by a group of ranks (``train_as_rank``); () = one process only
-    parallelisms: tuple[str, ...] = ("ddp",)
+    parallelisms: tuple[str, ...] = ("ddp", "fsdp")
+    # methods of the model other than forward that the workload calls (FSDP2 must gather for them too)
+    fsdp_forward_methods: tuple[str, ...] = ()
 
     def __init__(self, config: WorkloadConfig, shard: int = 0, num_shards: int = 1) -> None:
         if not 0 <= shard < num_shards:
@@ -175,20 +177,33 @@ class TorchWorkload:
     def train_as_rank(self, rank: int, ranks: int, parallelism: str = "ddp") -> None:
         """Train from now on as rank ``rank`` of a group of ``ranks`` processes (torch.distributed
         initialised, the model already holding the shard's state): each step takes rows
-        ``[rank * b/ranks, (rank + 1) * b/ranks)`` of the shard's batch and DDP averages the
-        gradients over the group, so the group takes the step one process would take on the whole
-        batch (the same math; the float reduction order differs). The state stays a plain replica:
-        ``state_dict`` is the same on every rank."""
+        ``[rank * b/ranks, (rank + 1) * b/ranks)`` of the shard's batch and the group averages the
+        gradients, so it takes the step one process would take on the whole batch (the same math;
+        the float reduction order differs). ``"ddp"``: the state stays a plain replica, the same on
+        every rank. ``"fsdp"``: FSDP2 (``fully_shard`` of each of ``fsdp_blocks()``, then the root,
+        over a 1-D mesh of the group): each rank holds dim-0 shards (DTensors) of every parameter
+        and of the optimizer's state of it; ``state_dict`` holds those shards."""
         if parallelism not in self.parallelisms:
             raise ValueError(f"workload {self.config.name!r} cannot be trained as {parallelism!r} by a group of "
-                             f"ranks (it supports {list(self.parallelisms) or 'none'}): use --ranks-per-shard 1")
+                             f"ranks (it supports {list(self.parallelisms) or 'none'}): choose --parallelism "
+                             f"{self.parallelisms[0] if self.parallelisms else 'ddp'}, or --ranks-per-shard 1")
         if self.batch_size % ranks:
             raise ValueError(f"batch size {self.batch_size} of workload {self.config.name!r} does not split over "
                              f"{ranks} ranks: choose --batch-size a multiple of --ranks-per-shard")
+        self.rank, self.ranks = rank, ranks
+        if parallelism == "fsdp":
+            from .fsdp import shard_model
+
+            shard_model(self.model, self.optimizer, self.fsdp_blocks(), self.fsdp_forward_methods, ranks)
+            return
         from torch.nn.parallel import DistributedDataParallel
 
-        self.rank, self.ranks = rank, ranks
         self._replica = DistributedDataParallel(self.model)  # (the built-ins have no buffers to broadcast)
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The modules FSDP2 shards as units of their own (all-gathered one at a time), before the
+        root takes the rest: the model's ``blocks`` (the built-ins' layer lists), else none."""
+        return list(getattr(self.model, "blocks", []))
 
     def forward(self, *inputs: Any) -> Any:
         """The model's forward for ``compute_loss``: through DDP when trained by a group of ranks."""

@@ -80,6 +80,7 @@ class AdaptedClassifier(nn.Module):
 
 class FinetuneWorkload(TorchWorkload):
     workload_name = "finetune"
+    fsdp_forward_methods = ("features",)  # make_batch labels its rows with the frozen backbone's features
     SIZES = {
         # ~1.5 M params (frozen) + ~50 k trainable; state ~6 MB
         "small": dict(d_in=64, d_model=192, n_blocks=5, n_classes=16, lora_rank=4, lora_alpha=8.0,

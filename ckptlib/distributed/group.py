@@ -193,8 +193,11 @@ class Group:
 def local_view(group: Group, rank: int) -> Fragment:
     """Saved rank ``rank``'s state as a plain fragment (in memory): its skeleton, and each leaf with
     its local shape and the chunks of whichever rank stored it. What reads a part leaf by leaf
-    (validation) reads of a group's part: each rank's state as it held it, its shards as plain tensors."""
+    (validation) reads of a group's part: each rank's state as it held it, its shards as plain tensors.
+    Its ``meta[GLOBAL_SHAPES]``: {leaf path: global shape} of the leaves that are shards (their own
+    shape is the local one), so that shapes are compared as the tensors' (``global_shape``)."""
     layout = group.layout(rank)
+    global_shapes: dict[str, list[int]] = {}
     skeleton = group.skeleton(rank)
     leaves = []
     blobs: dict[str, Any] = {}
@@ -203,6 +206,8 @@ def local_view(group: Group, rank: int) -> Fragment:
         frag = group.fragments[w.rank]
         stored = frag.leaves[w.index]
         shape = leaf.local_shape
+        if tuple(shape) != tuple(leaf.spec.shape):
+            global_shapes[leaf.spec.path] = list(leaf.spec.shape)
         spec = replace(leaf.spec, shape=shape, nbytes=stored.spec.nbytes)
         leaves.append(replace(stored, spec=spec))
         for digest, *_ in stored.segments():
@@ -215,4 +220,15 @@ def local_view(group: Group, rank: int) -> Fragment:
     return Fragment(first.step, first.part, first.generation, g.config_hash if g else first.config_hash, skeleton,
                     tuple(leaves), blobs, part_digest(skeleton, leaves), sum(leaf.spec.nbytes for leaf in leaves),
                     group.fragments[rank].bytes_written, dict(group.fragments[rank].stats),
-                    dict(g.meta if g else first.meta), chunk_bytes=first.chunk_bytes)
+                    {**(g.meta if g else first.meta), **({GLOBAL_SHAPES: global_shapes} if global_shapes else {})},
+                    chunk_bytes=first.chunk_bytes)
+
+
+GLOBAL_SHAPES = "global_shapes"  # a rank's view: the global shapes of its shards (``local_view``)
+
+
+def global_shape(frag: Fragment, leaf_path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape of the leaf at ``leaf_path`` of ``frag`` whose own shape is ``shape``: the
+    same, but in a rank's view of a group's part where the leaf is a shard (``local_view``)."""
+    known = (frag.meta or {}).get(GLOBAL_SHAPES) or {}
+    return tuple(known[leaf_path]) if leaf_path in known else tuple(shape)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import commit
+from ..distributed.group import global_shape
 from ..distributed.restoring import part_views
 from ..errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, StoreError
 from ..leaves import finish_leaf
@@ -126,6 +127,14 @@ def measure(store: Store, step: int, th: Thresholds, pool: Any, extensions: Sequ
         log.exception("validation of step %d of %s: a check failed to run", step, store.url)
         out.errors.append(f"{type(e).__name__}: {e} ({traceback.format_exc(limit=3).splitlines()[-2].strip()})")
     return out
+
+
+def _global_shape(frag: Fragment, entry: TensorEntry) -> tuple[int, ...]:
+    """The shape of the tensor ``entry`` is: a view's own; a leaf's global one (a rank's shard of a
+    group's part is compared as the whole tensor it is a piece of: ``group.local_view``)."""
+    if entry.view is not None:
+        return tuple(entry.shape)
+    return global_shape(frag, frag.leaves[entry.leaf].spec.path, tuple(entry.shape))
 
 
 def _natural(name: str) -> list[Any]:
@@ -250,8 +259,8 @@ class _Measure:
             return None
         if name not in self._ref_shapes:
             frag = ref.fragments.get(name)
-            self._ref_shapes[name] = {} if frag is None else {e.path: tuple(e.shape) for e in tensor_entries(frag)
-                                                              if not e.storage}
+            self._ref_shapes[name] = {} if frag is None else {e.path: _global_shape(frag, e) for e in
+                                                              tensor_entries(frag) if not e.storage}
         return self._ref_shapes[name].get(path)
 
     # -- rows --
@@ -284,7 +293,7 @@ class _Measure:
             if path in base_model:
                 refs.append(tuple(base_model[path].shape))
             known = [r for r in refs if r is not None]
-            row["shape_matches_reference"] = all(r == tuple(spec.shape) for r in known) if known else None
+            row["shape_matches_reference"] = all(r == _global_shape(frag, entry) for r in known) if known else None
             if obj is not None:
                 s = tensor_stats(obj)
                 cur_finite = s.pop("finite", False)

@@ -235,11 +235,13 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
                        f"{limit:g} s) {_where(beat)}")
         view.failure_time = beat.time
         return view
-    lagging = _silent_rank(look.store, beat, now, limit) if beat.rank is not None else None
+    lagging = _silent_rank(look.store, beat, now, timeout_s, start_timeout_s) if beat.rank is not None else None
     if lagging is not None:  # a group's rank 0 beats, another rank does not: the group is as dead
+        loading = lagging.round_step is None
         view.state = "silent"
-        view.reason = (f"rank {lagging.rank} of the group has not beaten for {lagging.age(now):.1f} s (timeout "
-                       f"{limit:g} s) {_where(lagging)}")
+        view.reason = (f"rank {lagging.rank} of the group has not beaten for {lagging.age(now):.1f} s "
+                       f"({'start timeout' if loading else 'timeout'} {start_timeout_s if loading else timeout_s:g} s) "
+                       f"{_where(lagging)}")
         view.failure_time = lagging.time
         return view
     since = memory.progress_since(url, part, beat) if memory is not None else beat.time
@@ -293,13 +295,15 @@ def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | N
     return view
 
 
-def _silent_rank(store: Store, beat: Beat, now: float, limit: float) -> Beat | None:
+def _silent_rank(store: Store, beat: Beat, now: float, timeout_s: float, start_timeout_s: float) -> Beat | None:
     """The stalest other rank of ``beat``'s group attempt (same generation and attempt, running)
-    when it has been silent longer than ``limit``; None otherwise. One listing and a read per rank."""
+    silent longer than its limit: the start timeout while it still loads (no round step yet: each
+    rank loads and builds on its own, and rank 0 may be done first), else the timeout; None
+    otherwise. One listing and a read per rank."""
     ranks = [b for r, b in read_rank_heartbeats(store, beat.part).items() if r != 0 and b.status == "running"
              and (b.generation, b.attempt) == (beat.generation, beat.attempt)]
-    stalest = min(ranks, key=lambda b: b.time, default=None)
-    return stalest if stalest is not None and stalest.age(now) > limit else None
+    silent = [b for b in ranks if b.age(now) > (start_timeout_s if b.round_step is None else timeout_s)]
+    return min(silent, key=lambda b: b.time, default=None)
 
 
 def _where(beat: Beat) -> str:
