@@ -65,7 +65,7 @@ AUTO_BUDGET = 0.02  # "auto": checkpoints take about this share of the training 
 ESTIMATED_BYTES_PER_S = 100e6  # the first checkpoint's cost, before one was measured (encode + write, measured ~120 MB/s)
 MIN_COST_S = 0.01  # the fixed cost of a write (lease, fragment, fence checks): a floor of the estimate
 # "auto": at most this many steps between checkpoints, the bound on a failure's recomputation
-# (docs/decisions.md, "auto shard checkpoints have a step ceiling")
+# (docs/decisions.md, decision 48)
 AUTO_MAX_STEPS = 25
 
 
