@@ -179,11 +179,10 @@ def _report(base: dict[str, Any], clean: dict[str, Any], drilled: dict[str, Any]
     rows = drilled["recoveries"]
     struck = sum(1 for d in os.scandir(os.path.join(drilled["run_url"], "chaos"))) \
         if os.path.isdir(os.path.join(drilled["run_url"], "chaos")) else None
-    from trainrun.shard_checkpoint import AUTO_MAX_STEPS
+    from trainrun.shard_checkpoint import step_bound
 
     c, d = rounds_s(clean), rounds_s(drilled)
-    every = base["shard_checkpoint_every"]
-    bound = AUTO_MAX_STEPS if every == "auto" else int(every) or base["steps_per_round"]
+    bound = step_bound(base["shard_checkpoint_every"], base["steps_per_round"])
     return {
         "workload": base["workload"], "size": base["workload_size"], "shards": base["shards"],
         "rounds": len(clean["rounds_log"]), "steps_per_round": base["steps_per_round"],

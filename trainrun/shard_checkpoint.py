@@ -74,6 +74,12 @@ AUTO_MAX_STEPS = 25
 _LAST_COST: dict[tuple[str, str], float] = {}
 
 
+def step_bound(every: Every | str, steps_per_round: int) -> int:
+    """The most steps a failure recomputes under cadence ``every`` (a kill -9's write in flight aside):
+    N, ``auto``'s ceiling, or the whole round when shard checkpoints are off."""
+    return AUTO_MAX_STEPS if every == "auto" else int(every) or steps_per_round
+
+
 @dataclass
 class Cadence:
     """When the next shard checkpoint is due (see the module docstring)."""
