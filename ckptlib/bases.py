@@ -257,6 +257,21 @@ class DeltaBases:
         self._pools.clear()
 
 
+def substep_chain(key: str) -> str:
+    """The key of the chain of sub-step bases beside the chain ``key`` (a part's, or a rank's of a
+    group's part, ``part#r<rank>``): a part's sub-step fragments delta against each other, never
+    against (or into) its own chain. No part name holds a '/'."""
+    part, sep, rank = key.partition("#r")
+    return f"{part}/substeps{sep}{rank}"
+
+
+def chain_origin(key: str) -> str | None:
+    """The chain a sub-step chain ``key`` starts from (its first sub-step is a delta against that
+    chain's base); None when ``key`` is no sub-step chain."""
+    part, sep, rank = key.partition("#r")
+    return part.removesuffix("/substeps") + sep + rank if part.endswith("/substeps") else None
+
+
 def buffer_address(view: np.ndarray) -> int:
     """The address of the whole buffer ``view`` was cut from (views of one buffer share it)."""
     return _address(_owner(view))

@@ -29,13 +29,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
 from . import commit
-from .bases import Base, DeltaBases, base_of
+from .bases import Base, DeltaBases, base_of, chain_origin, substep_chain
 from .chunking import auto_chunk_bytes
 from .distributed.documents import AnyFragment, GroupFragment
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
@@ -271,24 +271,26 @@ class Checkpointer:
             self._marked = True
 
     def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T], *,
-                   base_key: str | None = None, **kw: Any) -> T:
+                   base_key: str | None = None, compress: bool = True, **kw: Any) -> T:
         """The one save path of a part: under a save lease, encode ``snap`` against the part's base,
         make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
         manifest, or write a fragment). Only once that succeeded does the result become the part's
         next base; a failure forgets the base's bytes (a save that read the caller's memory in place
         may have written over them). ``base_key``: whose chain of bases it is, when not the part's: a
-        rank's fragment of a group's part (``part#r<rank>``), or the part's sub-step fragments'
-        (``_substep_base``), which starts from the part's own base and leaves it as it is."""
+        rank's fragment of a group's part (``part#r<rank>``), or a chain of sub-step fragments
+        (``bases.substep_chain``), which starts from its origin's base and leaves it as it is.
+        ``compress=False``: raw chunks (``EncodeOptions.compress``)."""
+        options = self.options if compress else replace(self.options, compress=False)
         key = base_key or part
-        substeps = key == _substep_base(part)
-        base = self._bases.held(key) if substeps else self._bases.get(key)
-        own_chain = base is not None or not substeps
-        if base is None and substeps:
-            base = self._bases.get(part)
+        origin = chain_origin(key)
+        base = self._bases.held(key) if origin else self._bases.get(key)
+        own_chain = base is not None or origin is None
+        if base is None and origin:
+            base = self._bases.get(origin)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
             try:
-                enc = encode_part(snap, base, self.store, self._pool, self.options, step=step, part=part,
+                enc = encode_part(snap, base, self.store, self._pool, options, step=step, part=part,
                                   lease=lease, retain=True, **kw)
                 missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], enc.reused)
                 if missing:
@@ -297,7 +299,7 @@ class Checkpointer:
                     # has ended, and every later one sees this lease.
                     log.warning("a garbage collection beside this save of step %d swept %d objects it needs (e.g. "
                                 "%s): writing part '%s' again as keyframes", step, len(missing), missing[0], part)
-                    enc = encode_part(snap, None, self.store, self._pool, self.options, step=step, part=part,
+                    enc = encode_part(snap, None, self.store, self._pool, options, step=step, part=part,
                                       lease=lease, retain=True, **kw)
                     missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], {})
                     if missing:
@@ -594,7 +596,7 @@ class Checkpointer:
     def write_fragment_async(self, step: int, part: str, state: Any, *, generation: int = 0,
                              substep: int | None = None, config_hash: str | None = None, meta: dict | None = None,
                              on_written: Callable[[Fragment, Mapping[str, np.ndarray]], None] | None = None,
-                             ) -> SaveFuture[Fragment]:
+                             compress: bool = True) -> SaveFuture[Fragment]:
         """``write_fragment`` in the background: returns once ``state`` is copied (the caller may then
         change it); encoding, uploads and the fragment run in a thread of their own, and the
         future's ``result()`` is the stored ``Fragment``. At most one write or save is in flight:
@@ -607,21 +609,29 @@ class Checkpointer:
         against the previous; the part's own base, which its fragment of the cut deltas against,
         stays as it was. ``on_written(fragment, raw)``: called in the background once the fragment is
         stored, with the raw bytes of its units by raw checksum (valid during the call), e.g. to keep
-        a local copy."""
+        a local copy. ``compress=False``: chunks stored raw unless unchanged or sparsely changed (a
+        fragment read back soon and then deleted, where the CPU matters more than the bytes).
+
+        In a collective Checkpointer every rank calls it at the same point with its own state, as
+        ``write_fragment``; the result is the part's ``GroupFragment`` (every rank's the same)."""
         commit.check_step(step)
         commit.check_part_name(part)
         if substep is not None and (isinstance(substep, bool) or not isinstance(substep, int) or substep < 0):
             raise ValueError(f"substep must be a non-negative int or None, got {substep!r}")
         self._check_open()
         self._drain()
-        base_key = _substep_base(part) if substep is not None else part
+        if self._collective is not None:
+            if on_written is not None:
+                raise ValueError("on_written= gets one process's units; a group's part is written rank by rank")
+            return self._group_write_async(step, part, state, generation, substep, config_hash, meta, compress)
+        base_key = substep_chain(part) if substep is not None else part
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True,
                              buffers=self._bases.buffers(base_key).take)
         fut: SaveFuture[Fragment] = SaveFuture(step, f"write of part '{part}'")
 
         def work() -> Fragment:
             commit.check_live(self.store, part, generation)
-            frag = self._write_snapshot(snap, step, part, generation, substep, config_hash, meta)
+            frag = self._write_snapshot(snap, step, part, generation, substep, config_hash, meta, compress)
             held = self._bases.held(base_key)
             if on_written is not None and held is not None:
                 on_written(frag, _unit_bytes(snap, held))
@@ -630,8 +640,25 @@ class Checkpointer:
         self._in_background(fut, work)
         return fut
 
+    def _group_write_async(self, step: int, part: str, state: Any, generation: int, substep: int | None,
+                           config_hash: str | None, meta: dict | None, compress: bool) -> SaveFuture[Any]:
+        """``write_fragment_async`` in a collective Checkpointer: the plan and this rank's snapshot
+        now (every rank calls it), its rank fragment and the leader's group fragment in the
+        background; the future's result is the ``GroupFragment`` (or the group's error)."""
+        from .distributed import saving
+
+        if substep is not None:
+            meta = {**(meta or {}), "substep": substep}
+        target = saving.Target(part, generation, config_hash, commit=False, substep=substep, compress=compress)
+        pending = self._group_begin(step, state, meta, copy=True, target=target)
+        fut: SaveFuture[Any] = SaveFuture(step, f"write of part '{part}'")
+        coll = self._collective
+        assert coll is not None
+        self._in_background(fut, lambda: saving.persist(self, coll, pending))
+        return fut
+
     def _write_snapshot(self, snap: Snapshot, step: int, part: str, generation: int, substep: int | None,
-                        config_hash: str | None, meta: dict | None) -> Fragment:
+                        config_hash: str | None, meta: dict | None, compress: bool = True) -> Fragment:
         key = commit.substep_key(step, part, generation, substep) if substep is not None else None
         if substep is not None:
             meta = {**(meta or {}), "substep": substep}
@@ -641,8 +668,8 @@ class Checkpointer:
             commit.put_fragment(self.store, enc.fragment, key)
             return enc.fragment
 
-        return self._save_part(snap, part, step, publish, base_key=_substep_base(part) if substep is not None else None,
-                               generation=generation, config_hash=config_hash, meta=meta)
+        return self._save_part(snap, part, step, publish, base_key=substep_chain(part) if substep is not None else None,
+                               compress=compress, generation=generation, config_hash=config_hash, meta=meta)
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
                       device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
@@ -682,11 +709,11 @@ class Checkpointer:
         if isinstance(frag, GroupFragment):
             if known is not None:
                 raise ValueError("known= reads a part's own fragment; a group's part is read rank by rank")
-            return self._restore_group_part(frag, into, select, device, rank, keep=adopt)
+            return self._restore_group_part(frag, into, select, device, rank, keep=adopt, substep=substep is not None)
         state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select, into=into,
                                   known=known)
         if raw is not None:
-            self._bases.set(part if substep is None else _substep_base(part), base_of(frag, self.options.chunk_bytes, raw))
+            self._bases.set(part if substep is None else substep_chain(part), base_of(frag, self.options.chunk_bytes, raw))
         return state
 
     def gather(self, step: int, parts: list[str], *, timeout: float = 600.0) -> dict[str, tuple[AnyFragment, str]]:
@@ -770,8 +797,9 @@ class Checkpointer:
             raise NoCheckpoint(f"no fragment {key} in {self.url}") from None
 
     def _restore_group_part(self, frag: GroupFragment, into: Any, select: list[str] | None, device: Any,
-                            rank: int | None, *, keep: bool = False) -> Any:
-        """A group's part in this process (no collective call): saved rank ``rank``'s state."""
+                            rank: int | None, *, keep: bool = False, substep: bool = False) -> Any:
+        """A group's part in this process (no collective call): saved rank ``rank``'s state; ``keep``:
+        it becomes the base of this rank's next write of the part (``substep``: of its next sub-step)."""
         from .distributed.restoring import load_group, restore_group
         from .distributed.saving import rank_base_key
 
@@ -783,7 +811,9 @@ class Checkpointer:
         state, raw = restore_group(group, self.store, self._pool, rank=source, into=into, select=select, device=device,
                                    keep=keep and source == mine)
         if raw is not None:
-            self._bases.set(rank_base_key(frag.part, mine), base_of(group.fragments[source], self.options.chunk_bytes, raw))
+            key = rank_base_key(frag.part, mine)
+            self._bases.set(substep_chain(key) if substep else key, base_of(group.fragments[source],
+                                                                             self.options.chunk_bytes, raw))
         return state
 
     def _restore_collective(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
@@ -883,11 +913,6 @@ def _only_part(m: Manifest) -> str:
     if m.single or len(m.parts) == 1:
         return next(iter(m.parts))
     raise ValueError(f"step {m.step} has parts {sorted(m.parts)}: pass part= to restore one of them")
-
-
-def _substep_base(part: str) -> str:
-    """Where a part's chain of sub-step bases is kept (no part name holds a '/')."""
-    return f"{part}/substeps"
 
 
 def _unit_bytes(snap: Snapshot, base: Base) -> dict[str, np.ndarray]:

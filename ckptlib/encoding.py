@@ -68,6 +68,10 @@ class EncodeOptions:
     keyframe_every: int = DEFAULT_KEYFRAME_EVERY  # longest chain + 1: a restore reads at most this many objects
     delta_budget: float | None = DEFAULT_DELTA_BUDGET  # a chain's deltas add up to at most this many keyframes
     zstd_level: int = 3
+    # False: no compression, only the cheap wins (a checkpoint read back soon and then deleted, e.g. a
+    # shard's within its round: the CPU it takes from training matters more than its bytes). A unit
+    # is stored raw unless it is unchanged or its snapshot found a sparse change (a sparse delta).
+    compress: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,10 +134,15 @@ def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Bl
     if digest in known:
         return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
     hint = replace(hint, still=0, patched=previous is None or previous.changes is not None)
-    if previous is not None and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position):
+    if (previous is not None and (opts.compress or previous.changes is not None)
+            and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position)):
         chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:
-        (chosen, payload), base = keyframe(view, unit, opts.zstd_level), None
+        (chosen, payload), base = keyframe(view, unit, opts.zstd_level if opts.compress else None), None
+        if not opts.compress and previous is not None:
+            # a change its snapshot did not find sparse: without compression no delta of it pays, so
+            # its bytes are not kept (the snapshot buffers go round; a probe tries a delta again)
+            hint = replace(hint, dense=True)
     configs = [c.to_config() for c in chosen]
     depth = 0 if base is None else previous.blob.depth + 1  # type: ignore[union-attr]
     blob = Blob(blob_key(digest, base, configs), payload.nbytes, view.nbytes, tuple(configs), base, depth)
@@ -158,7 +167,7 @@ def _delta_or_keyframe(view: np.ndarray, unit: Unit, previous: Previous, known: 
     key_estimate, chain_deltas = chain_sizes(previous.blob, known)
     chain_deltas += payload.nbytes
     if keyframe_better(payload.nbytes, chain_deltas, key_estimate, opts.delta_budget, pays):
-        key_codecs, key_payload = keyframe(view, unit, opts.zstd_level)
+        key_codecs, key_payload = keyframe(view, unit, opts.zstd_level if opts.compress else None)
         if keyframe_better(payload.nbytes, chain_deltas, key_payload.nbytes, opts.delta_budget, pays):
             # a dense delta that does not pay marks the unit dense (no base bytes kept for it)
             return key_codecs, key_payload, None, replace(hint, dense=dense and payload.nbytes >= pays * key_payload.nbytes)
@@ -182,9 +191,11 @@ def dense_or_sparse_delta(view: np.ndarray, base_view: np.ndarray, unit: Unit, l
     return [arith, planes], planes.encode(differences, None)
 
 
-def keyframe(view: np.ndarray, unit: Unit, level: int) -> tuple[list, np.ndarray]:
-    """(codecs, payload) of a keyframe: byte planes, zstd-coded where that pays (measured on a
-    sample of the chunk), or the raw bytes when nothing does."""
+def keyframe(view: np.ndarray, unit: Unit, level: int | None) -> tuple[list, np.ndarray]:
+    """(codecs, payload) of a keyframe: byte planes, zstd-coded at ``level`` where that pays
+    (measured on a sample of the chunk), or the raw bytes when nothing does (or ``level`` is None)."""
+    if level is None:
+        return [codecs.Raw()], view
     itemsize = unit.itemsize if 1 <= unit.itemsize <= 16 else 1
     planes = codecs.Planes.paying(view, itemsize, level, _PLANE_PAYS)
     if not planes:

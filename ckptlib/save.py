@@ -56,6 +56,7 @@ class WriteOptions:
     zstd_level: int
     limiter: RateLimiter = field(default_factory=lambda: RateLimiter(None))  # upload bandwidth
     delta_budget: float | None = DEFAULT_DELTA_BUDGET  # a chain's deltas add up to at most this many keyframes
+    compress: bool = True  # False: raw chunks, only unchanged and sparse-change wins (``EncodeOptions.compress``)
 
     @classmethod
     def checked(cls, chunk_bytes: int | None, keyframe_every: int, delta_budget: float | None, zstd_level: int,
@@ -73,7 +74,7 @@ class WriteOptions:
 
     @property
     def encoding(self) -> EncodeOptions:
-        return EncodeOptions(self.keyframe_every, self.delta_budget, self.zstd_level)
+        return EncodeOptions(self.keyframe_every, self.delta_budget, self.zstd_level, self.compress)
 
 
 @dataclass

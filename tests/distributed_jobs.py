@@ -198,6 +198,58 @@ def save_again(rank: int, url: str, out: Path) -> dict:
     return {"info": saved}
 
 
+# --- sub-step fragments of a group's part: written in the background, read back whole ----------------
+
+def substeps(rank: int, url: str, out: Path) -> dict:
+    """FSDP2: the part "p" of cut 1 starts from step 0's fragment; sub-steps 2, 4 and 6 are written
+    in the background while training goes on, then the round's fragment; a fresh Checkpointer
+    reads sub-step 4 back (whole tensors), and the same state, sharded again, is sub-step 5: a
+    delta against the adopted sub-step 4 that finds every chunk unchanged; a fenced
+    generation's sub-step is refused on every rank."""
+    from ckptlib import FencedError, commit
+
+    m, opt = fsdp()
+    written, wanted = [], None
+    with checkpointer(url) as ck:
+        ck.write_fragment(0, "p", state(m, opt))
+        for i in range(1, 7):
+            step(m, opt, i, rank)
+            if i % 2 == 0:
+                if i == 4:
+                    wanted = full(m, opt)
+                fut = ck.write_fragment_async(1, "p", {**state(m, opt), "i": i, "mine": rank}, substep=i)
+                step(m, opt, 100 + i, rank) if i == 6 else None  # trains (and all-reduces) beside the write
+                frag = fut.result()
+                written.append({"substep": frag.meta["substep"], "digest": frag.digest, "world": frag.world,
+                                "bytes_written": frag.bytes_written, "logical_bytes": frag.logical_bytes})
+        final = ck.write_fragment(1, "p", state(m, opt))
+    with checkpointer(url) as fresh:
+        back = fresh.read_fragment(1, "p", generation=0, substep=4)  # whole tensors
+        m2, opt2 = fsdp()
+        into = fresh.read_fragment(1, "p", generation=0, substep=4, adopt=True, into={**state(m2, opt2), "i": 0,
+                                                                                       "mine": -1})
+        again = fresh.write_fragment_async(1, "p", into, substep=5).result()
+        if rank == 0:
+            fresh.fence("p", 1, reason="a test")
+        dist.barrier()
+        try:
+            fresh.write_fragment_async(1, "p", back, substep=7).result()
+            fenced = None
+        except FencedError as e:
+            fenced = str(e)
+        keys = sorted(commit.substep_keys(fresh.store, 1, "p", 0).values())
+    same = same_bits(wanted["model"], back["model"]) and same_bits(wanted["optim"]["state"], back["optim"]["state"])
+    return {"written": written, "final_digest": final.digest, "same_at_4": same, "i": back["i"], "mine": back["mine"],
+            "again_bytes": again.bytes_written, "again_logical": again.logical_bytes, "fenced": fenced, "keys": keys}
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether two nested dicts of tensors hold the same keys and bits."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(same_bits(a[k], b[k]) for k in a)
+    return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+
+
 # --- a 2-D mesh: DCP's resharding matrix, HSDP written once per replica group ----------------------
 
 ONE_D = [[Shard(0)], [Replicate()]]
@@ -249,7 +301,8 @@ def _hsdp_into_fsdp(ck: Checkpointer, rank: int) -> dict:
             "fsdp_bytes": fsdp_bytes}
 
 
-JOBS = {f.__name__: f for f in (fsdp_train, fsdp_resume, fsdp_reshard, ddp, fsdp_from_ddp, kill, save_again, mesh2d)}
+JOBS = {f.__name__: f for f in (fsdp_train, fsdp_resume, fsdp_reshard, ddp, fsdp_from_ddp, kill, save_again, mesh2d,
+                                         substeps)}
 
 
 def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:

@@ -181,3 +181,23 @@ def test_ckpt_bench_distributed_runs_both_systems_and_restores_bit_exactly(tmp_p
     # the frozen backbone is referenced, not written again: far fewer bytes per save than DCP's full copy
     assert records[0]["bytes_per_save"] * 5 < records[1]["bytes_per_save"]
     assert "DCP writes" in result.output
+
+
+def test_a_groups_sub_step_fragments_are_written_in_the_background_chained_and_read_back_whole(tmp_path):
+    """``write_fragment_async(substep=)`` in a collective Checkpointer (what a shard's group writes
+    within a round): every rank gets the same group fragment, each a delta against the one before,
+    read back whole by a fresh process group, and refused once the generation is fenced."""
+    url = str(tmp_path / "run")
+    r0, r1 = job("substeps", 2, url, tmp_path / "out")
+    assert r0["written"] == r1["written"] and [w["substep"] for w in r0["written"]] == [2, 4, 6]
+    assert {w["world"] for w in r0["written"]} == {2}
+    assert all(w["bytes_written"] < w["logical_bytes"] for w in r0["written"])
+    assert r0["same_at_4"] and r1["same_at_4"] and (r0["i"], r1["i"]) == (4, 4)
+    assert (r0["mine"], r1["mine"]) == (0, 1)  # a value of each rank's own comes back to its rank
+    # adopted, the sub-step read is the base of the next: the same state again costs (almost) nothing
+    assert r0["again_bytes"] < 0.05 * r0["again_logical"], r0
+    assert r0["fenced"] and r1["fenced"] and "generation" in r0["fenced"]
+    assert r0["keys"] == [f"fragments/1/p.g0.k{k}.json" for k in (2, 4, 5, 6)]
+    with Checkpointer(url) as ck:  # the round's fragment is the part's own, beside its sub-steps
+        assert ck.read_fragment(1, "p", generation=0, select=["model"])["model"]
+        assert ck.read_fragment(1, "p", generation=0, substep=6, rank=1)["mine"] == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptlib import Checkpointer
+from ckptlib import Checkpointer, commit
 from ckptlib.distributed import GroupFragment
 from trainrun.cut import cut_round
 from trainrun.documents import Cut
@@ -92,6 +92,24 @@ def test_an_fsdp_group_with_a_killed_rank_fails_and_its_retry_writes_the_clean_f
                           heartbeat_every_s=0.2)
     retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2,
                               chaos=["kill:shard=0,round=1,rank=1,step=2"])
+    assert retry.digest == results[0].digest and retry.loss == results[0].loss
+
+
+@pytest.mark.slow
+def test_an_fsdp_groups_retry_continues_from_its_shard_checkpoint_of_sharded_state(fsdp_round, tmp_path):
+    """The group checkpoints its FSDP shards at step 2 (each rank its half); rank 0 crashes at step 3,
+    and the retry reads the checkpoint whole, shards it again and ends on the clean fragment."""
+    _, s, results, _ = fsdp_round
+    ck = Checkpointer(str(tmp_path / "c"))
+    write_step_zero(ck, s)
+    chaos = ["crash:shard=0,round=1,rank=0,step=3"]
+    with pytest.raises(RankGroupFailed, match="rank 0 of its group of 2 exited with 1"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=chaos, heartbeat_every_s=0.2, checkpoint_every=2)
+    [key] = commit.substep_keys(ck.store, 1, "shard-0", 0).values()
+    r1 = ck.read_rank(1, "shard-0", 1, fragment=commit.read_fragment(ck.store, key)[0])
+    assert tuple(r1.state["model"]["tok.weight"].shape) == (128, 32)  # rank 1's half, as FSDP held it
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, chaos=chaos, checkpoint_every=2)
+    assert (retry.resumed_at_step, retry.start_source) == (2, "store")
     assert retry.digest == results[0].digest and retry.loss == results[0].loss
 
 

@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from ckptlib import Checkpointer, FencedError
+from ckptlib import Checkpointer, FencedError, commit
 from ckptlib.distributed import GroupFragment
 from ckptlib.heartbeat import read_rank_heartbeats
 from trainrun.chaos import check_runner, parse_chaos, read_strike
 from trainrun.documents import Cut
 from trainrun.errors import RankGroupFailed, RankGroupRefused
 from trainrun.rank_group import train_shard_group
+from trainrun.recovery import read_recoveries
 from trainrun.spec import RunSpec
 from trainrun.step_zero import write_step_zero
 
@@ -103,6 +104,30 @@ def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_
     retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2,
                               chaos=["kill:shard=0,round=1,rank=1,step=3"])
     assert retry.digest == clean.digest
+
+
+@pytest.mark.slow
+def test_a_groups_retry_continues_from_its_shard_checkpoint_and_writes_the_clean_fragment(clean, tmp_path):
+    """Shard checkpoints of a group (every 2 steps, a collective write): rank 1 crashes at step 5, and
+    the retry's fresh group continues from step 4, not from the cut, to the clean fragment."""
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "c"), s)
+    chaos = ["crash:shard=0,round=1,rank=1,step=5"]
+    with pytest.raises(RankGroupFailed, match="rank 1 of its group of 2 exited with 1"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=chaos, heartbeat_every_s=0.2, checkpoint_every=2)
+    keys = commit.substep_keys(ck.store, 1, "shard-0", 0)
+    assert sorted(keys) == [2, 4]  # the crashed rank waited for the write in flight (never at the last step)
+    frag = commit.read_fragment(ck.store, keys[4])[0]
+    assert isinstance(frag, GroupFragment) and frag.world == 2 and frag.meta["substep"] == 4
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, chaos=chaos, checkpoint_every=2)
+    assert (retry.resumed_at_step, retry.start_source) == (4, "store")
+    assert retry.digest == clean.digest and retry.loss == clean.loss
+    [row] = read_recoveries(ck.store, 1)  # rank 0 of the retry said what the failure cost
+    assert (row.kind, row.resumed_at_step, row.steps_recomputed) == ("crash", 4, 1), row
+    # a group whose checkpoint does not check out (another cut) starts from the cut, every rank alike
+    ck.store.put(keys[4], ck.store.get(keys[2]))  # step 2's fragment under step 4's key
+    again = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=3, checkpoint_every=2)
+    assert again.start_source == "cut" and again.digest == clean.digest
 
 
 @pytest.mark.slow

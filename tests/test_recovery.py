@@ -93,6 +93,35 @@ def test_sub_step_fragments_chain_their_own_bases_and_leave_the_cuts_as_they_wer
         ck.close()
 
 
+def test_uncompressed_writes_store_changed_chunks_raw_skip_unchanged_ones_and_keep_no_dense_bytes(tmp_path):
+    """``compress=False`` (what a shard checkpoint asks): a changed chunk is stored raw, byte for
+    byte, never coded; an unchanged one is not written; and once a write found a unit changed, its
+    bytes are not kept as a base (no delta of it would be tried: the snapshot buffers go round)."""
+    gen = torch.Generator().manual_seed(7)
+    dense, sparse = torch.randn(1 << 16, generator=gen), torch.randn(1 << 16, generator=gen)
+    frozen = torch.randn(1 << 16, generator=gen)  # 256 KiB each: 4 chunks of 64 KiB
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        ck.write_fragment(1, "p", {"dense": dense, "sparse": sparse, "frozen": frozen})
+        ck.read_fragment(1, "p", adopt=True)
+        frags = []
+        for k in (1, 2, 3):
+            dense += 0.01 * k  # every value changes
+            sparse[k * 100] += 1.0  # one value of its first chunk changes
+            frags.append(ck.write_fragment_async(2, "p", {"dense": dense, "sparse": sparse, "frozen": frozen},
+                                                 substep=k, compress=False).result())
+        held = ck._bases.held("p/substeps")
+        assert held is not None and held.raw == {}  # the changed units' bytes are not kept
+        assert ck._bases.held("p").raw  # the part's own base (the cut's) keeps its bytes
+    for f in frags:
+        assert (f.stats["keyframe"], f.stats["unchanged"], f.stats["delta"]) == (5, 7, 0), f.stats
+        assert f.bytes_written == 5 * (1 << 16)  # raw: exactly the changed chunks' bytes
+        written = [b for b in f.blobs.values() if b.nbytes == b.size and b.codecs == ({"name": "raw"},)]
+        assert len(written) >= 5
+    with Checkpointer(str(tmp_path)) as reader:
+        back = reader.read_fragment(2, "p", generation=0, substep=3)
+    assert torch.equal(back["dense"], dense) and torch.equal(back["sparse"], sparse) and torch.equal(back["frozen"], frozen)
+
+
 def test_on_written_gets_every_unit_of_a_dense_state(tmp_path):
     """A dense state (every value new at each write: no delta pays) keeps no base bytes for its
     units once a delta did not pay (docs/decisions.md 42); a local copy still needs every unit, so

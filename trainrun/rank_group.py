@@ -45,6 +45,8 @@ from .errors import RankGroupFailed, RankGroupRefused
 from .layout import shard_part
 from .rank_round import EXIT_FENCED, RankJob
 from .results import ShardResult
+from .resume_point import resume_point
+from .shard_checkpoint import Every, group_cadence
 from .spec import RunSpec
 
 log = logging.getLogger("trainrun.rank_group")
@@ -111,12 +113,16 @@ def end_ranks(ranks: Sequence[Rank]) -> None:
 def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, spec: RunSpec, shard: int,
                       round_no: int, cut: Cut, *, attempt: int = 1, chaos: Sequence[str] = (),
                       heartbeat_every_s: float = 2.0, on_beat: Callable[[Beat], None] | None = None,
-                      group_timeout_s: float = GROUP_TIMEOUT_S) -> ShardResult:
-    """Train shard ``shard``'s round ``round_no`` from ``cut`` with ``spec.ranks_per_shard`` rank
-    processes; their group writes the shard's fragment. Raises FencedError, RankGroupFailed or
-    RankGroupRefused (module docstring); every rank has ended when it returns or raises."""
+                      group_timeout_s: float = GROUP_TIMEOUT_S, checkpoint_every: Every = "auto") -> ShardResult:
+    """Train shard ``shard``'s round ``round_no`` with ``spec.ranks_per_shard`` rank processes, from
+    the shard's newest shard checkpoint of the round (``trainrun.resume_point``), else from ``cut``;
+    the group checkpoints every ``group_cadence(checkpoint_every)`` steps and writes the shard's
+    fragment. Raises FencedError, RankGroupFailed or RankGroupRefused (module docstring); every
+    rank has ended when it returns or raises."""
     part = shard_part(shard)
     generation = ck.live_generation(part)
+    every = group_cadence(checkpoint_every)
+    resume = resume_point(ck.store, part, round_no, generation) if every else None  # the same start for every rank
     port = free_port()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"ckpt-{part}-r{round_no}-") as tmp:
@@ -126,7 +132,8 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                         round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
                         chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
                         port=port, group_timeout_s=group_timeout_s, result_path=str(result_path),
-                        supervisor_pid=os.getpid())
+                        supervisor_pid=os.getpid(), checkpoint_every=every,
+                        resume=resume.to_dict() if resume is not None else None)
                 for r in range(spec.ranks_per_shard)]
         ranks = start_ranks(jobs, workdir)
         try:

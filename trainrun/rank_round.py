@@ -27,10 +27,11 @@ import json
 import math
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat
@@ -38,9 +39,14 @@ from ckptlib.heartbeat import Heartbeat
 from .chaos import for_attempt, strike
 from .documents import Cut, ShardInfo
 from .layout import COORDINATOR, shard_part
+from .recovery import write_recovery
 from .results import ShardResult
 from .spec import RunSpec
 from .timing import Stopwatch
+
+if TYPE_CHECKING:
+    from .shard_checkpoint import ShardCheckpoints, Start
+    from .shard_round import ShardAttempt, ShardRNG
 
 EXIT_FENCED = 3
 
@@ -65,6 +71,8 @@ class RankJob:
     group_timeout_s: float
     result_path: str
     supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
+    checkpoint_every: int = 0  # the group's shard checkpoints: every N round steps (0: none; see group_cadence)
+    resume: dict[str, Any] | None = None  # the shard checkpoint every rank continues from (a ShardCheckpointRef)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -107,41 +115,89 @@ def group_mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def group_all(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank of the group (one all_reduce: the same answer on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def start_in_group(a: ShardAttempt, job: RankJob, reader: Checkpointer, signature: dict[str, Any]) -> Start:
+    """Where every rank of the group starts: the shard checkpoint the supervisor named (``job.resume``)
+    if every rank could read and check it, else the round's cut (the same start on every rank)."""
+    from .resume_point import ShardCheckpointRef
+    from .shard_checkpoint import Start, load_checkpoint
+
+    start = None
+    if job.resume is not None:
+        start = load_checkpoint(a, ShardCheckpointRef.from_dict(job.resume, "the rank's job"), signature, None)
+        if not group_all(start is not None):
+            start = None  # logged where it did not check out
+    return start or Start(load_cut_in_group(a.ck, reader, a.spec, a.shard, a.cut))
+
+
 def train_rank_round(job: RankJob) -> ShardResult:
     """This rank's part of the round (torch.distributed initialised); the group's result."""
     import torch.distributed as dist
 
-    from .shard_round import ShardRNG, apply_threads
+    from .reshard import cut_shards
+    from .shard_checkpoint import ShardCheckpoints, cut_signature
+    from .shard_round import ShardAttempt, ShardRNG, apply_threads, recognise_failure
 
     clock = Stopwatch()
+    started_at = time.time()
     spec, cut, part = RunSpec.from_dict(job.spec), Cut.from_dict(job.cut), shard_part(job.shard)
     apply_threads(spec)
     ck = Checkpointer(job.url, job.storage_options, process_group=dist.group.WORLD, group_timeout_s=job.group_timeout_s)
     reader = Checkpointer(ck.store)
+    a = ShardAttempt(ck, spec, job.shard, job.round_no, cut, job.generation, job.attempt)
+    failure = recognise_failure(a) if job.rank == 0 else None  # before this attempt's first beat
     hb = Heartbeat(ck.store, part, generation=job.generation, round=job.round_no, steps_per_round=spec.steps_per_round,
                    every_s=job.heartbeat_every_s, attempt=job.attempt, rank=job.rank,
                    meta={**ShardInfo(cut=cut, config_hash=spec.config_hash()).to_dict(), "ranks": job.ranks})
     hb.start()
     clock.lap("setup")  # the checkpointer's own gloo group, the first beat
     loss = float("nan")
+    saver: ShardCheckpoints | None = None
     try:
-        state = load_cut_in_group(ck, reader, spec, job.shard, cut)
+        signature = cut_signature(a)
+        start = start_in_group(a, job, reader, signature)
         clock.lap("load")
-        wl = build_rank_workload(spec, job, state)
-        del state
+        wl = build_rank_workload(spec, job, start.state)
+        del start.state
+        rng = ShardRNG(spec.seed, job.shard, job.round_no)
+        if start.rng is not None:
+            rng.set_state(start.rng)
+        saver = ShardCheckpoints(a, job.checkpoint_every, signature, None, start.round_step)
         clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
+        hb.rebase(int(wl.data_position) - start.round_step)
         hb.beat(step=int(wl.data_position), force=True)
-        loss = group_mean(rank_steps(job, spec, wl, hb, ck))
+        training_at = time.time()
+        if failure is not None:
+            write_recovery(ck.store, failure.recovery(
+                part=part, round_no=job.round_no, generation=job.generation, attempt=job.attempt,
+                started_at=started_at, training_at=training_at, resumed_at_step=start.round_step,
+                source=start.source, checkpoint=start.checkpoint.key if start.checkpoint else None))
+        loss = group_mean(rank_steps(job, spec, wl, hb, ck, start, rng, saver))
+        saver.finish()
         clock.lap("train")
+        if start.round_step and cut_shards(reader, cut) == spec.shards:
+            read_part(ck, cut, part, adopt=True)  # the round's fragment: the delta a clean attempt writes
         state = {**wl.checkpoint_state(), "rng": ShardRNG(spec.seed, job.shard, job.round_no).state(),
                  "round": job.round_no, "loss": loss}
         frag = ck.write_fragment(job.round_no, part, state, generation=job.generation, config_hash=spec.config_hash(),
                                  meta={"round": job.round_no, "loss": loss, "attempt": job.attempt, "ranks": job.ranks,
                                        "host": socket.gethostname(), "setup_s": clock.spent("setup"),
                                        "load_s": clock.spent("load"), "build_s": clock.spent("build"),
-                                       "train_s": clock.spent("train")})
+                                       "train_s": clock.spent("train"), "resumed_at_step": start.round_step,
+                                       "start_source": start.source, **saver.stats()})
         clock.lap("write")
     except BaseException as e:
+        if saver is not None:
+            saver.abandon()
         hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
@@ -151,7 +207,11 @@ def train_rank_round(job: RankJob) -> ShardResult:
     return ShardResult(shard=job.shard, round=job.round_no, part=part, status="finished", generation=job.generation,
                        attempt=job.attempt, loss=loss, data_position=int(wl.data_position),
                        bytes_written=frag.bytes_written, logical_bytes=frag.logical_bytes, chunks=dict(frag.stats),
-                       digest=frag.digest, seconds=clock.seconds())
+                       digest=frag.digest, seconds={**clock.seconds(), "ckpt_blocked": round(saver.blocked_s, 4),
+                                                    "ckpt_write": round(saver.write_s, 4)},
+                       resumed_at_step=start.round_step, start_source=start.source,
+                       shard_checkpoints=saver.count, shard_checkpoint_bytes=saver.bytes_written,
+                       started_at=started_at, training_at=training_at)
 
 
 def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> Any:
@@ -173,18 +233,23 @@ def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> A
     return wl
 
 
-def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpointer) -> float:
-    """The round's steps on this rank, a beat after each, chaos aimed at this rank striking; the
-    mean of this rank's losses."""
+def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpointer, start: Start, rng: ShardRNG,
+               saver: ShardCheckpoints) -> float:
+    """The round's steps on this rank after ``start.round_step``, a beat after each, the group's
+    shard checkpoint when one is due (at the same steps on every rank: a collective write), chaos
+    aimed at this rank striking; the mean of this rank's losses (over all the round's steps)."""
     chaos = for_attempt(job.chaos, job.shard, job.round_no, job.attempt, job.rank)
     strikes = {c.strike_step(spec.steps_per_round): c for c in chaos}
-    losses = []
-    for k in range(1, spec.steps_per_round + 1):
+    losses = list(start.losses)
+    for k in range(start.round_step + 1, spec.steps_per_round + 1):
         losses.append(float(wl.train_step()))
         if k in strikes:
             strike(strikes[k], part=shard_part(job.shard), round_step=k, heartbeat=hb, checkpointer=ck,
                    generation=job.generation)
         hb.beat(step=int(wl.data_position), loss=losses[-1])
+        if saver.due(k, wl):
+            saver.take(k, wl, rng, losses)
+            hb.meta["checkpoint_step"] = saver.newest
     return math.fsum(losses) / len(losses)
 
 

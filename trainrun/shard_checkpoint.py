@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from ckptlib import FencedError, commit
+from ckptlib.distributed.documents import AnyFragment
 from ckptlib.errors import CheckpointError, StoreError
-from ckptlib.manifest import MAX_FRAGMENT_BYTES, Fragment, loads_fragment
+from ckptlib.manifest import Fragment
 
 from .layout import COORDINATOR
 from .local_tier import LocalTier
@@ -78,6 +79,13 @@ def step_bound(every: Every | str, steps_per_round: int) -> int:
     """The most steps a failure recomputes under cadence ``every`` (a kill -9's write in flight aside):
     N, ``auto``'s ceiling, or the whole round when shard checkpoints are off."""
     return AUTO_MAX_STEPS if every == "auto" else int(every) or steps_per_round
+
+
+def group_cadence(every: Every) -> int:
+    """A group's cadence in round steps (``--ranks-per-shard`` > 1): every rank takes each checkpoint
+    at the same step (it is a collective write), so ``auto``'s time rule, which each rank would
+    judge by its own clock, gives way to its step ceiling (docs/decisions.md, decision 49)."""
+    return AUTO_MAX_STEPS if every == "auto" else int(every)
 
 
 @dataclass
@@ -160,7 +168,8 @@ class ShardCheckpoints:
                 "host": socket.gethostname(), "time": time.time()}
         self._done_at = None
         fut = a.ck.write_fragment_async(a.round_no, a.part, state, generation=a.generation, substep=round_step,
-                                        config_hash=a.spec.config_hash(), meta=meta, on_written=self._keep_local)
+                                        config_hash=a.spec.config_hash(), meta=meta, compress=False,
+                                        on_written=self._keep_local if self.tier is not None else None)
         fut.add_done_callback(lambda _f: setattr(self, "_done_at", time.monotonic()))
         now = time.monotonic()
         self.blocked_s += now - t0
@@ -169,9 +178,9 @@ class ShardCheckpoints:
 
     def _keep_local(self, frag: Fragment, units: Mapping[str, np.ndarray]) -> None:
         """In the background, once stored: the checkpoint's copy in the local tier."""
-        if self.tier is not None:
-            key = commit.substep_key(frag.step, frag.part, frag.generation, frag.meta["substep"])
-            self.tier.put(frag.part, frag.generation, key, frag.digest, units)
+        assert self.tier is not None
+        key = commit.substep_key(frag.step, frag.part, frag.generation, frag.meta["substep"])
+        self.tier.put(frag.part, frag.generation, key, frag.digest, units)
 
     def _settle(self, wait: bool = False) -> None:
         """Take the result of the write in flight (if it is done, or ``wait``): a fenced write stops
@@ -238,7 +247,7 @@ def load_checkpoint(a: ShardAttempt, ref: ShardCheckpointRef, signature: dict[st
     the local tier where a valid copy is there, else from the store; None (logged) when it does not
     check out or cannot be read: the attempt then starts from the cut."""
     try:
-        frag = loads_fragment(a.ck.store.get(ref.key, max_bytes=MAX_FRAGMENT_BYTES), f"{a.ck.url}/{ref.key}")
+        frag = commit.read_fragment(a.ck.store, ref.key)[0]  # a process's, or a group's (``trainrun.rank_round``)
         meta = frag.meta
         why = None
         if frag.config_hash != a.spec.config_hash():
@@ -266,7 +275,7 @@ def load_checkpoint(a: ShardAttempt, ref: ShardCheckpointRef, signature: dict[st
         return None
 
 
-def _read(a: ShardAttempt, ref: ShardCheckpointRef, frag: Fragment,
+def _read(a: ShardAttempt, ref: ShardCheckpointRef, frag: AnyFragment,
           known: Mapping[str, np.ndarray] | None) -> dict[str, Any] | None:
     """The checkpoint's state (it becomes the base of the attempt's next checkpoint); with ``known``
     (local units) a damaged copy is logged and None."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import commit
+from ..bases import substep_chain
 from ..errors import CorruptCheckpoint, ObjectNotFound
 from ..manifest import Fragment, Manifest, document_checksum, dumps
 from ..save import EncodedPart, Snapshot, take_snapshot
@@ -196,6 +197,13 @@ class Target:
     generation: int = 0
     config_hash: str | None = None
     commit: bool = True
+    substep: int | None = None  # a sub-step fragment of the part (``commit.substep_key``), not its fragment of the cut
+    compress: bool = True  # False: raw chunks (``EncodeOptions.compress``)
+
+    def base_key(self, rank: int) -> str:
+        """The chain of delta bases the rank's fragment belongs to."""
+        key = rank_base_key(self.part, rank)
+        return substep_chain(key) if self.substep is not None else key
 
 
 @dataclass
@@ -244,11 +252,10 @@ def begin(ck: Checkpointer, coll: Collective, step: int, state: Any, target: Tar
     plan, summaries = _plan_together(coll, local)
     assert isinstance(local, LocalState)
     digests = _candidate_digests(local, summaries[coll.rank])
-    base_key = rank_base_key(target.part, coll.rank)
     try:
         stored, order = stored_values(local, coll.rank, plan)
-        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=copy,
-                             buffers=ck._bases.buffers(base_key).take)
+        snap = take_snapshot(stored, ck._pool, ck._chunk_size(rank_base_key(target.part, coll.rank)), copy=copy,
+                             buffers=ck._bases.buffers(target.base_key(coll.rank)).take)
     except Exception as e:
         _report_failure(coll, e)  # the other ranks wait for this rank's report
         raise
@@ -295,7 +302,9 @@ def persist(ck: Checkpointer, coll: Collective, p: Pending) -> tuple[Manifest, b
                                      meta=None if target.commit else p.meta)
         if not target.commit:
             commit.check_live(ck.store, target.part, target.generation)
-            commit.put_fragment(ck.store, group)
+            key = None if target.substep is None else commit.substep_key(p.step, target.part, target.generation,
+                                                                           target.substep)
+            commit.put_fragment(ck.store, group, key)
             return group
         base = ck._bases.held(rank_base_key(target.part, 0))
         return commit.commit_step(ck.store, p.step, {target.part: (group, None)},
@@ -313,7 +322,8 @@ def persist(ck: Checkpointer, coll: Collective, p: Pending) -> tuple[Manifest, b
         return _report(coll, (key, checksum), finish)
 
     try:
-        return ck._save_part(p.snap, target.part, p.step, publish, base_key=rank_base_key(target.part, coll.rank),
+        return ck._save_part(p.snap, target.part, p.step, publish, base_key=target.base_key(coll.rank),
+                             compress=target.compress,
                              generation=target.generation, config_hash=target.config_hash)
     except BaseException as e:
         if not reported:
