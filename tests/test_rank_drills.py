@@ -35,9 +35,15 @@ def clean_r2(prefect_harness, tmp_path_factory):
 @pytest.mark.prefect
 @pytest.mark.slow
 def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_one_rank_continues(clean_r2, tmp_path):
-    p = params(store=str(tmp_path), run_id="kh", **R2,
+    # the groups checkpoint every 3 steps (a collective write): each recovery continues from one
+    p = params(store=str(tmp_path), run_id="kh", **R2, shard_checkpoint_every=3,
                chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
     s, ds = train_with_watchdog(p)
+    rows = {(r["shard"], r["round"]): r for r in s["recoveries"]}
+    assert sorted(rows) == [(0, 2), (1, 1)], s["recoveries"]
+    assert rows[(0, 2)]["kind"] in ("hang", "stall") and rows[(0, 2)]["resumed_at_step"] == 3, rows
+    # a kill -9 may take the checkpoint still being written with it: fewer than 2N steps
+    assert rows[(1, 1)]["kind"] == "kill" and rows[(1, 1)]["steps_recomputed"] < 6, rows
     # the kill: rank 1's process died, its group failed at its next collective, Prefect retried the
     # task (a fresh group); the hang: rank 0 waited in its all-reduce, the group's beats stopped, the
     # watchdog fenced shard-0 and reran it, the fenced group's four processes were ended
