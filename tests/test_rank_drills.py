@@ -41,9 +41,11 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
     s, ds = train_with_watchdog(p)
     rows = {(r["shard"], r["round"]): r for r in s["recoveries"]}
     assert sorted(rows) == [(0, 2), (1, 1)], s["recoveries"]
-    assert rows[(0, 2)]["kind"] in ("hang", "stall") and rows[(0, 2)]["resumed_at_step"] == 3, rows
-    # a kill -9 may take the checkpoint still being written with it: fewer than 2N steps
-    assert rows[(1, 1)]["kind"] == "kill" and rows[(1, 1)]["steps_recomputed"] < 6, rows
+    # the hung rank: its group went silent, the watchdog's rerun continued from the fence's checkpoint
+    assert rows[(0, 2)]["kind"] == "silent" and rows[(0, 2)]["resumed_at_step"] == 3, rows
+    # the killed rank: its group failed (a crash to Prefect, which retried it); a kill -9 may take the
+    # checkpoint still being written with it: fewer than 2N steps recomputed
+    assert rows[(1, 1)]["kind"] == "crash" and rows[(1, 1)]["steps_recomputed"] < 6, rows
     # the kill: rank 1's process died, its group failed at its next collective, Prefect retried the
     # task (a fresh group); the hang: rank 0 waited in its all-reduce, the group's beats stopped, the
     # watchdog fenced shard-0 and reran it, the fenced group's four processes were ended
