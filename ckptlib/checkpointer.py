@@ -407,12 +407,8 @@ class Checkpointer:
         self._drain()
         if self._collective is not None:
             return self._restore_collective(step, healthy, part, device, into, select, keep_base, rank)
-        lease = None
-        if step is not None and step != self.latest_step():
-            # GC never drops the newest step; an older one may be dropped while it is read: a read lease
-            lease = Lease(self.store, "read", commit.check_step(step)).try_acquire()
+        m, lease = self._leased_manifest(step, healthy)
         try:
-            m = self._read_manifest(self._resolve(step, healthy=healthy))
             names = [part] if part is not None else list(m.parts)
             if into is not None and part is None and not m.single:
                 into_parts = into
@@ -432,8 +428,7 @@ class Checkpointer:
                     self._bases.set(name, base_of(frag, self.options.chunk_bytes, raw))
                 out[name] = state
         finally:
-            if lease is not None:
-                lease.release()
+            lease.release()
         if part is not None:
             return out[part]
         return out[SINGLE_PART] if m.single else out
@@ -513,6 +508,25 @@ class Checkpointer:
             while len(self._fragments) > _FRAGMENTS_KEPT:
                 self._fragments.popitem(last=False)
         return self._fragments[key]
+
+    def _leased_manifest(self, step: int | None, healthy: bool) -> tuple[Manifest, Lease]:
+        """The manifest of the step to restore, read under a read lease of it (release it when done).
+        Every restore takes one, the newest step's too: a newer commit can make it droppable while it
+        is read. A lease is written before the manifest is read, so a GC either sees it or has
+        dropped the step already (NoCheckpoint; for the latest step, the newer latest is read)."""
+        for attempt in range(3):
+            resolved = self._resolve(step, healthy=healthy)
+            lease = Lease(self.store, "read", resolved).try_acquire()
+            try:
+                return self._read_manifest(resolved), lease
+            except NoCheckpoint:
+                lease.release()
+                if step is not None or attempt == 2:
+                    raise
+            except BaseException:
+                lease.release()
+                raise
+        raise AssertionError("unreachable")
 
     def _resolve(self, step: int | None, *, healthy: bool) -> int:
         if step is not None:
@@ -833,10 +847,10 @@ class Checkpointer:
                     chosen = Outcome(self._resolve(None, healthy=healthy))
                 except Exception as e:  # noqa: BLE001 - delivered to every rank
                     chosen = Outcome(error=RemoteError.of(coll.rank, e))
-            resolved, lease = coll.broadcast(chosen, "choosing the step to restore").result(), None
+            resolved = coll.broadcast(chosen, "choosing the step to restore").result()
         else:
             resolved = commit.check_step(step)
-            lease = Lease(self.store, "read", resolved).try_acquire() if resolved != self.latest_step() else None
+        lease = Lease(self.store, "read", resolved).try_acquire()  # every rank's own (see _leased_manifest)
         try:
             error: BaseException | None = None
             try:
@@ -858,8 +872,7 @@ class Checkpointer:
                 error = e
             coll.agree(error, "restoring")
         finally:
-            if lease is not None:
-                lease.release()
+            lease.release()
         return state
 
     # --- retention -------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
 
 0. Refuse unless the store is a ckptlib store (``commit.is_store``); take ``gc.lock`` (one GC at a
    time); read the live leases, THEN list the committed steps. Steps a lease names (a save's delta
-   base, a step being read) and the newest committed step are kept whatever the policy says.
+   base, a step being read) and the newest committed step are kept whatever the policy says; so is
+   a step a reader leases later, until step 3 drops it (see 3).
 1. Plan without deleting anything: read every committed manifest (a damaged one aborts the GC
    before any delete, naming ``ckpt quarantine``) and mark every object any of them needs, delta
    chains included, every object a pending fragment (of a step after the newest commit) needs, and
@@ -14,11 +15,15 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
    temp files of killed writes, expired leases. Only while no save holds a lease (a save that
    re-uses an unreferenced object would otherwise lose it); the leases are read again before each
    batch of deletes. The first time no save is in flight, the steps committed since the listing
-   are marked too (saves that were in flight as the leases were read). Keys that are not objects
-   ckptlib writes are skipped and reported, never deleted.
-3. Drop the steps the policy does not keep: for each, its report and verdict, then its manifest
-   last (a crash leaves a committed step whose objects all exist). Also when a save deferred the
-   sweeps: this deletes no object.
+   are marked too (saves that were in flight as the leases were read). A read lease of a step the
+   marks do not cover (dropped by this GC, or never seen committed) also stops the deletes: that
+   reader may hold a manifest read before it was dropped. Keys that are not objects ckptlib writes
+   are skipped and reported, never deleted.
+3. Drop the steps the policy does not keep: the leases are read again before each batch, and a
+   step a reader leased since the plan is kept (its objects marked); for each other, its report and
+   verdict, then its manifest last (a crash leaves a committed step whose objects all exist). Also
+   when a save deferred the sweeps: this deletes no object. A reader whose lease lands after that
+   look either finds no manifest (NoCheckpoint) or holds one, and then its lease stops step 4.
 4. Sweep, as in 2, the objects only the dropped manifests needed (not when 2 was deferred).
 
 Memory stays bounded by the set of objects the kept checkpoints reference: listings are read page
@@ -180,6 +185,7 @@ class _Sweeper:
         self.store, self.report, self.marks, self.lock, self.dry_run, self.cutoff = \
             store, report, marks, lock, dry_run, cutoff
         self.caught_up = False
+        self.uncommitted: set[int] = set()  # dropped steps whose manifests this GC deletes (or deleted)
         self.deleter = ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="ckpt-gc-delete")
 
     def close(self) -> None:
@@ -207,7 +213,16 @@ class _Sweeper:
             if self.lock is not None and not self.lock.renew():
                 self.report.deferred = "the GC lock was taken over (this GC ran past its lock's expiry): stopped"
                 raise _Stop
-            batch = dropped[start:start + _BATCH]
+            # a reader that took its lease since the plan keeps its step (its lease is read here, before the
+            # manifest goes; one written later either finds no manifest, or is seen by every sweep below)
+            reading = {lease.step for lease in live_leases(self.store) if lease.kind == "read"}
+            batch = []
+            for step in dropped[start:start + _BATCH]:
+                if step in reading:
+                    self.keep(step)
+                else:
+                    batch.append(step)
+            self.uncommitted.update(batch)
             for done, skipped, freed in self.deleter.map(lambda s: _uncommit(self.store, s, self.dry_run), batch):
                 self.report.deleted_objects.extend(done)
                 self.report.skipped.extend(skipped)
@@ -218,11 +233,23 @@ class _Sweeper:
         if not swept:
             raise _Stop
 
+    def keep(self, step: int) -> None:
+        """Keep dropped ``step`` after all (a reader leased it since the plan): its objects are marked kept."""
+        keys = _needed(self.store, step)
+        self.marks.kept |= keys
+        self.marks.dropped_only -= keys
+        self.report.dropped_steps.remove(step)
+        self.report.kept_steps = sorted({*self.report.kept_steps, step})
+        log.info("garbage collection of %s keeps step %d: a restore of it is in flight", self.store.url, step)
+
     def clear_to_delete(self) -> str | None:
         """Why nothing may be deleted now (None: go on). The first time it is clear, the steps
         committed since the listing are marked: after that no save can publish before this GC ends
-        (a save that began after it took the lock sees the lock and waits)."""
-        busy = [lease for lease in live_leases(self.store) if lease.kind == "save"]
+        (a save that began after it took the lock sees the lock and waits). A read lease of a step
+        the marks do not cover (one this GC dropped, or one it never saw committed) also waits: that
+        reader may hold a manifest whose objects are no longer marked."""
+        leases = live_leases(self.store)
+        busy = [lease for lease in leases if lease.kind == "save"]
         if busy:
             return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
                     "objects were not swept; run GC again later")
@@ -233,6 +260,11 @@ class _Sweeper:
             new = self.marks.catch_up(self.store)
             if new:
                 log.info("garbage collection of %s: steps %s were committed while it planned; kept", self.store.url, new)
+        reads = [lease for lease in leases if lease.kind == "read" and lease.step is not None
+                 and (lease.step in self.uncommitted or lease.step not in self.marks.seen)]
+        if reads:
+            return (f"a restore of step {reads[0].step}, which is not committed now, is in flight (lease {reads[0].id} "
+                    f"from {reads[0].host} pid {reads[0].pid}): objects were not swept; run GC again later")
         return None
 
     def delete(self, keys: list[tuple[str, int]]) -> None:

@@ -21,10 +21,13 @@ The protocol (the argument is in docs/format.md, "Garbage collection"):
   stalled longer than its lease's time to live (default one hour, renewed while uploads progress)
   is not protected.
 
-Readers of a step that is not the newest take a read lease the same way (best effort: a reader
-without write access to the store reads unprotected; the newest step is never dropped). A reader
-does not wait for a GC that runs as it starts: that GC may still drop its step, and the restore
-then fails with "missing from the store"; every later GC keeps the step while the lease lives.
+Every restore takes a read lease of its step the same way, before it reads the manifest (best
+effort: a reader without write access to the store reads unprotected). A reader never waits for a
+GC. A GC that planned before the lease was written looks at the leases again before it drops each
+batch of steps (a leased step is kept), and before each batch of deletes it stops while a read
+lease names a step it dropped or never saw committed: that reader either found no manifest
+(NoCheckpoint) or holds one whose objects are then not swept. Every later GC keeps the step while
+the lease lives.
 """
 
 from __future__ import annotations

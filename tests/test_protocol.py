@@ -9,14 +9,16 @@ import uuid
 import pytest
 import torch
 
-from ckptlib import Checkpointer, RetentionPolicy, StoreError
-from ckptlib.store import Store
+from ckptlib import Checkpointer, NoCheckpoint, RetentionPolicy, StoreError
+from ckptlib.store import Store, WrapperStore
 from ckptlib.testing import FaultyStore, SimulatedCrash
 from ckptlib.testing.protocol import (
     age_objects,
+    assert_same_state,
     crash_after_every_call,
     expect_states,
     interleave_gc,
+    interleave_gc_at_lease_looks,
     run_inside_gc,
 )
 
@@ -285,6 +287,81 @@ def test_gc_between_every_two_calls_of_a_multi_part_cut(template, gc_first):
         commit_cut(store, 2)
 
     interleave_gc(template(build), op, expect_states({1: cut(1), 2: cut(2)}), gc_first=gc_first, expect_committed=[2])
+
+
+# ----------------------------------------------------------------------------- a restore beside a GC
+
+
+def _restore_exactly(step: int | None, outcomes: dict[str, int]):
+    """A restore of ``step`` that must return its exact state, or NoCheckpoint when the GC dropped
+    the step before the reader found its manifest (never a chunk "missing from the store")."""
+    def op(store):
+        with Checkpointer(store) as ck:
+            try:
+                got = ck.restore(step)
+            except NoCheckpoint:
+                outcomes["not committed"] = outcomes.get("not committed", 0) + 1
+                return
+        assert_same_state(state(step if step is not None else 2), got)
+        outcomes["restored"] = outcomes.get("restored", 0) + 1
+
+    return op
+
+
+@pytest.mark.parametrize("template", ["memory", "local"], indirect=True)
+def test_a_restore_of_a_step_gc_drops_beside_every_look_of_the_gc_at_the_leases(template):
+    """The race CI found (a leased restore of an old step failed: "chunk ... is missing from the
+    store"): the GC read the leases, the reader wrote its lease and read the manifest, the GC
+    dropped the step and swept its objects. Wherever the reader's lease lands between the GC's
+    looks at the leases, the restore returns the exact state or says the step is not committed."""
+    outcomes: dict[str, int] = {}
+    points = interleave_gc_at_lease_looks(template(lambda s: save(s, 1, 2, follow=False)),
+                                          _restore_exactly(1, outcomes), expect_states({1: state(1), 2: state(2)}))
+    assert len({p.look for p in points}) >= 3, points  # planning, sweeping and dropping each looked
+    assert outcomes.get("restored", 0) >= 3 and outcomes.get("not committed", 0) >= 1, outcomes
+
+
+class _PauseAtFirstChunk(WrapperStore):
+    """Pauses the reader right before it reads its first chunk (its manifest read already)."""
+
+    def __init__(self, inner, reached, go_on):
+        super().__init__(inner)
+        self.reached, self.go_on = reached, go_on
+
+    def _forward(self, op, key, *args):
+        if op == "get" and key.startswith("chunks/") and not self.reached.is_set():
+            self.reached.set()
+            assert self.go_on.wait(60), "never resumed"
+        return super()._forward(op, key, *args)
+
+
+def test_a_restore_of_the_latest_step_outlives_a_newer_commit_and_a_gc(new_store):
+    """The newest step is never dropped, but it stops being the newest: a reader of the latest
+    step, a save of the next one and a GC keeping only the newest, all while the reader reads."""
+    import threading
+
+    store = new_store()
+    save(store, 1, 2, follow=False)
+    reached, go_on = threading.Event(), threading.Event()
+    outcomes: dict[str, int] = {}
+    errors: list[BaseException] = []
+
+    def read():
+        try:
+            _restore_exactly(None, outcomes)(_PauseAtFirstChunk(store, reached, go_on))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert reached.wait(60)
+    save(store, 3, follow=False)
+    with Checkpointer(store) as ck:
+        report = ck.gc(RetentionPolicy(keep_last=1), grace_s=0)
+    go_on.set()
+    reader.join(60)
+    assert not errors, errors[0]
+    assert outcomes == {"restored": 1} and 2 in report.kept_steps, (outcomes, report)
 
 
 # ----------------------------------------------------------------------------- a save inside a GC

@@ -43,12 +43,21 @@ sweeps objects a save re-uses (found already stored, e.g. left by an earlier fai
 the same step) after the save found them.
 
 ``run_inside_gc(make_store, op, check)``: the mirror image: for k = 0, 1, ...: the operation (e.g.
-a save of a new state) starts and pauses right after its first look at ``gc.lock`` (its lease
-written, no GC seen); a full garbage collection starts; after the collection's store call k the
+a save of a new state) starts and pauses right after its save's first look at ``gc.lock`` (its
+save lease written, no GC seen); a full garbage collection starts; after the collection's store call k the
 operation runs to its end, as another process would; then the collection goes on. The operation
 must succeed, ``check`` pass and ``expect_committed`` be committed. That is the interleaving in
 which a GC that listed the steps before a save committed, and read the leases after it ended,
 swept with marks that did not know the save's manifest (the new keyframe it wrote was lost).
+
+``interleave_gc_at_lease_looks(make_store, op, check)``: for every look i = 1, 2, ... of the
+collection at the leases (a listing of ``leases/``: each decision it takes, to plan, to sweep, to
+drop a step, follows one) and every call k of ``op``: the collection starts first and pauses right
+after look i; the operation runs its first k calls; the collection finishes; the operation goes on.
+That is the interleaving in which a reader's lease is written just after the GC looked: a GC that
+decided on an older look must still not sweep what the reader goes on to read. The operation must
+succeed (a restore of a step the GC dropped before the reader found its manifest may say so: the
+operation decides what it accepts), and ``check`` pass.
 
 They return what they did (``Point``s: k, the call, how it ended) so a test can also assert
 coverage (e.g. that some crash fell right after the manifest was published).
@@ -76,6 +85,7 @@ __all__ = [
     "default_gc",
     "expect_states",
     "interleave_gc",
+    "interleave_gc_at_lease_looks",
     "run_inside_gc",
 ]
 
@@ -93,6 +103,7 @@ class Point:
     call: Call | None
     outcome: str
     committed: tuple[int, ...]
+    look: int = 0  # interleave_gc_at_lease_looks: the GC paused after its look ``look`` at the leases
 
 
 def committed_manifests(store: Store) -> dict[int, bytes]:
@@ -269,7 +280,7 @@ def interleave_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], c
     points: list[Point] = []
     for k in range(max_points + 1):
         store = make_store()
-        run = _Interleaving(store, k, gc, gc_first, timeout_s)
+        run = _Interleaving(store, k, gc, _before_first_chunk_delete if gc_first else None, timeout_s)
         call, calls = run.go(op)
         where = f"GC after call {k} ({call.op} {call.key!r})" if call else (
             "GC before the operation" if k == 0 else f"k={k} (no GC ran)")
@@ -289,11 +300,66 @@ def interleave_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], c
     return points
 
 
-class _Interleaving:
-    """One run of interleave_gc: the operation on a tapped store, a GC at its call k."""
+def interleave_gc_at_lease_looks(make_store: Callable[[], Store], op: Callable[[Store], Any],
+                                 check: Callable[[Store], None], *, gc: Callable[[Store], Any] = default_gc,
+                                 expect_committed: Iterable[int] | None = None, max_points: int = MAX_POINTS,
+                                 timeout_s: float = 120.0) -> list[Point]:
+    """See the module docstring. Raises AssertionError naming the look and k at the first failure."""
+    points: list[Point] = []
+    for look in range(1, max_points + 1):
+        for k in range(1, max_points + 1):
+            run = _Interleaving(make_store(), k, gc, _after_lease_look(look), timeout_s)
+            if not run.paused.is_set():  # the GC ended before its look ``look``: every look was tried
+                run.go(lambda store: None)  # reports a GC that failed
+                if look == 1:
+                    raise AssertionError("the GC never looked at the leases")
+                return points
+            call, calls = run.go(op)
+            where = f"GC paused after its lease look {look}, finished after call {k} of the operation ({call})"
+            try:
+                check(run.store)
+            except AssertionError as e:
+                raise AssertionError(f"{where}: {e}") from e
+            now = committed_manifests(run.store)
+            if expect_committed is not None:
+                missing = sorted(set(expect_committed) - set(now))
+                assert not missing, f"{where}: steps {missing} are not committed"
+            points.append(Point(k, call, "gc ran" if call else "completed", tuple(now), look))
+            if calls < k:  # the operation made fewer than k calls: every point of this look was tried
+                break
+        else:
+            raise AssertionError(f"the operation made more than {max_points} store calls; use a smaller state")
+    raise AssertionError(f"the GC looked at the leases more than {max_points} times; use a smaller store")
 
-    def __init__(self, store: Store, k: int, gc: Callable[[Store], Any], gc_first: bool, timeout_s: float):
-        self.store, self.k, self.gc, self.timeout_s = store, k, gc, timeout_s
+
+# Where a GC started first pauses (``when``: "before" or "after" its store call ``op`` on ``key``).
+PausePoint = Callable[[str, str, str], bool]
+
+
+def _before_first_chunk_delete(when: str, op: str, key: str) -> bool:
+    return when == "before" and op == "delete" and key.startswith("chunks/")
+
+
+def _after_lease_look(n: int) -> PausePoint:
+    looks = 0
+
+    def at(when: str, op: str, key: str) -> bool:
+        nonlocal looks
+        if when == "after" and op == "scan" and key.startswith("leases"):
+            looks += 1
+            return looks == n
+        return False
+
+    return at
+
+
+class _Interleaving:
+    """One run of interleave_gc: the operation on a tapped store, a GC at its call k (with
+    ``pause``: the GC started first and paused there)."""
+
+    def __init__(self, store: Store, k: int, gc: Callable[[Store], Any], pause: PausePoint | None,
+                 timeout_s: float):
+        self.store, self.k, self.gc, self.timeout_s, self.pause = store, k, gc, timeout_s, pause
         self.calls = 0
         self.lock_gets = 0
         self.fired = False
@@ -303,11 +369,13 @@ class _Interleaving:
         self.resume = threading.Event()
         self.paused = threading.Event()
         self.thread: threading.Thread | None = None
-        self.gc_store: Store = _Tap(store, before=self._gc_before) if gc_first else store
-        if gc_first:
+        self.gc_store: Store = store
+        if pause is not None:
+            self.gc_store = _Tap(store, before=lambda op, key: self._gc_at("before", op, key),
+                                 after=lambda op, key: self._gc_at("after", op, key))
             self.thread = threading.Thread(target=self._run_gc, name="interleaved-gc", daemon=True)
             self.thread.start()
-            # wait until it pauses before its first chunk delete, or ends (nothing to delete)
+            # wait until it pauses, or ends (it never reached the point: e.g. nothing to delete)
             while not self.paused.wait(0.01) and self.thread.is_alive():
                 pass
 
@@ -317,8 +385,9 @@ class _Interleaving:
         except BaseException as e:  # noqa: BLE001 - reported by go()
             self.gc_error = e
 
-    def _gc_before(self, op: str, key: Any) -> None:
-        if op == "delete" and str(key).startswith("chunks/") and not self.paused.is_set():
+    def _gc_at(self, when: str, op: str, key: Any) -> None:
+        assert self.pause is not None
+        if not self.paused.is_set() and self.pause(when, op, str(key)):
             self.paused.set()
             if not self.resume.wait(self.timeout_s):
                 raise AssertionError("the interleaved GC was never resumed")
@@ -400,8 +469,8 @@ def run_inside_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], c
 
 
 class _OpAroundGc:
-    """One run of run_inside_gc: the operation starts first and pauses right after its first look at
-    gc.lock (its lease is written: it saw no GC); the GC runs; after the GC's call k the operation
+    """One run of run_inside_gc: the operation starts first and pauses right after its save's first
+    look at gc.lock (its lease is written: it saw no GC); the GC runs; after the GC's call k the operation
     runs to its end; then the GC goes on."""
 
     def __init__(self, store: Store, op: Callable[[Store], Any], gc: Callable[[Store], Any], k: int,
@@ -411,6 +480,7 @@ class _OpAroundGc:
         self.op_error: BaseException | None = None
         self.paused, self.resume = threading.Event(), threading.Event()
         self.gc_calls = 0
+        self.saving = False
         self.thread = threading.Thread(target=self._run_op, name="op-around-gc", daemon=True)
 
     def _run_op(self) -> None:
@@ -422,7 +492,9 @@ class _OpAroundGc:
             self.paused.set()
 
     def _op_after(self, name: str, key: Any) -> None:
-        if name == "get" and key == "gc.lock" and not self.paused.is_set():
+        if name == "put" and str(key).startswith("leases/save-"):
+            self.saving = True  # a restore before the save (a follower's) looks at gc.lock for its read lease
+        if name == "get" and key == "gc.lock" and self.saving and not self.paused.is_set():
             self.paused.set()
             if not self.resume.wait(self.timeout_s):
                 raise AssertionError("the operation was never resumed")
