@@ -107,6 +107,26 @@ def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_
 
 
 @pytest.mark.slow
+def test_a_killed_rank_0_leaves_the_shards_beat_failed_and_its_retry_recovers_from_a_crash(clean, tmp_path):
+    """Rank 0 beats as the shard; killed, it cannot write its final beat, so the supervisor writes
+    every rank's: the retry's row is a crash (Prefect's retry of a task that raised), not a process
+    that died, and a watchdog does not judge the beat of a dead group silent while the retry starts."""
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "k0"), s)
+    chaos = ["kill:shard=0,round=1,rank=0,step=3"]
+    with pytest.raises(RankGroupFailed, match=r"shard-0: rank 0 of its group of 2 was killed by signal 9"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=chaos, heartbeat_every_s=0.2)
+    beats = read_rank_heartbeats(ck.store, "shard-0")
+    assert {r: (b.status, b.attempt) for r, b in beats.items()} == {0: ("failed", 1), 1: ("failed", 1)}, beats
+    assert "rank 0 of its group of 2 was killed by signal 9" in (beats[0].error or ""), beats[0]
+    assert beats[0].time >= read_strike(ck.store, "shard-0", 1, 1).time
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, chaos=chaos)
+    assert retry.digest == clean.digest
+    [row] = read_recoveries(ck.store, 1)
+    assert (row.kind, row.cause, row.failed_at_step, row.attempt) == ("crash", "kill", 3, 2), row
+
+
+@pytest.mark.slow
 def test_a_groups_retry_continues_from_its_shard_checkpoint_and_writes_the_clean_fragment(clean, tmp_path):
     """Shard checkpoints of a group (every 2 steps, a collective write): rank 1 crashes at step 5, and
     the retry's fresh group continues from step 4, not from the cut, to the clean fragment."""

@@ -31,5 +31,18 @@ def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step
     assert r["steps_bound"] == AUTO_MAX_STEPS and r["beyond_bound"] == 0, r["rows"]
     assert all(0 <= row["steps_recomputed"] <= AUTO_MAX_STEPS for row in r["rows"]), r["rows"]
     assert r["shard_checkpoints"]["clean"]["count"] >= 2 * 3 * 2  # the ceiling: at least 2 a round per shard
-    assert 0.0 < r["goodput"] <= 1.5 and r["detect_s"]["median"] is not None
+    # goodput is the clean run's round time over the drilled run's, the same rounds of the same steps
+    # (docs/training.md). Not bounded above: the two runs are minutes apart, and a machine whose load
+    # changes between them (CI: other test workers on the same 2 cores) makes the clean run the
+    # slower one (the README's 30-minute soak: 104.4%, "not a measurement"; CI saw 155%)
+    clean_walls, drilled_walls = r["clean_round_wall_s"], r["drilled_round_wall_s"]
+    assert len(clean_walls) == len(drilled_walls) == r["rounds"] == 3, r
+    assert r["goodput"] == pytest.approx(sum(clean_walls) / sum(drilled_walls), abs=1e-4) and r["goodput"] > 0.0
+    assert r["clean_rounds_s"] == pytest.approx(sum(clean_walls), abs=1e-3)
+    assert r["drilled_rounds_s"] == pytest.approx(sum(drilled_walls), abs=1e-3)
+    # what load cannot shorten: the stall's round (seed 3 draws a stall and a crash) lasted at least
+    # the watchdog's timeout, its step unchanged that long before the fence; the rounds count it
+    [stalled] = [row for row in r["rows"] if row["kind"] == "stalled"]
+    assert drilled_walls[stalled["round"] - 1] >= r["watchdog_timeout_s"], (stalled, drilled_walls)
+    assert r["detect_s"]["median"] is not None
     assert "goodput" in p.stdout and f"(bound {AUTO_MAX_STEPS}: 0 beyond)" in p.stdout

@@ -13,7 +13,9 @@ a hung or stalled rank stops the whole group's beats at its next collective), ev
 is killed (SIGKILL: a rank blocked in a collective cannot be asked) and waited for, so no process
 of a failed or fenced group lives on. A failure raises ``RankGroupFailed`` (Prefect retries the
 task: a fresh group from the same cut) or ``RankGroupRefused`` (a rank refused its work: not
-retried); a fence raises ``FencedError``. A shard task killed outright takes its ranks with it (each rank asks
+retried), after the supervisor wrote the final ``failed`` beat of every rank that had not written
+its own (``finish_failed_beats``: rank 0's is the shard's, so the retry's recovery row says
+``crash`` and a watchdog does not take the group for a silent one); a fence raises ``FencedError``. A shard task killed outright takes its ranks with it (each rank asks
 the kernel for ``SIGKILL`` when its supervisor ends: ``PR_SET_PDEATHSIG``). A fenced group's fragment, had one of its ranks written
 it, is of the old generation: never gathered, never committed.
 
@@ -33,12 +35,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ckptlib import Checkpointer, FencedError
-from ckptlib.heartbeat import Beat, read_heartbeat
+from ckptlib.heartbeat import Beat, heartbeat_key, read_heartbeat
 
 from .documents import Cut
 from .errors import RankGroupFailed, RankGroupRefused
@@ -136,10 +138,18 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                         resume=resume.to_dict() if resume is not None else None)
                 for r in range(spec.ranks_per_shard)]
         ranks = start_ranks(jobs, workdir)
+        failure: Exception | None = None
         try:
             supervise(ck, part, generation, ranks, every_s=heartbeat_every_s, on_beat=on_beat, port=port)
+        except FencedError:
+            raise  # the watchdog owns the shard now: its fence says what happened
+        except Exception as e:
+            failure = e
+            raise
         finally:
             end_ranks(ranks)
+            if failure is not None:
+                finish_failed_beats(ck, part, generation, attempt, len(ranks), failure, on_beat)
         result = ShardResult.from_json(result_path.read_bytes())
     return ShardResult.from_dict({**result.to_dict(), "seconds": {**result.seconds,
                                                                   "group": round(time.perf_counter() - t0, 4)}})
@@ -168,6 +178,34 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
                 last_beats = beat.beats
                 on_beat(beat)
         time.sleep(POLL_S)
+
+
+def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: int, ranks: int,
+                        error: BaseException, on_beat: Callable[[Beat], None] | None) -> None:
+    """The group's attempt failed and every rank has ended: each rank's beat of this attempt that
+    still says ``running`` becomes ``failed``, with the group's error. A rank writes its own final
+    beat when it gets to it, but the supervisor kills the ranks as soon as one fails, so rank 0
+    (killed itself, or still failing its collective, waiting for its checkpoint write in flight)
+    may not have: the shard's last beat would then say ``running``, and the next attempt would
+    take the failure for a process that died (``process-died``), or a watchdog, seeing no beat for
+    its timeout while the retry's fresh group starts, would fence the shard as ``silent``. To
+    Prefect the attempt raised, so it is a ``crash`` (``trainrun.recovery``), whichever rank failed
+    and however fast. Nothing is written once the part is fenced (a newer generation owns its beat);
+    a store that cannot be written is logged: the group's own error is the one raised."""
+    try:
+        if ck.live_generation(part) > generation:
+            return
+        for r in range(ranks):
+            beat = read_heartbeat(ck.store, part, r)
+            if beat is None or beat.status != "running" or (beat.generation, beat.attempt) != (generation, attempt):
+                continue  # it wrote its own final beat, or never beat in this attempt
+            final = replace(beat, status="failed", time=time.time(), beats=beat.beats + 1,
+                            error=f"{type(error).__name__}: {error}")
+            ck.store.put(heartbeat_key(part, r), final.to_json())
+            if r == 0 and on_beat is not None:
+                on_beat(final)
+    except Exception as e:  # noqa: BLE001 - a report; the group's error is raised anyway
+        log.warning("%s: the final beats of its failed group were not written: %s", part, e)
 
 
 def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[tuple[Rank, int]],

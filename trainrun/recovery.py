@@ -5,9 +5,12 @@ recognises that from what it finds before its own first beat (``Failure.recognis
 attempt's last beat (``heartbeats/<part>.json``), the fence of its own generation when a watchdog
 fenced the earlier one, and the chaos strike that hit it in a drill. Kinds:
 
-``crash``         the earlier attempt raised (its last beat says ``failed``); Prefect retried the task
+``crash``         the earlier attempt raised (its last beat says ``failed``); Prefect retried the task.
+                  Also a group whose rank died or crashed: its supervisor ends the group, writes the
+                  final beats the ranks did not (``trainrun.rank_group.finish_failed_beats``) and raises
 ``process-died``  its last beat says ``running`` and no newer generation exists: its process died
-                  (a killed Dask worker or rank); Dask or Prefect ran the task again
+                  (a killed Dask worker, a shard task killed with its ranks); Dask or Prefect ran the
+                  task again
 ``silent``, ``stalled``, ``lost``, ``missing``
                   a watchdog judged it so, fenced it and reran the shard as a new generation
 ``run-died``      the whole run died mid-round and was resumed (``flows/summary.py`` writes these rows,
