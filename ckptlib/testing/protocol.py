@@ -272,6 +272,21 @@ class _Tap(WrapperStore):
         return _Tap(inner_child, self.before, self.after)
 
 
+def _judge(store: Store, check: Callable[[Store], None], expect_committed: Iterable[int] | None,
+           where: str) -> dict[int, bytes]:
+    """``check`` the store after one interleaving and that ``expect_committed`` are committed
+    (AssertionError naming ``where``); the committed manifests."""
+    try:
+        check(store)
+    except AssertionError as e:
+        raise AssertionError(f"{where}: {e}") from e
+    now = committed_manifests(store)
+    if expect_committed is not None:
+        missing = sorted(set(expect_committed) - set(now))
+        assert not missing, f"{where}: steps {missing} are not committed"
+    return now
+
+
 def interleave_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], check: Callable[[Store], None], *,
                   gc: Callable[[Store], Any] = default_gc, gc_first: bool = False,
                   expect_committed: Iterable[int] | None = None, max_points: int = MAX_POINTS,
@@ -284,14 +299,7 @@ def interleave_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], c
         call, calls = run.go(op)
         where = f"GC after call {k} ({call.op} {call.key!r})" if call else (
             "GC before the operation" if k == 0 else f"k={k} (no GC ran)")
-        try:
-            check(store)
-        except AssertionError as e:
-            raise AssertionError(f"{where}: {e}") from e
-        now = committed_manifests(store)
-        if expect_committed is not None:
-            missing = sorted(set(expect_committed) - set(now))
-            assert not missing, f"{where}: steps {missing} are not committed"
+        now = _judge(store, check, expect_committed, where)
         points.append(Point(k, call, "gc ran" if run.fired else "completed", tuple(now)))
         if k and calls < k:  # the operation made fewer than k calls: every point was tried
             break
@@ -316,14 +324,7 @@ def interleave_gc_at_lease_looks(make_store: Callable[[], Store], op: Callable[[
                 return points
             call, calls = run.go(op)
             where = f"GC paused after its lease look {look}, finished after call {k} of the operation ({call})"
-            try:
-                check(run.store)
-            except AssertionError as e:
-                raise AssertionError(f"{where}: {e}") from e
-            now = committed_manifests(run.store)
-            if expect_committed is not None:
-                missing = sorted(set(expect_committed) - set(now))
-                assert not missing, f"{where}: steps {missing} are not committed"
+            now = _judge(run.store, check, expect_committed, where)
             points.append(Point(k, call, "gc ran" if call else "completed", tuple(now), look))
             if calls < k:  # the operation made fewer than k calls: every point of this look was tried
                 break
@@ -452,14 +453,7 @@ def run_inside_gc(make_store: Callable[[], Store], op: Callable[[Store], Any], c
     for k in range(max_points + 1):
         run = _OpAroundGc(make_store(), op, gc, k, timeout_s)
         where = run.go()
-        try:
-            check(run.store)
-        except AssertionError as e:
-            raise AssertionError(f"{where}: {e}") from e
-        now = committed_manifests(run.store)
-        if expect_committed is not None:
-            missing = sorted(set(expect_committed) - set(now))
-            assert not missing, f"{where}: steps {missing} are not committed"
+        now = _judge(run.store, check, expect_committed, where)
         points.append(Point(k, run.call, "op ran" if run.call else "completed", tuple(now)))
         if run.call is None:  # the GC made fewer than k calls: every point was tried
             break
