@@ -27,6 +27,11 @@ import typer
 POOL_START_TIMEOUT_S = 120.0
 
 
+def start_timeout_beside(task_runner: Any, timeout_s: float) -> float | None:
+    """The start timeout of a watchdog beside a run on ``task_runner`` (None: the watchdog's default)."""
+    return None if str(task_runner) == "threads" else max(POOL_START_TIMEOUT_S, 2 * timeout_s)
+
+
 class BesideWatchdog:
     """The ``watchdog`` flow watching ``params``' run from a thread (see the module docstring)."""
 
@@ -34,8 +39,8 @@ class BesideWatchdog:
         from flows.watchdog import stop_event
 
         self.params, self.timeout_s = params, timeout_s
-        if start_timeout_s is None and str(params.task_runner) != "threads":
-            start_timeout_s = max(POOL_START_TIMEOUT_S, 2 * timeout_s)
+        if start_timeout_s is None:
+            start_timeout_s = start_timeout_beside(params.task_runner, timeout_s)
         self.start_timeout_s = start_timeout_s
         self.key = f"train-{params.run_id}-{uuid.uuid4().hex[:6]}"
         self.since = time.time()  # this session's beats only: a resumed run's predecessor is not this run

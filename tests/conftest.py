@@ -63,6 +63,24 @@ def _storage_options_env_stays_as_it_was():
         os.environ["CKPT_STORAGE_OPTIONS"] = before
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per test file (setup, call and teardown), summed where the reports arrive (the xdist
+    controller too): the suite's time budget is spent by files, since ``--dist loadfile`` runs
+    each file on one worker."""
+    _FILE_SECONDS[report.nodeid.split("::")[0]] = _FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("PYTEST_XDIST_WORKER") or not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest test files")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if "seaweedfs" in getattr(item, "fixturenames", ()):

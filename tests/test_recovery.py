@@ -15,15 +15,12 @@ checkpoint every 10 steps, a beat every 0.5 s, a watchdog timeout of 4 s).
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -280,23 +277,10 @@ def digests(url: str) -> dict[int, str]:
 
 
 def train_with_watchdog(p):
-    """``train_run(p)`` with the watchdog flow beside it (as ``ckpt train`` runs it)."""
-    from flows.train import train_run
-    from flows.watchdog import stop_event, watchdog
+    """``train_run(p)`` with the watchdog beside it (as ``ckpt train`` runs it)."""
+    from test_watchdog import train_with_watchdog as beside
 
-    key = f"test-{uuid.uuid4().hex[:8]}"
-    out: dict = {}
-    ctx = contextvars.copy_context()
-    th = threading.Thread(target=lambda: out.update(wd=ctx.run(
-        watchdog, store=p.store, run_id=p.run_id, timeout_s=TIMEOUT, poll_s=POLL, duration_s=0, spec=p.spec(),
-        stop_key=key)), daemon=True)
-    th.start()
-    try:
-        summary = train_run(p)
-    finally:
-        stop_event(key).set()
-        th.join(120)
-    return summary, out["wd"]["decisions"]
+    return beside(p, timeout_s=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = {"shards": 1, "rounds": 2, "steps_per_round": 2}
 FINAL = SMALL["rounds"]
 WATCHDOG = {"timeout_s": 8, "poll_s": 1}  # quick detection for tests (the default is 30 s)
-KEEPER_WITHIN_S = 15
+KEEPER_WITHIN_S = 30  # 3 missed signs of life: under CI's load a watchdog can miss one and still live
 
 
 def _clean_env() -> dict[str, str]:
@@ -573,7 +573,7 @@ def test_hang_drill_through_the_stack(stack):
                             ["Body"].read())
         latency = fence["detected"] - strike["time"]
         assert latency < WATCHDOG["timeout_s"] + 3 * WATCHDOG["poll_s"] + 5, fence  # within the timeout, not minutes
-        assert fence["by_flow_run_id"] == stack["watchdog_run"]
+        assert fence["by_flow_run_id"] == _live_watchdog(stack, api)
         assert digest(stack, run_id) == clean
         hung = next(t for t in api.task_runs(fr["id"]) if t["name"] == "shard-0-round-1")
         assert hung["state_type"] == "CANCELLED" and hung["state_name"] == "Fenced", hung["state"]
@@ -676,7 +676,9 @@ def test_retry_of_a_failed_run_resumes_it(stack):
 def test_the_keeper_starts_a_killed_watchdog_again(stack):
     """kill -9 of the long-lived watchdog's process: no sign of life for the keeper's window -> its flow
     run is marked Crashed and another watchdog runs."""
-    old = _need(stack, "watchdog_run")
+    _need(stack, "watchdog_run")
+    with PrefectAPI(stack["api_url"]) as api:
+        old = _live_watchdog(stack, api)
     pid = _flow_run_pid(stack, old)
     os.killpg(os.getpgid(pid), signal.SIGKILL)
     t_kill = time.monotonic()
@@ -838,6 +840,16 @@ def _only_live_watchdog(api: PrefectAPI, exclude: str | None = None, timeout: fl
         time.sleep(0.5)
 
 
+def _live_watchdog(stack: dict, api: PrefectAPI) -> str:
+    """The id of the running long-lived watchdog, kept in ``stack``. It is the one deploy started unless
+    the keeper replaced it (a busy machine that missed its signs of life): said, not failed on."""
+    run = _wait_state(api, _only_live_watchdog(api)["id"], "RUNNING", 120)
+    if run["id"] != stack["watchdog_run"]:
+        print(f"the keeper had replaced watchdog run {stack['watchdog_run']} by {run['id']}")
+        stack["watchdog_run"] = run["id"]
+    return run["id"]
+
+
 def _wait_key(stack: dict, key: str, timeout: float = 240) -> None:
     s3 = s3_client(stack)
     deadline = time.monotonic() + timeout
@@ -850,11 +862,15 @@ def _flow_run_pid(stack: dict, flow_run_id: str) -> int:
     """The pid of the flow-run process (it carries the stack's marker and its flow run id)."""
     import psutil
 
-    for pid in stack_processes(Stack(stack["dir"]).info()["stack_id"]):
-        try:
-            p = psutil.Process(pid)
-            if p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id and "prefect.engine" in " ".join(p.cmdline()):
-                return pid
-        except psutil.Error:
-            continue
-    raise AssertionError(f"no process of flow run {flow_run_id}")
+    deadline = time.monotonic() + 30  # Prefect reports Running from inside the process: it exists by then
+    while True:
+        for pid in stack_processes(Stack(stack["dir"]).info()["stack_id"]):
+            try:
+                p = psutil.Process(pid)
+                if (p.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id
+                        and "prefect.engine" in " ".join(p.cmdline())):
+                    return pid
+            except psutil.Error:
+                continue
+        assert time.monotonic() < deadline, f"no process of flow run {flow_run_id}"
+        time.sleep(0.5)
