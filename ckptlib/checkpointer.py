@@ -623,7 +623,8 @@ class Checkpointer:
         against the previous; the part's own base, which its fragment of the cut deltas against,
         stays as it was. ``on_written(fragment, raw)``: called in the background once the fragment is
         stored, with the raw bytes of its units by raw checksum (valid during the call), e.g. to keep
-        a local copy. ``compress=False``: chunks stored raw unless unchanged or sparsely changed (a
+        a local copy; in a collective Checkpointer, on every rank, with the group's fragment and the
+        units this rank stored. ``compress=False``: chunks stored raw unless unchanged or sparsely changed (a
         fragment read back soon and then deleted, where the CPU matters more than the bytes).
 
         In a collective Checkpointer every rank calls it at the same point with its own state, as
@@ -635,9 +636,8 @@ class Checkpointer:
         self._check_open()
         self._drain()
         if self._collective is not None:
-            if on_written is not None:
-                raise ValueError("on_written= gets one process's units; a group's part is written rank by rank")
-            return self._group_write_async(step, part, state, generation, substep, config_hash, meta, compress)
+            return self._group_write_async(step, part, state, generation, substep, config_hash, meta, compress,
+                                           on_written)
         base_key = substep_chain(part) if substep is not None else part
         snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True,
                              buffers=self._bases.buffers(base_key).take)
@@ -655,7 +655,8 @@ class Checkpointer:
         return fut
 
     def _group_write_async(self, step: int, part: str, state: Any, generation: int, substep: int | None,
-                           config_hash: str | None, meta: dict | None, compress: bool) -> SaveFuture[Any]:
+                           config_hash: str | None, meta: dict | None, compress: bool,
+                           on_written: Callable[[Any, Mapping[str, np.ndarray]], None] | None) -> SaveFuture[Any]:
         """``write_fragment_async`` in a collective Checkpointer: the plan and this rank's snapshot
         now (every rank calls it), its rank fragment and the leader's group fragment in the
         background; the future's result is the ``GroupFragment`` (or the group's error)."""
@@ -668,7 +669,15 @@ class Checkpointer:
         fut: SaveFuture[Any] = SaveFuture(step, f"write of part '{part}'")
         coll = self._collective
         assert coll is not None
-        self._in_background(fut, lambda: saving.persist(self, coll, pending))
+
+        def work() -> Any:
+            group = saving.persist(self, coll, pending)
+            held = self._bases.held(target.base_key(coll.rank))
+            if on_written is not None and held is not None:
+                on_written(group, _unit_bytes(pending.snap, held))
+            return group
+
+        self._in_background(fut, work)
         return fut
 
     def _write_snapshot(self, snap: Snapshot, step: int, part: str, generation: int, substep: int | None,
@@ -721,9 +730,8 @@ class Checkpointer:
         if adopt and select is not None:
             raise ValueError("adopt=True needs the whole part (it becomes the delta base): drop select")
         if isinstance(frag, GroupFragment):
-            if known is not None:
-                raise ValueError("known= reads a part's own fragment; a group's part is read rank by rank")
-            return self._restore_group_part(frag, into, select, device, rank, keep=adopt, substep=substep is not None)
+            return self._restore_group_part(frag, into, select, device, rank, keep=adopt, substep=substep is not None,
+                                            known=known)
         state, raw = restore_part(frag, self.store, self._pool, device=device, keep=adopt, select=select, into=into,
                                   known=known)
         if raw is not None:
@@ -811,9 +819,11 @@ class Checkpointer:
             raise NoCheckpoint(f"no fragment {key} in {self.url}") from None
 
     def _restore_group_part(self, frag: GroupFragment, into: Any, select: list[str] | None, device: Any,
-                            rank: int | None, *, keep: bool = False, substep: bool = False) -> Any:
+                            rank: int | None, *, keep: bool = False, substep: bool = False,
+                            known: Mapping[str, np.ndarray] | None = None) -> Any:
         """A group's part in this process (no collective call): saved rank ``rank``'s state; ``keep``:
-        it becomes the base of this rank's next write of the part (``substep``: of its next sub-step)."""
+        it becomes the base of this rank's next write of the part (``substep``: of its next sub-step);
+        ``known``: raw units by raw checksum, of any rank's fragment, used instead of their objects."""
         from .distributed.restoring import load_group, restore_group
         from .distributed.saving import rank_base_key
 
@@ -823,7 +833,7 @@ class Checkpointer:
         if not 0 <= source < group.world:
             raise ValueError(f"rank={source}: step {frag.step}, part '{frag.part}' was saved by ranks 0..{group.world - 1}")
         state, raw = restore_group(group, self.store, self._pool, rank=source, into=into, select=select, device=device,
-                                   keep=keep and source == mine)
+                                   keep=keep and source == mine, known=known)
         if raw is not None:
             key = rank_base_key(frag.part, mine)
             self._bases.set(substep_chain(key) if substep else key, base_of(group.fragments[source],

@@ -243,6 +243,49 @@ def substeps(rank: int, url: str, out: Path) -> dict:
             "again_bytes": again.bytes_written, "again_logical": again.logical_bytes, "fenced": fenced, "keys": keys}
 
 
+def local_copies(rank: int, url: str, out: Path) -> dict:
+    """FSDP2: a sub-step written with ``on_written`` hands every rank the group's fragment and the
+    units it stored; with every rank's units (what a host's local tier holds for a group), a fresh
+    process group reads the sub-step back whole without reading a single chunk."""
+    import numpy as np
+
+    from ckptlib.store import WrapperStore
+
+    m, opt = fsdp()
+    got: dict[str, Any] = {}
+
+    def keep(group: Any, units: Any) -> None:
+        got.update(kind=type(group).__name__, digest=group.digest, units={c: b.copy() for c, b in units.items()})
+
+    with checkpointer(url) as ck:
+        ck.write_fragment(0, "p", state(m, opt))
+        step(m, opt, 1, rank)
+        wanted = full(m, opt)
+        frag = ck.write_fragment_async(1, "p", state(m, opt), substep=1, on_written=keep).result()
+    np.savez(out / f"units.r{rank}.npz", **got["units"])
+    dist.barrier()
+    known: dict[str, Any] = {}
+    for r in range(dist.get_world_size()):
+        with np.load(out / f"units.r{r}.npz") as f:
+            known.update({c: f[c] for c in f.files})
+    chunk_reads: list[str] = []
+
+    class CountChunks(WrapperStore):
+        def _forward(self, op: str, key: str, *args: Any) -> Any:
+            if key.startswith("chunks/"):
+                chunk_reads.append(key)
+            return super()._forward(op, key, *args)
+
+    with checkpointer(url, CountChunks(Store.from_url(url))) as fresh:
+        back = fresh.read_fragment(1, "p", generation=0, substep=1, known=known)
+        from_local = len(chunk_reads)
+        again = fresh.read_fragment(1, "p", generation=0, substep=1)
+    same = same_bits(wanted["model"], back["model"]) and same_bits(wanted["optim"]["state"], back["optim"]["state"])
+    return {"kind": got["kind"], "same_digest": got["digest"] == frag.digest, "units": len(got["units"]),
+            "known": len(known), "chunk_reads_with_known": from_local, "chunk_reads_without": len(chunk_reads) - from_local,
+            "same": same, "same_again": same_bits(back["model"], again["model"])}
+
+
 def same_bits(a: Any, b: Any) -> bool:
     """Whether two nested dicts of tensors hold the same keys and bits."""
     if isinstance(a, dict):
@@ -302,7 +345,7 @@ def _hsdp_into_fsdp(ck: Checkpointer, rank: int) -> dict:
 
 
 JOBS = {f.__name__: f for f in (fsdp_train, fsdp_resume, fsdp_reshard, ddp, fsdp_from_ddp, kill, save_again, mesh2d,
-                                         substeps)}
+                                         substeps, local_copies)}
 
 
 def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:

@@ -201,3 +201,15 @@ def test_a_groups_sub_step_fragments_are_written_in_the_background_chained_and_r
     with Checkpointer(url) as ck:  # the round's fragment is the part's own, beside its sub-steps
         assert ck.read_fragment(1, "p", generation=0, select=["model"])["model"]
         assert ck.read_fragment(1, "p", generation=0, substep=6, rank=1)["mine"] == 1
+
+
+def test_a_groups_sub_step_hands_each_rank_its_units_and_reads_back_from_them_without_the_store(tmp_path):
+    """``write_fragment_async(substep=, on_written=)`` in a collective Checkpointer (what a group's
+    local tier keeps): each rank gets the group fragment and the units it stored; every rank's units
+    together restore the sub-step whole, FSDP2 pieces of both ranks included, with no chunk read."""
+    r0, r1 = job("local_copies", 2, str(tmp_path / "run"), tmp_path / "out")
+    for r in (r0, r1):
+        assert r["kind"] == "GroupFragment" and r["same_digest"] and r["units"] > 0, r
+        assert r["same"] and r["same_again"], r
+        assert r["chunk_reads_with_known"] == 0 and r["chunk_reads_without"] > 0, r
+    assert r0["known"] == r1["known"] == r0["units"] + r1["units"]  # each rank stored its own shards

@@ -103,3 +103,45 @@ def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_dig
     with Checkpointer(s["run_url"]) as ck:
         assert ck.steps()[-1] == 3 and "parallelism" not in stored_config(ck, 3)
         assert stored_config(ck, 3)["ranks_per_shard"] == 2
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_groups_in_dask_worker_processes_survive_a_killed_rank_and_reach_the_clean_digest(clean_r2, tmp_path):
+    """`--task-runner dask --ranks-per-shard 2`: each shard task runs in a Dask worker process, which
+    starts and supervises its group's 2 rank processes; a kill -9 of one rank fails the group, the
+    task's retry (in a worker process again) continues from the group's shard checkpoint."""
+    p = params(store=str(tmp_path), run_id="dask", task_runner="dask", **R2, shard_checkpoint_every=3,
+               chaos=["kill:shard=1,round=1,rank=1"])
+    s, ds = train_with_watchdog(p)
+    check_run(s["run_url"], None, clean_r2)
+    rows = {(r["shard"], r["round"]): r for r in s["recoveries"]}
+    assert sorted(rows) == [(1, 1)] and rows[(1, 1)]["kind"] == "crash", s["recoveries"]
+    assert rows[(1, 1)]["steps_recomputed"] < 6, rows  # from a checkpoint of the group, not the cut
+    assert not [d for d in ds if d["kind"] == "fenced"], ds  # Prefect's retry was enough
+    assert _rank_rows(tmp_path) == [(part, r, "finished") for part in ("shard-0", "shard-1") for r in (0, 1)]
+
+
+@pytest.mark.prefect
+@pytest.mark.slow
+def test_groups_as_flow_runs_of_a_work_pool_reach_the_clean_digest(clean_r2, tmp_path):
+    """`--task-runner pool:train-shard/<name> --ranks-per-shard 2`: each shard's round is a flow run a
+    Prefect worker starts in a fresh process, which starts its group's 2 rank processes."""
+    from test_scale_out import worker_env
+
+    from deployments.shard_pool import PrefectWorkers, deploy_shard_flow
+
+    runner = deploy_shard_flow("test-rank-shards", name="ranks")
+    with PrefectWorkers.start(tmp_path / "workers", "test-rank-shards", workers=1, limit=2, env=worker_env({})):
+        s, ds = train_with_watchdog(params(store=str(tmp_path), run_id="pool", task_runner=runner, **R2,
+                                           validate_checkpoints=False), timeout_s=30)
+    assert s["final_digest"] == clean_r2[2] and digests(s["run_url"]) == clean_r2, (s["final_digest"], clean_r2)
+    assert not [d for d in ds if d["kind"] == "fenced"], ds
+    with Checkpointer(s["run_url"]) as ck:
+        assert isinstance(ck.fragment(2, "shard-0"), GroupFragment)
+    assert _rank_rows(tmp_path) == [(part, r, "finished") for part in ("shard-0", "shard-1") for r in (0, 1)]
+
+
+def _rank_rows(root) -> list[tuple[str, int, str]]:
+    """`ckpt status --json`'s rank rows of the one run under ``root``: (part, rank, status)."""
+    return [(k["part"], k["rank"], k["status"]) for part in status_of(str(root))[0]["parts"] for k in part["ranks"]]

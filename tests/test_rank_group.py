@@ -151,6 +151,36 @@ def test_a_groups_retry_continues_from_its_shard_checkpoint_and_writes_the_clean
 
 
 @pytest.mark.slow
+def test_a_groups_retry_reads_its_ranks_local_copies_and_damaged_copies_fall_back_to_the_store(clean, tmp_path):
+    """With a local tier each rank keeps the units it stored of the group's shard checkpoints
+    (``<part>#r<rank>``): a retry on this host continues from them ("local"); copies that do not
+    check out are noticed and the store read instead ("store"); a finished round leaves no copy."""
+    from trainrun.local_tier import LocalTier
+
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "t"), s)
+    tier = LocalTier(ck.url, tmp_path / "tier")
+    chaos = ["crash:shard=0,round=1,rank=1,step=5", "crash:shard=0,round=1,rank=0,step=5,attempt=2"]
+    for attempt in (1, 2):
+        with pytest.raises(RankGroupFailed, match="exited with 1"):
+            train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=attempt, chaos=chaos, heartbeat_every_s=0.2,
+                              checkpoint_every=2, local_tier=tier)
+        copies = sorted(tier.dir.glob("*.bin"))
+        assert [p.name for p in copies] == ["shard-0#r0.g0.bin", "shard-0#r1.g0.bin"], copies
+    for path in copies:  # the last byte of each copy's last unit
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    done = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=3, chaos=chaos, checkpoint_every=2,
+                             local_tier=tier)
+    assert (done.resumed_at_step, done.start_source) == (4, "store")
+    assert done.digest == clean.digest and done.loss == clean.loss
+    rows = read_recoveries(ck.store, 1)
+    assert [(r.attempt, r.resumed_at_step, r.source) for r in rows] == [(2, 4, "local"), (3, 4, "store")], rows
+    assert not list(tier.root.glob("*/*.bin"))  # the round is written: its copies are gone
+
+
+@pytest.mark.slow
 def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_path):
     s = spec(steps_per_round=6)
     ck = step_zero(str(tmp_path / "f"), s)

@@ -6,7 +6,8 @@ durable copy and the fallback.
 
 Where: ``$CKPT_LOCAL_TIER`` (a directory), else ``/dev/shm/ckptlib-<uid>`` (shared memory: it
 outlives the process, not the machine), else ``<tmp>/ckptlib-<uid>``. One file per run, part and
-generation, ``<root>/<run>/<part>.g<gen>.bin``: a header (the checkpoint's store key, its
+generation, ``<root>/<run>/<part>.g<gen>.bin`` (a group's part: one per rank, ``<part>#r<rank>``,
+holding the units that rank stored; a rank reads all of them): a header (the checkpoint's store key, its
 fragment's digest, its units' raw checksums and sizes) and the raw bytes of every unit, replaced
 atomically by each newer checkpoint.
 
@@ -46,6 +47,12 @@ _MAX_HEADER = 64 << 20
 STALE_AFTER_S = 24 * 3600.0
 MAX_DEFAULT_BYTES = 4 << 30
 _swept: set[str] = set()  # roots whose stale copies this process has removed already
+
+
+def copy_name(part: str, rank: int | None = None) -> str:
+    """The name of a part's local copy: the part's own, or one per rank of a group (``<part>#r<rank>``:
+    each rank keeps the units it stored)."""
+    return part if rank is None else f"{part}#r{rank}"
 
 
 def default_root() -> Path:
@@ -129,6 +136,19 @@ class LocalTier:
             log.warning("local tier: %s is unreadable (%s): reading the store", path, e)
             return None
         return _checked_units(path, header, data)
+
+    def get_all(self, names: list[str], generation: int, key: str, digest: str) -> dict[str, np.ndarray] | None:
+        """``get`` of each copy in ``names`` (a group's ranks' copies of checkpoint ``key``), their units
+        together: a rank of a group reads its peers' pieces too, and all are on this host. None when
+        no copy checks out; units a missing or damaged copy would have given are read from the store."""
+        units: dict[str, np.ndarray] = {}
+        found = False
+        for name in names:
+            got = self.get(name, generation, key, digest)
+            if got is not None:
+                found = True
+                units.update(got)
+        return units if found else None
 
     def drop(self, part: str) -> None:
         """Remove every local copy of ``part`` (its round is written); the run's folder once empty."""

@@ -45,6 +45,7 @@ from ckptlib.heartbeat import Beat, heartbeat_key, read_heartbeat
 from .documents import Cut
 from .errors import RankGroupFailed, RankGroupRefused
 from .layout import shard_part
+from .local_tier import LocalTier
 from .rank_round import EXIT_FENCED, RankJob
 from .results import ShardResult
 from .resume_point import resume_point
@@ -115,10 +116,12 @@ def end_ranks(ranks: Sequence[Rank]) -> None:
 def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, spec: RunSpec, shard: int,
                       round_no: int, cut: Cut, *, attempt: int = 1, chaos: Sequence[str] = (),
                       heartbeat_every_s: float = 2.0, on_beat: Callable[[Beat], None] | None = None,
-                      group_timeout_s: float = GROUP_TIMEOUT_S, checkpoint_every: Every = "auto") -> ShardResult:
+                      group_timeout_s: float = GROUP_TIMEOUT_S, checkpoint_every: Every = "auto",
+                      local_tier: LocalTier | None = None) -> ShardResult:
     """Train shard ``shard``'s round ``round_no`` with ``spec.ranks_per_shard`` rank processes, from
     the shard's newest shard checkpoint of the round (``trainrun.resume_point``), else from ``cut``;
-    the group checkpoints every ``group_cadence(checkpoint_every)`` steps and writes the shard's
+    the group checkpoints every ``group_cadence(checkpoint_every)`` steps (each rank also keeps its
+    units in ``local_tier``, where a rerun of the group on this host reads them) and writes the shard's
     fragment. Raises FencedError, RankGroupFailed or RankGroupRefused (module docstring); every
     rank has ended when it returns or raises."""
     part = shard_part(shard)
@@ -135,7 +138,9 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                         chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
                         port=port, group_timeout_s=group_timeout_s, result_path=str(result_path),
                         supervisor_pid=os.getpid(), checkpoint_every=every,
-                        resume=resume.to_dict() if resume is not None else None)
+                        resume=resume.to_dict() if resume is not None else None,
+                        local_tier=str(local_tier.root) if local_tier is not None else None,
+                        local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None)
                 for r in range(spec.ranks_per_shard)]
         ranks = start_ranks(jobs, workdir)
         failure: Exception | None = None

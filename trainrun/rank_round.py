@@ -39,6 +39,7 @@ from ckptlib.heartbeat import Heartbeat
 from .chaos import for_attempt, strike
 from .documents import Cut, ShardInfo
 from .layout import COORDINATOR, shard_part
+from .local_tier import LocalTier, copy_name
 from .recovery import write_recovery
 from .results import ShardResult
 from .spec import RunSpec
@@ -73,6 +74,8 @@ class RankJob:
     supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
     checkpoint_every: int = 0  # the group's shard checkpoints: every N round steps (0: none; see group_cadence)
     resume: dict[str, Any] | None = None  # the shard checkpoint every rank continues from (a ShardCheckpointRef)
+    local_tier: str | None = None  # the local tier's root (trainrun.local_tier; None: no local copies)
+    local_tier_max_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -125,15 +128,18 @@ def group_all(ok: bool) -> bool:
     return bool(t.item())
 
 
-def start_in_group(a: ShardAttempt, job: RankJob, reader: Checkpointer, signature: dict[str, Any]) -> Start:
+def start_in_group(a: ShardAttempt, job: RankJob, reader: Checkpointer, signature: dict[str, Any],
+                   tier: LocalTier | None) -> Start:
     """Where every rank of the group starts: the shard checkpoint the supervisor named (``job.resume``)
-    if every rank could read and check it, else the round's cut (the same start on every rank)."""
+    if every rank could read and check it (from the ranks' local copies where they check out), else
+    the round's cut (the same start on every rank)."""
     from .resume_point import ShardCheckpointRef
     from .shard_checkpoint import Start, load_checkpoint
 
     start = None
     if job.resume is not None:
-        start = load_checkpoint(a, ShardCheckpointRef.from_dict(job.resume, "the rank's job"), signature, None)
+        start = load_checkpoint(a, ShardCheckpointRef.from_dict(job.resume, "the rank's job"), signature, tier,
+                                ranks=job.ranks)
         if not group_all(start is not None):
             start = None  # logged where it did not check out
     return start or Start(load_cut_in_group(a.ck, reader, a.spec, a.shard, a.cut))
@@ -154,6 +160,7 @@ def train_rank_round(job: RankJob) -> ShardResult:
     ck = Checkpointer(job.url, job.storage_options, process_group=dist.group.WORLD, group_timeout_s=job.group_timeout_s)
     reader = Checkpointer(ck.store)
     a = ShardAttempt(ck, spec, job.shard, job.round_no, cut, job.generation, job.attempt)
+    tier = LocalTier(job.url, job.local_tier, job.local_tier_max_bytes) if job.local_tier else None
     failure = recognise_failure(a) if job.rank == 0 else None  # before this attempt's first beat
     hb = Heartbeat(ck.store, part, generation=job.generation, round=job.round_no, steps_per_round=spec.steps_per_round,
                    every_s=job.heartbeat_every_s, attempt=job.attempt, rank=job.rank,
@@ -164,14 +171,15 @@ def train_rank_round(job: RankJob) -> ShardResult:
     saver: ShardCheckpoints | None = None
     try:
         signature = cut_signature(a)
-        start = start_in_group(a, job, reader, signature)
+        start = start_in_group(a, job, reader, signature, tier)
         clock.lap("load")
         wl = build_rank_workload(spec, job, start.state)
         del start.state
         rng = ShardRNG(spec.seed, job.shard, job.round_no)
         if start.rng is not None:
             rng.set_state(start.rng)
-        saver = ShardCheckpoints(a, job.checkpoint_every, signature, None, start.round_step)
+        saver = ShardCheckpoints(a, job.checkpoint_every, signature, tier, start.round_step,
+                                 copy=copy_name(part, job.rank))
         clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
         hb.rebase(int(wl.data_position) - start.round_step)
         hb.beat(step=int(wl.data_position), force=True)
@@ -203,6 +211,8 @@ def train_rank_round(job: RankJob) -> ShardResult:
     finally:
         reader.close()
     hb.finish("finished", loss=loss)
+    if tier is not None:
+        tier.drop(copy_name(part, job.rank))  # the next round starts from the cut
     ck.close()
     return ShardResult(shard=job.shard, round=job.round_no, part=part, status="finished", generation=job.generation,
                        attempt=job.attempt, loss=loss, data_position=int(wl.data_position),

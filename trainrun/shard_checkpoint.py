@@ -49,10 +49,9 @@ import numpy as np
 from ckptlib import FencedError, commit
 from ckptlib.distributed.documents import AnyFragment
 from ckptlib.errors import CheckpointError, StoreError
-from ckptlib.manifest import Fragment
 
 from .layout import COORDINATOR
-from .local_tier import LocalTier
+from .local_tier import LocalTier, copy_name
 from .resume_point import ShardCheckpointRef
 
 if TYPE_CHECKING:
@@ -138,8 +137,9 @@ class ShardCheckpoints:
     """One attempt's shard checkpoints: at most one write in flight; counts, bytes and seconds."""
 
     def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], tier: LocalTier | None,
-                 start_step: int = 0):
+                 start_step: int = 0, copy: str | None = None):
         self.a, self.signature, self.tier = a, signature, tier
+        self.copy = copy or a.part  # its name in the tier (a rank of a group: trainrun.local_tier.copy_name)
         self._memo = (a.ck.url, a.part)
         self.cadence = Cadence(every, _LAST_COST.get(self._memo), last_step=start_step)
         self.count = 0
@@ -177,11 +177,12 @@ class ShardCheckpoints:
         self.cadence.taken(round_step, t0)
         self._inflight = (fut, round_step, now, now - t0)
 
-    def _keep_local(self, frag: Fragment, units: Mapping[str, np.ndarray]) -> None:
-        """In the background, once stored: the checkpoint's copy in the local tier."""
+    def _keep_local(self, frag: AnyFragment, units: Mapping[str, np.ndarray]) -> None:
+        """In the background, once stored: the checkpoint's copy in the local tier (a group's: the
+        units this rank stored, under the group fragment's key and digest)."""
         assert self.tier is not None
         key = commit.substep_key(frag.step, frag.part, frag.generation, frag.meta["substep"])
-        self.tier.put(frag.part, frag.generation, key, frag.digest, units)
+        self.tier.put(self.copy, frag.generation, key, frag.digest, units)
 
     def _settle(self, wait: bool = False) -> None:
         """Take the result of the write in flight (if it is done, or ``wait``): a fenced write stops
@@ -243,10 +244,11 @@ def cut_signature(a: ShardAttempt) -> dict[str, Any]:
 
 
 def load_checkpoint(a: ShardAttempt, ref: ShardCheckpointRef, signature: dict[str, Any],
-                    tier: LocalTier | None) -> Start | None:
+                    tier: LocalTier | None, ranks: int | None = None) -> Start | None:
     """The state of shard checkpoint ``ref``, checked against the attempt's round, cut and spec, from
     the local tier where a valid copy is there, else from the store; None (logged) when it does not
-    check out or cannot be read: the attempt then starts from the cut."""
+    check out or cannot be read: the attempt then starts from the cut. ``ranks``: a rank of a group
+    of that many (its units come from every rank's copy)."""
     try:
         frag = commit.read_fragment(a.ck.store, ref.key)[0]  # a process's, or a group's (``trainrun.rank_round``)
         meta = frag.meta
@@ -258,7 +260,8 @@ def load_checkpoint(a: ShardAttempt, ref: ShardCheckpointRef, signature: dict[st
         if why is not None:
             log.warning("%s round %d: shard checkpoint %s not used: %s", a.part, a.round_no, ref.key, why)
             return None
-        known = tier.get(a.part, ref.generation, ref.key, frag.digest) if tier is not None else None
+        names = [copy_name(a.part, r) for r in range(ranks)] if ranks else [a.part]
+        known = tier.get_all(names, ref.generation, ref.key, frag.digest) if tier is not None else None
         state = _read(a, ref, frag, known)
         if known is not None and state is None:
             known, state = None, _read(a, ref, frag, None)

@@ -162,9 +162,10 @@ class _Reads:
 
 
 def _fill(group: Group, store: Store, pool: Executor, rank: int, wanted: list[int], dests: dict[int, Any],
-          keep: bool) -> tuple[dict[int, Any], dict[str, np.ndarray] | None]:
+          keep: bool, known: Mapping[str, np.ndarray] | None = None) -> tuple[dict[int, Any], dict[str, np.ndarray] | None]:
     """Fill the destinations of saved rank ``rank``'s leaves ``wanted`` (new objects where none is
-    given); (objects by leaf, the raw chunks of ``rank``'s own fragment decoded, with ``keep``)."""
+    given); (objects by leaf, the raw chunks of ``rank``'s own fragment decoded, with ``keep``).
+    ``known``: raw chunks by raw checksum (of any rank's fragment) read instead of their objects."""
     layout = group.layout(rank)
     reads = _Reads()
     objects: dict[int, Any] = {}
@@ -192,13 +193,13 @@ def _fill(group: Group, store: Store, pool: Executor, rank: int, wanted: list[in
             todo = reads.whole[owner]
             got, found, k = decode_leaves(frag, store, pool, sorted(todo),
                                           dests={j: d for j, d in todo.items() if d is not None},
-                                          keep=keep and owner == rank)
+                                          known=known, keep=keep and owner == rank)
             problems += found
             kept = k if k is not None else kept
             for j, obj in got.items():
                 objects.setdefault(reads.leaf_of[(owner, j)], obj)
         if reads.ranges.get(owner):
-            problems += decode_ranges(frag, store, pool, reads.ranges[owner])
+            problems += decode_ranges(frag, store, pool, reads.ranges[owner], known=known)
     if problems:
         more = f" (and {len(problems) - 1} more problems; run `ckpt verify` for all)" if len(problems) > 1 else ""
         raise CorruptCheckpoint(f"{problems[0]}{more}")
@@ -209,12 +210,12 @@ def _fill(group: Group, store: Store, pool: Executor, rank: int, wanted: list[in
 
 def restore_group(group: Group, store: Store, pool: Executor, *, rank: int, into: Any = None,
                   select: list[str] | None = None, device: Any = "cpu", keep: bool = False,
-                  ) -> tuple[Any, dict[str, np.ndarray] | None]:
+                  known: Mapping[str, np.ndarray] | None = None) -> tuple[Any, dict[str, np.ndarray] | None]:
     """(saved rank ``rank``'s state, filled into ``into`` where it holds tensors; with ``keep`` the raw
     chunks decoded from that rank's own fragment). Sharded tensors the destination lacks come back
-    whole (full tensors)."""
+    whole (full tensors). ``known``: raw chunks already held, by raw checksum (checked as any)."""
     b = _bind(group, rank, into, select)
-    objects, kept = _fill(group, store, pool, rank, b.wanted, b.dests, keep)
+    objects, kept = _fill(group, store, pool, rank, b.wanted, b.dests, keep, known)
     return assemble(b, objects, device), kept
 
 
