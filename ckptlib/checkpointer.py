@@ -672,9 +672,10 @@ class Checkpointer:
 
         def work() -> Any:
             group = saving.persist(self, coll, pending)
-            held = self._bases.held(target.base_key(coll.rank))
-            if on_written is not None and held is not None:
-                on_written(group, _unit_bytes(pending.snap, held))
+            if on_written is not None:  # this rank's units, by the raw checksums its new base names
+                held = self._bases.held(target.base_key(coll.rank))
+                if held is not None:
+                    on_written(group, _unit_bytes(pending.snap, held))
             return group
 
         self._in_background(fut, work)

@@ -70,7 +70,8 @@ def pytest_runtest_logreport(report):
     """Seconds per test file (setup, call and teardown), summed where the reports arrive (the xdist
     controller too): the suite's time budget is spent by files, since ``--dist loadfile`` runs
     each file on one worker."""
-    _FILE_SECONDS[report.nodeid.split("::")[0]] = _FILE_SECONDS.get(report.nodeid.split("::")[0], 0.0) + report.duration
+    name = report.nodeid.split("::")[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
