@@ -288,9 +288,7 @@ class Planes(_Transform):
         if len(raw) == k:
             out[head:] = data
         elif raw:
-            rest = out[head:head + raw_bytes].reshape(-1, len(raw))
-            for j, p in enumerate(raw):
-                rest[:, j] = elements[:, p]
+            _raw_from(elements, raw, out[head:head + raw_bytes])
         at = head + raw_bytes
         for frame in frames:
             out[at:at + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
@@ -300,7 +298,7 @@ class Planes(_Transform):
     @staticmethod
     def paying(data: np.ndarray, itemsize: int, level: int, pays: float = 0.97) -> tuple[int, ...]:
         """The planes of ``data`` worth coding: those whose sample (8 runs spread over the chunk,
-        64 KiB of the plane in all) zstd shrinks to at most ``pays`` of its size. A function of the
+        16 KiB of the plane in all) zstd shrinks to at most ``pays`` of its size. A function of the
         bytes alone, so the same chunk is always encoded the same way (one object, whoever writes
         it); the sample costs a few percent of coding the planes that pay."""
         if itemsize < 1 or data.nbytes % itemsize:
@@ -359,6 +357,28 @@ class Planes(_Transform):
                                                      "level": self.level}}
 
 
+def _raw_from(elements: np.ndarray, raw: tuple[int, ...], rest: np.ndarray) -> None:
+    """Gather the bytes ``raw`` of each row of ``elements`` into ``rest`` (``len(raw)`` bytes per
+    element, element after element): the inverse of ``_raw_into``. When the raw bytes are the low
+    ones of 2, 4 or 8-byte elements, one pass of machine-word stores does it (3x faster than a
+    strided pass per plane for float32): word ``i`` is stored at byte ``i * r`` of ``rest``, so its
+    high bytes land on the next element's place, and that element's own store, which comes after
+    it, overwrites them. That order is numpy's for a 1-D copy between arrays that do not overlap
+    each other (the round-trip tests check it). The last element's word would end past ``rest``
+    and goes by plane, as does every other layout."""
+    n, k = elements.shape
+    r = len(raw)
+    by_word = 0
+    if raw == tuple(range(r)) and k in (2, 4, 8) and elements.flags.c_contiguous:
+        by_word = max(0, min(n, (r * n - k) // r + 1))  # words that end within ``rest``
+    if by_word:
+        words = np.ndarray((by_word,), dtype=f"<u{k}", buffer=rest, strides=(r,))
+        words[:] = elements[:by_word].reshape(-1).view(f"<u{k}")
+    tail = rest.reshape(-1, r)[by_word:]
+    for j, p in enumerate(raw):
+        tail[:, j] = elements[by_word:, p]
+
+
 def _raw_into(rest: np.ndarray, elements: np.ndarray, raw: tuple[int, ...]) -> None:
     """Copy the raw part ``rest`` (``len(raw)`` bytes per element) into the bytes ``raw`` of each
     row of ``elements``. When the raw bytes are the low ones of 2, 4 or 8-byte elements, one strided
@@ -394,7 +414,9 @@ def _unzstd(dctx: zstandard.ZstdDecompressor, data: np.ndarray, nbytes: int) -> 
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SAMPLE_BYTES, _SAMPLE_RUNS = 64 << 10, 8  # what Planes.paying measures a plane on
+# What Planes.paying measures a plane on: 16 KiB chose the same planes as 64 KiB for every tensor of
+# the bench's workloads, in a quarter of the time (docs/decisions.md 52).
+_SAMPLE_BYTES, _SAMPLE_RUNS = 16 << 10, 8
 
 
 def _ordered(x: np.ndarray, is_float: bool) -> np.ndarray:

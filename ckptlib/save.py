@@ -318,13 +318,14 @@ class _Uploader:
             return 0
         self.limiter.acquire(payload.nbytes)
         self.check()
-        data = payload.tobytes()
-        del payload
-        if self.store.put_if_absent(blob.key, data):
+        # The payload itself, not a copy: a store reads it during the call only (Store.put_if_absent).
+        # It may be a snapshot buffer, which goes back to the pool after the save: what is kept
+        # beyond the call is copied.
+        if self.store.put_if_absent(blob.key, np.ascontiguousarray(payload).data):
             return blob.size
         if self.lease is not None and self.lease.gc_seen:
             with self._lock:
-                self.reused[blob.key] = data
+                self.reused[blob.key] = payload.tobytes()
         return 0
 
 

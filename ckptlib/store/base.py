@@ -163,11 +163,14 @@ class Store:
         an object larger than that (ObjectTooLarge) after reading at most ``max_bytes + 1`` bytes."""
         raise NotImplementedError
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store ``data`` under ``key``, replacing what was there; atomic for readers."""
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Store ``data`` under ``key``, replacing what was there; atomic for readers. ``data`` (here
+        and in ``put_if_absent``) is any contiguous bytes-like object, read during the call only: a
+        save passes views of its own buffers, which it reuses afterwards, so a store that keeps the
+        bytes beyond the call copies them."""
         raise NotImplementedError
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         """Create ``key`` with ``data`` only if it does not exist. True: we wrote it; False: it existed."""
         raise NotImplementedError
 
@@ -251,10 +254,10 @@ class WrapperStore(Store):
     def get(self, key: str, max_bytes: int | None = None) -> bytes:
         return self._forward("get", key) if max_bytes is None else self._forward("get", key, max_bytes)
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         return self._forward("put", key, data)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self._forward("put_if_absent", key, data)
 
     def exists(self, key: str) -> bool:

@@ -81,7 +81,7 @@ class LocalStore(Store):
             return  # a concurrent writer made it
         _fsync_dir(parent)
 
-    def _write_temp(self, path: str, data: bytes) -> str:
+    def _write_temp(self, path: str, data: bytes | memoryview) -> str:
         """Write ``data`` to a fsynced temp file beside ``path`` (same filesystem: link/replace work)."""
         folder = os.path.dirname(path)
         self._makedirs(folder)
@@ -118,7 +118,7 @@ class LocalStore(Store):
             raise self._too_large(key, None, max_bytes)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         with self._os_errors("write", key):
             tmp = self._write_temp(path, data)
@@ -129,7 +129,7 @@ class LocalStore(Store):
                 raise
             _fsync_dir(os.path.dirname(path))
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         path = self._path(key)
         with self._os_errors("create", key):
             tmp = self._write_temp(path, data)

@@ -40,12 +40,12 @@ class MemoryStore(Store):
         except (FileNotFoundError, IsADirectoryError):
             raise self._not_found(key) from None
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         with _MEMORY_LOCK:
             self.fs.pipe_file(path, bytes(data))
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         path = self._path(key)
         with _MEMORY_LOCK:  # check-then-write, made atomic by the lock (this process only)
             if self.fs.isfile(path):

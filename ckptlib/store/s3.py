@@ -186,12 +186,12 @@ class S3Store(Store):
             return b""
         raise error
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         with self._errors("put", key):
             self.fs.pipe_file(path, bytes(data), timeout=self.timeout_s)
 
-    def put_if_absent(self, key: str, data: bytes) -> bool:
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         path = self._path(key)
         with self._errors("put_if_absent", key):
             attempt = 0

@@ -163,7 +163,7 @@ class FaultyStore(WrapperStore):
 
     # ------------------------------------------------------------------ the wrapper
 
-    def _call(self, op: str, key: str, do: Callable, data: bytes | None = None) -> Any:
+    def _call(self, op: str, key: str, do: Callable, data: bytes | memoryview | None = None) -> Any:
         state = self._state
         with state.lock:
             if state.crashed:
