@@ -159,6 +159,11 @@ class BufferPool:
             self._taken.append(buf)
         return buf
 
+    def has_free(self, nbytes: int) -> bool:
+        """Whether ``take(nbytes)`` would hand out a buffer whose pages are touched already."""
+        with self._lock:
+            return bool(self._free.get(nbytes))
+
     def settle(self, held: list[np.ndarray], extra: list[np.ndarray] | None = None) -> None:
         """After a save: ``held`` are the arrays the new base keeps; ``extra`` more buffers to keep
         free (an old base's, for pinned memory)."""

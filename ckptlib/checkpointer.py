@@ -198,8 +198,8 @@ class Checkpointer:
             group_fut: SaveFuture[CommitInfo] = SaveFuture(step)
             self._in_background(group_fut, lambda: self._group_persist(pending, t0, blocked))
             return group_fut
-        buffers = self._bases.buffers(SINGLE_PART).take
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers)
+        buffers = self._bases.buffers(SINGLE_PART)
+        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers.take)
         secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
         fut: SaveFuture[CommitInfo] = SaveFuture(step)
         self._in_background(fut, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))

@@ -454,6 +454,36 @@ def test_dense_units_keep_no_base_bytes_and_snapshots_reuse_the_pool(tmp_path):
         assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
 
 
+def test_a_moderate_change_is_patched_in_place_and_a_large_one_copied(tmp_path):
+    """5% of a tensor's elements change between saves (a hot embedding chunk, a bf16 copy of
+    weights): the pool holds no buffer of its size (the base holds the last one), so a copy would
+    fault in fresh pages, dearer than patching the base's buffer in place: the snapshot patches
+    it. A change of 20% is copied. Either way the deltas are the objects a save in place (no
+    snapshot) writes, and the restore is exact."""
+    gen = torch.Generator().manual_seed(5)
+    states, w = [], torch.randn(1 << 16, generator=gen)  # one 256 KiB chunk
+    for share in (0, 20, 20, 5):  # 1/share of the elements change; 0: the first save
+        w = w.clone()
+        if share:
+            w[torch.randperm(w.numel(), generator=gen)[: w.numel() // share]] += 1.0
+        states.append({"w": w})
+    with Checkpointer(str(tmp_path / "async"), chunk_bytes=1 << 18) as ck, \
+            Checkpointer(str(tmp_path / "inplace"), chunk_bytes=1 << 18) as plain:
+        patched = []
+        for step, state in enumerate(states):
+            before = {b.__array_interface__["data"][0] for b in ck._bases.held("state").raw.values()} if step else set()
+            info = ck.save_async(step, state).result()
+            plain.save(step, state)
+            (after,) = ck._bases.held("state").raw.values()
+            patched.append(before == {after.__array_interface__["data"][0]})
+            assert info.chunks == ({"keyframe": 1, "delta": 0, "unchanged": 0} if step == 0
+                                   else {"keyframe": 0, "delta": 1, "unchanged": 0}), (step, info.chunks)
+            keys = [sorted(b.key for b in c.fragment(step, "state").blobs.values()) for c in (ck, plain)]
+            assert keys[0] == keys[1], step
+        assert patched == [False, True, True, False]  # 5%, 5% patched; 20% copied
+        assert_same(states[-1], Checkpointer(ck.url).restore())
+
+
 def _objects(root) -> int:
     return sum(len(files) for _, _, files in os.walk(os.path.join(root, "chunks")))
 
