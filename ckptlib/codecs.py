@@ -366,17 +366,25 @@ def _raw_from(elements: np.ndarray, raw: tuple[int, ...], rest: np.ndarray) -> N
     it, overwrites them. That order is numpy's for a 1-D copy between arrays that do not overlap
     each other (the round-trip tests check it). The last element's word would end past ``rest``
     and goes by plane, as does every other layout."""
-    n, k = elements.shape
-    r = len(raw)
-    by_word = 0
-    if raw == tuple(range(r)) and k in (2, 4, 8) and elements.flags.c_contiguous:
-        by_word = max(0, min(n, (r * n - k) // r + 1))  # words that end within ``rest``
-    if by_word:
-        words = np.ndarray((by_word,), dtype=f"<u{k}", buffer=rest, strides=(r,))
-        words[:] = elements[:by_word].reshape(-1).view(f"<u{k}")
-    tail = rest.reshape(-1, r)[by_word:]
+    words = _raw_words(rest, elements, raw)
+    by_word = 0 if words is None else words.size
+    if words is not None:
+        words[:] = elements[:by_word].reshape(-1).view(words.dtype)
+    tail = rest.reshape(-1, len(raw))[by_word:]
     for j, p in enumerate(raw):
         tail[:, j] = elements[by_word:, p]
+
+
+def _raw_words(rest: np.ndarray, elements: np.ndarray, raw: tuple[int, ...]) -> np.ndarray | None:
+    """The raw part ``rest`` seen as one machine word per element, word ``i`` at byte ``i * r``
+    (``r = len(raw)``), as many as end within ``rest``; None unless the raw bytes are the low ones
+    of C-contiguous 2, 4 or 8-byte elements (the layouts a word pass can move) and a word fits."""
+    n, k = elements.shape
+    r = len(raw)
+    if raw != tuple(range(r)) or k not in (2, 4, 8) or not elements.flags.c_contiguous:
+        return None
+    count = min(n, (r * n - k) // r + 1) if r * n >= k else 0
+    return np.ndarray((count,), dtype=f"<u{k}", buffer=rest, strides=(r,)) if count > 0 else None
 
 
 def _raw_into(rest: np.ndarray, elements: np.ndarray, raw: tuple[int, ...]) -> None:
@@ -385,14 +393,12 @@ def _raw_into(rest: np.ndarray, elements: np.ndarray, raw: tuple[int, ...]) -> N
     pass of machine words does it: word ``i`` is read from byte ``i * r`` of ``rest``, so its high
     bytes are the next element's raw bytes, which the coded planes overwrite afterwards (twice as
     fast as a pass per plane). The last elements, whose word would read past ``rest``, go by plane."""
-    n, k = elements.shape
     r = len(raw)
-    by_word = 0
-    if raw == tuple(range(r)) and k in (2, 4, 8) and 2 * r >= k and elements.flags.c_contiguous:
-        by_word = max(0, min(n, (r * n - k) // r + 1))  # words that end within ``rest``
-    if by_word:
-        words = np.ndarray((by_word,), dtype=f"<u{k}", buffer=rest, strides=(r,))
-        elements[:by_word].reshape(-1).view(f"<u{k}")[:] = words
+    # a pass by word writes whole elements, which then pays only while most of each is raw
+    words = _raw_words(rest, elements, raw) if 2 * r >= elements.shape[1] else None
+    by_word = 0 if words is None else words.size
+    if words is not None:
+        elements[:by_word].reshape(-1).view(words.dtype)[:] = words
     tail = rest.reshape(-1, r)[by_word:]
     for j, p in enumerate(raw):
         elements[by_word:, p] = tail[:, j]
