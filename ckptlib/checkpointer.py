@@ -913,6 +913,8 @@ class Checkpointer:
             self._background.shutdown(wait=True)
             self._pool.shutdown(wait=True)
             self._bases.clear()
+            if self._collective is not None:
+                self._collective.close()
 
     def __enter__(self) -> Checkpointer:
         return self

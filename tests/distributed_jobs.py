@@ -198,6 +198,19 @@ def save_again(rank: int, url: str, out: Path) -> dict:
     return {"info": saved}
 
 
+def checkpointer_per_round(rank: int, url: str, out: Path) -> dict:
+    """A long-lived rank (a warm group's) makes a collective Checkpointer per round: the gloo group
+    each one makes must end with it, so the process's open files stay as after the first round."""
+    fds = []
+    for r in range(1, 7):
+        with checkpointer(url) as ck:
+            ck.save(r, {"w": torch.full((256,), float(r)), "mine": torch.tensor([rank])})
+            back = ck.restore(r)
+        assert torch.equal(back["w"], torch.full((256,), float(r)))
+        fds.append(len(os.listdir("/proc/self/fd")))
+    return {"fds": fds}
+
+
 # --- sub-step fragments of a group's part: written in the background, read back whole ----------------
 
 def substeps(rank: int, url: str, out: Path) -> dict:
@@ -345,7 +358,7 @@ def _hsdp_into_fsdp(ck: Checkpointer, rank: int) -> dict:
 
 
 JOBS = {f.__name__: f for f in (fsdp_train, fsdp_resume, fsdp_reshard, ddp, fsdp_from_ddp, kill, save_again, mesh2d,
-                                         substeps, local_copies)}
+                                         substeps, local_copies, checkpointer_per_round)}
 
 
 def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:

@@ -213,3 +213,11 @@ def test_a_groups_sub_step_hands_each_rank_its_units_and_reads_back_from_them_wi
         assert r["same"] and r["same_again"], r
         assert r["chunk_reads_with_known"] == 0 and r["chunk_reads_without"] > 0, r
     assert r0["known"] == r1["known"] == r0["units"] + r1["units"]  # each rank stored its own shards
+
+
+def test_a_collective_checkpointer_closed_ends_its_gloo_group(tmp_path):
+    """A rank that makes a collective Checkpointer per round (a warm group's rank) keeps no socket
+    of the rounds before: each Checkpointer's own gloo group is destroyed when it is closed."""
+    r0, r1 = job("checkpointer_per_round", 2, str(tmp_path / "run"), tmp_path / "out")
+    for r in (r0, r1):
+        assert max(r["fds"][1:]) <= r["fds"][0], r  # without the destroy: one socket more a round

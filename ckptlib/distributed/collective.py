@@ -92,6 +92,20 @@ class Collective:
     def leader(self) -> bool:
         return self.rank == 0
 
+    def close(self) -> None:
+        """Destroy the gloo group (its sockets and threads). Local, not collective: a process that
+        makes a Checkpointer per round (a long-lived rank) would otherwise keep every round's group.
+        Called once this rank's calls are done; a group broken by a dead rank is dropped all the same."""
+        import torch.distributed as dist
+
+        group, self.group = self.group, None
+        if group is None or not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - nothing of the group is used again either way
+            pass
+
     def _call(self, what: str, fn: Any) -> Any:
         try:
             return fn()
