@@ -9,7 +9,9 @@ medians: the round's wall time as the shard task sees it (``round_s``), its trai
 (``load_s``), building the workload (``build_s``: in a fresh process, DDP's first broadcast), writing
 the fragment (``write_s``: for a group, the collective write), and for a group the overhead of its start: the
 group's wall time minus what rank 0 measured from its first beat to its fragment (``start_s``:
-processes started, torch and the workload imported, the rendezvous, the ranks ended). ``model``: a
+processes started, torch and the workload imported, the rendezvous, the ranks ended); then the
+same round again by the group kept warm (``warm_round_s``, ``warm_build_s``, ``warm_start_s``: what
+a round after the first costs, the shard task's way; it must end on the same loss). ``model``: a
 digest of the shard's model after the round, read whole (the same digest = the same trajectory,
 bit for bit; every repeat of a layout must give the same one, else the row says ``varies``).
 """
@@ -55,7 +57,7 @@ def one_round(workload: str, size: str, steps: int, layout: Layout, where: Any) 
     """Round 1 of shard 0 from a fresh step 0 in ``where``: its seconds."""
     from ckptlib import Checkpointer
     from trainrun.documents import Cut
-    from trainrun.rank_group import train_shard_group
+    from trainrun.rank_group import end_groups, train_shard_group
     from trainrun.shard_round import train_shard_round
     from trainrun.step_zero import write_step_zero
 
@@ -64,18 +66,29 @@ def one_round(workload: str, size: str, steps: int, layout: Layout, where: Any) 
     with Checkpointer(str(where)) as ck:
         write_step_zero(ck, spec)
         t0 = time.perf_counter()
+        warm: Any = None
         if ranks == 1:
             r = train_shard_round(ck, spec, 0, 1, Cut.of_step(0), checkpoint_every=0)
+            wall = time.perf_counter() - t0
         else:
-            r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0))
-        wall = time.perf_counter() - t0
+            try:
+                r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), warm=True)
+                wall = time.perf_counter() - t0
+                t1 = time.perf_counter()  # the same round again, by the same group kept warm
+                warm = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), attempt=2, warm=True)
+                warm_wall = time.perf_counter() - t1
+            finally:
+                end_groups(ck.url)
         model = ck.read_fragment(1, "shard-0", generation=r.generation, select=["model"])["model"]
     out: dict[str, Any] = {"round_s": wall, "setup_s": r.seconds.get("setup", 0.0), "load_s": r.seconds.get("load", 0.0),
            "build_s": r.seconds.get("build", 0.0), "train_s": r.seconds.get("train", 0.0),
            "write_s": r.seconds.get("write", 0.0), "loss": r.loss or 0.0,
            "model": model_digest(model)}
-    if ranks > 1:
-        out["start_s"] = r.seconds["group"] - r.seconds["total"]
+    if warm is not None:
+        if warm.loss != r.loss:
+            raise AssertionError(f"a warm group's round ended on loss {warm.loss!r}, a fresh group's on {r.loss!r}")
+        out.update(start_s=r.seconds["group"] - r.seconds["total"], warm_round_s=warm_wall,
+                   warm_build_s=warm.seconds.get("build", 0.0), warm_start_s=warm.seconds["group"] - warm.seconds["total"])
     return out
 
 
@@ -108,5 +121,6 @@ def render(result: dict[str, Any]) -> str:
     cols = [("workload", "workload"), ("ranks", "R"), ("parallelism", "parallelism"), ("steps", "steps"), ("round_s", "round s"),
             ("setup_s", "setup s"), ("load_s", "load s"), ("build_s", "build s"),
             ("train_s", "train s"), ("train_per_step_ms", "ms/step"), ("write_s", "write s"),
-            ("start_s", "group start s"), ("model", "model digest")]
+            ("start_s", "group start s"), ("warm_round_s", "warm round s"), ("warm_build_s", "warm build s"),
+            ("warm_start_s", "warm start s"), ("model", "model digest")]
     return f"median of {result['repeats']} on {result['machine']}\n" + table(result["rows"], cols)

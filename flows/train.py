@@ -124,6 +124,11 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
     except BaseException as e:
         beat.finish("failed", error=f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if spec.ranks_per_shard > 1:  # the shards' groups were kept warm from round to round
+            from trainrun.rank_group import end_groups
+
+            end_groups(url)
     summary = ledger.summary(verdicts)
     failure = summary["failure"]
     beat.finish("failed" if failure else "finished", error=failure)

@@ -178,7 +178,8 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                                        heartbeat_every_s=heartbeat_every_s, on_beat=on_beat,
                                        checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
                                        .shard_checkpoint_every,
-                                       local_tier=LocalTier(run_url) if local_tier else None)
+                                       local_tier=LocalTier(run_url) if local_tier else None,
+                                       warm=True)  # for the next round; the train flow ends it
         else:
             result = train_shard_round(ck, spec, shard, round_no, cut, attempt=attempt,
                                        chaos=for_attempt(chaos, shard, round_no, attempt),

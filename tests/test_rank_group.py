@@ -13,10 +13,11 @@ import pytest
 from ckptlib import Checkpointer, FencedError, commit
 from ckptlib.distributed import GroupFragment
 from ckptlib.heartbeat import read_rank_heartbeats
+from trainrun import rank_group
 from trainrun.chaos import check_runner, parse_chaos, read_strike
 from trainrun.documents import Cut
 from trainrun.errors import RankGroupFailed, RankGroupRefused
-from trainrun.rank_group import train_shard_group
+from trainrun.rank_group import end_groups, train_shard_group
 from trainrun.recovery import read_recoveries
 from trainrun.spec import RunSpec
 from trainrun.step_zero import write_step_zero
@@ -89,6 +90,41 @@ def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(cl
     s = spec()
     again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
     assert again.digest == result.digest and again.loss == result.loss
+
+
+def rank_pids(ck: Checkpointer) -> dict[int, int | None]:
+    return {r: b.pid for r, b in read_rank_heartbeats(ck.store, "shard-0").items()}
+
+
+@pytest.mark.slow
+def test_a_warm_group_trains_again_in_the_same_processes_on_a_fresh_groups_bits_and_a_failed_one_is_not_kept(
+        clean, tmp_path, monkeypatch):
+    """``warm=True`` (the shard task's): the group that finished a round waits for the next in the
+    same rank processes, which train it on the bits of a fresh group; a group that failed is ended,
+    never kept; ``end_groups`` ends the warm ones, and ranks nobody sends a job end themselves."""
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "w"), s)
+    first = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2, warm=True)
+    pids = rank_pids(ck)
+    again = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, heartbeat_every_s=0.2, warm=True)
+    assert rank_pids(ck) == pids and all(alive(p) for p in pids.values() if p)  # the same processes
+    assert (first.loss, again.loss, again.data_position) == (clean.loss, clean.loss, 6)
+    assert again.seconds["group"] < first.seconds["group"]  # no processes to start, no rendezvous
+    with pytest.raises(RankGroupFailed, match="rank 1 of its group of 2 exited with 1"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=3, heartbeat_every_s=0.2, warm=True,
+                          chaos=["crash:shard=0,round=1,rank=1,attempt=3,step=2"])
+    assert not any(alive(p) for p in pids.values() if p)  # the failed group was ended, not kept
+    fresh = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=4, heartbeat_every_s=0.2, warm=True)
+    assert fresh.loss == clean.loss and not set(rank_pids(ck).values()) & set(pids.values())
+    pids = rank_pids(ck)
+    assert end_groups(ck.url) == 1 and not any(alive(p) for p in pids.values() if p)
+    monkeypatch.setattr(rank_group, "IDLE_S", 0.5)  # a supervisor that forgets its group
+    train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=5, heartbeat_every_s=0.2, warm=True)
+    pids, deadline = rank_pids(ck), time.monotonic() + 20
+    while any(alive(p) for p in pids.values() if p) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids.values() if p)  # its ranks ended themselves
+    end_groups(ck.url)
 
 
 @pytest.mark.slow

@@ -1,11 +1,19 @@
 """A shard's round trained by a group of rank processes (``--ranks-per-shard`` R > 1), supervised.
 
-The shard task calls ``train_shard_group`` instead of ``train_shard_round``. Per attempt::
+The shard task calls ``train_shard_group`` instead of ``train_shard_round``. Per round::
 
-    port  = a free loopback port                      # a rendezvous of this attempt's own
-    ranks = R processes `python -m trainrun.rank_round` (trainrun.rank_round), the job on stdin
-    watch them: every 0.2 s their exits; every beat period the shard's fence and rank 0's beat
-    the result: rank 0's (the group's fragment, written collectively)
+    group = the shard's warm group of its previous round, if alive   # else a fresh one:
+            port  = a free loopback port                             #   a rendezvous of its own
+            ranks = R processes `python -m trainrun.rank_round`      #   (trainrun.rank_round)
+    each rank its job on stdin (a JSON line)
+    watch them: every 0.2 s their exits and done files; every beat period the shard's fence and rank 0's beat
+    the result: rank 0's (the group's fragment, written collectively); the group kept warm
+
+A group that finished its round waits for the shard's next one (``_WARM``, in this process): the
+ranks' processes, torch imported, the rendezvous made, so a round no longer pays the group's start
+(decision 53). It is ended by ``end_groups`` (the train flow, when its rounds end), at this
+process's exit, or by its ranks themselves after ``IDLE_S`` without a job. A failed attempt's group
+is never kept: a retry starts a fresh group.
 
 The group is the unit of failure: when one rank exits with an error (killed, crashed, could not
 join the rendezvous), or the shard's generation is fenced (a watchdog declared the group dead:
@@ -26,6 +34,7 @@ judges a shard), every other rank under ``heartbeats/ranks/<part>/<rank>.json``;
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -33,9 +42,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +69,7 @@ log = logging.getLogger("trainrun.rank_group")
 # usually fences a hung group sooner (its timeout: 30 s by default)
 GROUP_TIMEOUT_S = 120.0
 POLL_S = 0.2
+IDLE_S = 300.0  # a warm group waits this long for its shard's next round, then its ranks end
 REFUSALS = ("ValueError", "TypeError", "RankGroupRefused", "ImportError", "ModuleNotFoundError")
 
 
@@ -86,7 +98,13 @@ class Rank:
 
 
 def start_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
-    """One process per job; the job goes on its stdin (credentials never on a command line)."""
+    """One process per job, started from the long-lived ``_SPAWNER`` thread: a rank's
+    ``PR_SET_PDEATHSIG`` fires when the thread that started it ends, and a warm group outlives the
+    task thread that started it. The first job goes on its stdin, which stays open for the next."""
+    return _SPAWNER.submit(_popen_ranks, jobs, workdir).result()
+
+
+def _popen_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     ranks = []
     for job in jobs:
@@ -94,11 +112,17 @@ def start_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
         with open(err, "wb") as stderr:
             p = subprocess.Popen([sys.executable, "-m", "trainrun.rank_round"], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-        assert p.stdin is not None
-        p.stdin.write(job.to_json().encode())
-        p.stdin.close()
         ranks.append(Rank(job.rank, p, err))
+    send_jobs(ranks, jobs)
     return ranks
+
+
+def send_jobs(ranks: Sequence[Rank], jobs: Sequence[RankJob]) -> None:
+    """Each rank its job, one JSON line on its stdin."""
+    for r, job in zip(ranks, jobs, strict=True):
+        assert r.process.stdin is not None
+        r.process.stdin.write(job.to_json().encode() + b"\n")
+        r.process.stdin.flush()
 
 
 def end_ranks(ranks: Sequence[Rank]) -> None:
@@ -111,66 +135,158 @@ def end_ranks(ranks: Sequence[Rank]) -> None:
                 pass
     for r in ranks:
         r.process.wait()
+        if r.process.stdin is not None:
+            try:
+                r.process.stdin.close()
+            except OSError:  # a pipe whose reader died
+                pass
+
+
+@dataclass
+class Group:
+    """A live group of rank processes: its rendezvous, its working directory (stderr, results), the
+    jobs it was sent. Between rounds it waits, warm, in ``_WARM``."""
+
+    key: tuple[Any, ...]
+    port: int
+    workdir: tempfile.TemporaryDirectory
+    ranks: list[Rank] = field(default_factory=list)
+    jobs: int = 0
+    idle_since: float = 0.0
+
+    def alive(self) -> bool:
+        return all(r.process.poll() is None for r in self.ranks)
+
+    def end(self) -> None:
+        """Kill and wait for its ranks, remove its directory."""
+        end_ranks(self.ranks)
+        self.workdir.cleanup()
+
+
+# groups that finished their last job, kept for the shard's next round (key: group_key); a group is
+# taken out while it trains, so two attempts of one shard never share one
+_WARM: dict[tuple[Any, ...], Group] = {}
+_WARM_LOCK = threading.Lock()
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-groups")
+
+
+def group_key(ck: Checkpointer, part: str, spec: RunSpec, group_timeout_s: float) -> tuple[Any, ...]:
+    """What a warm group must share with the round it takes: the run and shard, and what its ranks
+    fixed when they started (their number, the rendezvous timeout); the rest travels in each job."""
+    return (ck.url, part, spec.ranks_per_shard, group_timeout_s)
+
+
+def take_warm(key: tuple[Any, ...]) -> Group | None:
+    """The warm group of ``key``, if one is alive and was idle for less than its ranks wait (with a
+    margin: a rank that is about to end on its own is not sent a job). Others past it are ended."""
+    now = time.monotonic()
+    with _WARM_LOCK:
+        group = _WARM.pop(key, None)
+        stale = [k for k, g in _WARM.items() if now - g.idle_since > IDLE_S]
+        old = [_WARM.pop(k) for k in stale]
+    for g in old:
+        g.end()
+    if group is not None and (now - group.idle_since > IDLE_S or not group.alive()):
+        group.end()
+        return None
+    return group
+
+
+def keep_warm(group: Group) -> None:
+    group.idle_since = time.monotonic()
+    with _WARM_LOCK:
+        old = _WARM.pop(group.key, None)
+        _WARM[group.key] = group
+    if old is not None:
+        old.end()
+
+
+def end_groups(url: str | None = None) -> int:
+    """End the warm groups of the run at ``url`` (None: every run's); how many. The train flow calls
+    it when its rounds end; a group nobody ends ends itself after ``IDLE_S`` without a job."""
+    with _WARM_LOCK:
+        keys = [k for k in _WARM if url is None or k[0] == url]
+        groups = [_WARM.pop(k) for k in keys]
+    for g in groups:
+        g.end()
+    return len(groups)
+
+
+atexit.register(end_groups)
 
 
 def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, spec: RunSpec, shard: int,
                       round_no: int, cut: Cut, *, attempt: int = 1, chaos: Sequence[str] = (),
                       heartbeat_every_s: float = 2.0, on_beat: Callable[[Beat], None] | None = None,
                       group_timeout_s: float = GROUP_TIMEOUT_S, checkpoint_every: Every = "auto",
-                      local_tier: LocalTier | None = None) -> ShardResult:
+                      local_tier: LocalTier | None = None, warm: bool = False) -> ShardResult:
     """Train shard ``shard``'s round ``round_no`` with ``spec.ranks_per_shard`` rank processes, from
     the shard's newest shard checkpoint of the round (``trainrun.resume_point``), else from ``cut``;
     the group checkpoints every ``group_cadence(checkpoint_every)`` steps (each rank also keeps its
     units in ``local_tier``, where a rerun of the group on this host reads them) and writes the shard's
-    fragment. Raises FencedError, RankGroupFailed or RankGroupRefused (module docstring); every
-    rank has ended when it returns or raises."""
+    fragment. ``warm``: the shard's group of its previous round trains this one if it is still
+    alive, and the group is kept for the next (the caller ends it: ``end_groups``); else a group is
+    started and ended here. Raises FencedError, RankGroupFailed or RankGroupRefused (module docstring); no rank
+    of a group that failed lives on when it raises."""
     part = shard_part(shard)
     generation = ck.live_generation(part)
     every = group_cadence(checkpoint_every)
     resume = resume_point(ck.store, part, round_no, generation) if every else None  # the same start for every rank
-    port = free_port()
+    key = group_key(ck, part, spec, group_timeout_s)
+    group = take_warm(key) if warm else None
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"ckpt-{part}-r{round_no}-") as tmp:
-        workdir = Path(tmp)
-        result_path = workdir / "result.json"
-        jobs = [RankJob(url=ck.url, storage_options=storage_options, spec=spec.trajectory().to_dict(), shard=shard,
-                        round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
-                        chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
-                        port=port, group_timeout_s=group_timeout_s, result_path=str(result_path),
-                        supervisor_pid=os.getpid(), checkpoint_every=every,
-                        resume=resume.to_dict() if resume is not None else None,
-                        local_tier=str(local_tier.root) if local_tier is not None else None,
-                        local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None)
-                for r in range(spec.ranks_per_shard)]
-        ranks = start_ranks(jobs, workdir)
-        failure: Exception | None = None
-        try:
-            supervise(ck, part, generation, ranks, every_s=heartbeat_every_s, on_beat=on_beat, port=port)
-        except FencedError:
-            raise  # the watchdog owns the shard now: its fence says what happened
-        except Exception as e:
-            failure = e
-            raise
-        finally:
-            end_ranks(ranks)
-            if failure is not None:
-                finish_failed_beats(ck, part, generation, attempt, len(ranks), failure, on_beat)
+    if group is None:
+        group = Group(key, free_port(), tempfile.TemporaryDirectory(prefix=f"ckpt-{part}-"))
+    group.jobs += 1
+    result_path = Path(group.workdir.name) / f"result-{group.jobs}.json"
+    jobs = [RankJob(url=ck.url, storage_options=storage_options, spec=spec.trajectory().to_dict(), shard=shard,
+                    round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
+                    chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
+                    port=group.port, group_timeout_s=group_timeout_s, result_path=str(result_path),
+                    supervisor_pid=os.getpid(), checkpoint_every=every,
+                    resume=resume.to_dict() if resume is not None else None,
+                    local_tier=str(local_tier.root) if local_tier is not None else None,
+                    local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None, idle_s=IDLE_S)
+            for r in range(spec.ranks_per_shard)]
+    started = not group.ranks
+    failure: BaseException | None = None
+    try:
+        if started:
+            group.ranks = start_ranks(jobs, Path(group.workdir.name))
+        else:
+            send_jobs(group.ranks, jobs)
+        supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat,
+                  port=group.port)
         result = ShardResult.from_json(result_path.read_bytes())
+    except BaseException as e:
+        failure = e
+        group.end()
+        if not isinstance(e, FencedError):  # fenced: the watchdog owns the shard now, its fence says what happened
+            finish_failed_beats(ck, part, generation, attempt, len(group.ranks), e, on_beat)
+        raise
+    finally:
+        if failure is None:
+            result_path.unlink(missing_ok=True)
+            if warm:
+                keep_warm(group)
+            else:
+                group.end()
     return ShardResult.from_dict({**result.to_dict(), "seconds": {**result.seconds,
                                                                   "group": round(time.perf_counter() - t0, 4)}})
 
 
-def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank], *, every_s: float,
-              on_beat: Callable[[Beat], None] | None, port: int) -> None:
-    """Return once every rank exited 0; raise at the first rank that failed, or when fenced."""
+def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank], jobs: Sequence[RankJob], *,
+              every_s: float, on_beat: Callable[[Beat], None] | None, port: int) -> None:
+    """Return once every rank is done with its job; raise at the first rank that failed (or ended
+    before its job was done), or when fenced."""
     next_look = 0.0
     last_beats = -1
     while True:
         codes = [r.process.poll() for r in ranks]
-        failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c not in (None, 0)]
+        failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None]
         if failed:
             raise group_error(part, generation, ranks, failed, port)
-        if all(c == 0 for c in codes):
+        if all(os.path.exists(job.done_path) for job in jobs):
             return
         now = time.monotonic()
         if now >= next_look:
@@ -220,7 +336,8 @@ def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[
         return FencedError(f"{part} generation {generation} was fenced: its ranks found a newer generation")
     first, code = next(((r, c) for r, c in failed if c != EXIT_FENCED), failed[0])
     tail = first.error_tail()
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+    how = (f"was killed by signal {-code}" if code < 0 else f"exited with {code}" if code else
+           "ended before its job was done")
     message = (f"{part}: rank {first.rank} of its group of {len(ranks)} {how} (generation {generation}, "
                f"rendezvous 127.0.0.1:{port}){': ' + tail if tail else ''}; the group's other ranks were ended")
     last = tail.rsplit(" | ", 1)[-1]

@@ -1,21 +1,28 @@
-"""One rank of a shard's group: its part of the shard's round (``--ranks-per-shard`` R > 1).
+"""One rank of a shard's group: its part of the shard's rounds (``--ranks-per-shard`` R > 1).
 
-``trainrun.rank_group`` starts R of these processes per attempt (``python -m trainrun.rank_round``,
-the job on stdin: credentials never show in a process listing). Each one::
+``trainrun.rank_group`` starts R of these processes (``python -m trainrun.rank_round``, the jobs on
+stdin, one JSON line each: credentials never show in a process listing) and keeps them warm from
+round to round. Each one::
 
-    init_process_group("gloo", tcp://127.0.0.1:<port of this attempt>, rank, R)
-    ck    = Checkpointer(run, process_group=WORLD)      # collective: the fragment is the group's
-    hb    = Heartbeat(part, rank)                       # rank 0: heartbeats/<part>.json; r: heartbeats/ranks/<part>/<r>.json
-    state = the cut (the coordinator's model, the shard's own part)
-    wl    = the shard's workload, ``train_as_rank(rank, R)`` (DDP: rank r trains rows r/R of each batch)
-    loss  = steps_per_round steps, a beat after each, chaos aimed at this rank striking
-    frag  = ck.write_fragment(round, part, state)       # collective: every rank's part, committed by rank 0
+    init_process_group("gloo", tcp://127.0.0.1:<port of this group>, rank, R)   # once
+    for each job (a round's attempt), until stdin closes or stays idle:
+        ck    = Checkpointer(run, process_group=WORLD)      # collective: the fragment is the group's
+        hb    = Heartbeat(part, rank)                       # rank 0: heartbeats/<part>.json; r: heartbeats/ranks/<part>/<r>.json
+        state = the cut (the coordinator's model, the shard's own part)
+        wl    = the shard's workload, ``train_as_rank(rank, R)`` (DDP: rank r trains rows r/R of each batch)
+        loss  = steps_per_round steps, a beat after each, chaos aimed at this rank striking
+        frag  = ck.write_fragment(round, part, state)       # collective: every rank's part, committed by rank 0
+        the done file (rank 0: the result first)
+
+A job holds nothing over to the next but the process and its gloo group: each builds its own
+Checkpointer, heartbeat and workload from the job, so a warm group's round ends on the bits a fresh
+group's would.
 
 Every rank holds the same replica (DDP), so the group fragment stores the model and optimizer once
 and the cut reads it as it reads one process's fragment. The round's loss is the mean over the
 ranks of their local means (one all_reduce at the end of the round: the same on every rank).
 
-What a rank's exit says to the supervisor: 0 finished (rank 0 also writes the result), 3 fenced
+What a rank's exit says to the supervisor: 0 its stdin closed or stayed idle (every job done), 3 fenced
 (a newer generation owns the shard), 1 anything else (its traceback on stderr). A rank that dies or
 hangs fails the others at their next collective (gloo: a closed connection at once, a hang after the
 group timeout) or is ended by the supervisor, which watches them all.
@@ -25,6 +32,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import select
 import socket
 import sys
 import time
@@ -76,6 +85,12 @@ class RankJob:
     resume: dict[str, Any] | None = None  # the shard checkpoint every rank continues from (a ShardCheckpointRef)
     local_tier: str | None = None  # the local tier's root (trainrun.local_tier; None: no local copies)
     local_tier_max_bytes: int | None = None
+    idle_s: float = 300.0  # a warm group's rank ends after this long without its next job
+
+    @property
+    def done_path(self) -> str:
+        """The file this rank writes once its part of the job is done (rank 0: after the result)."""
+        return f"{self.result_path}.r{self.rank}.done"
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -269,7 +284,6 @@ def die_with(supervisor_pid: int) -> None:
     if not supervisor_pid or not sys.platform.startswith("linux"):
         return
     import ctypes
-    import os
     import signal
 
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
@@ -277,11 +291,58 @@ def die_with(supervisor_pid: int) -> None:
         os._exit(1)
 
 
+class JobReader:
+    """The supervisor's jobs on this rank's stdin, one JSON line each (credentials never on a
+    command line). ``next`` returns None when the supervisor closed stdin (the group ends) or sent
+    nothing for ``idle_s`` (its supervisor forgot the group: it ends on its own)."""
+
+    def __init__(self, fd: int = 0):
+        self.fd, self.buffer = fd, b""
+
+    def next(self, idle_s: float | None = None) -> RankJob | None:
+        deadline = None if idle_s is None else time.monotonic() + idle_s
+        while b"\n" not in self.buffer:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.fd], [], [], wait)[0]:
+                return None
+            data = os.read(self.fd, 1 << 16)
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return RankJob.from_json(line.decode())
+
+
+def run_job(job: RankJob) -> int:
+    """One round's job in the live group; the exit code it would end the process with (0: done,
+    the done file written, the result first on rank 0)."""
+    try:
+        result = train_rank_round(job)
+        if job.rank == 0:
+            with open(job.result_path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(result.to_json().decode())
+            os.replace(job.result_path + ".tmp", job.result_path)
+        with open(job.done_path, "w", encoding="utf-8"):
+            pass
+        return 0
+    except FencedError as e:
+        print(f"fenced: {e}", file=sys.stderr)
+        return EXIT_FENCED
+    except BaseException:  # noqa: BLE001 - the supervisor reports the traceback's last line
+        traceback.print_exc()
+        return 1
+
+
 def main() -> int:
-    """The rank process: the job from stdin, the rendezvous, the round; the exit code says how it ended."""
+    """The rank process: the first job's rendezvous, then job after job in the same group (a warm
+    group: ``trainrun.rank_group``) until stdin closes or stays idle; the first job that fails
+    ends the process, and its exit code says how (module docstring)."""
     import torch.distributed as dist
 
-    job = RankJob.from_json(sys.stdin.read())
+    reader = JobReader()
+    job = reader.next()
+    if job is None:
+        return 0
     die_with(job.supervisor_pid)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
@@ -291,17 +352,12 @@ def main() -> int:
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     try:
-        result = train_rank_round(job)
-        if job.rank == 0:
-            with open(job.result_path, "w", encoding="utf-8") as f:
-                f.write(result.to_json().decode())
+        while job is not None:
+            code = run_job(job)
+            if code:
+                return code
+            job = reader.next(job.idle_s)
         return 0
-    except FencedError as e:
-        print(f"fenced: {e}", file=sys.stderr)
-        return EXIT_FENCED
-    except BaseException:  # noqa: BLE001 - the supervisor reports the traceback's last line
-        traceback.print_exc()
-        return 1
     finally:
         try:
             dist.destroy_process_group()

@@ -79,9 +79,12 @@ class Collective:
                              "(dist.init_process_group) in every rank first")
         self.timeout_s = timeout_s
         self.ranks = dist.get_process_group_ranks(process_group)
+        # over the whole world every rank makes it: a numbered group, destroyed with the Checkpointer
+        # (close); over a sub-group only its ranks do: a group named by its ranks (see close)
+        self._whole_world = len(self.ranks) == dist.get_world_size()
         try:
             self.group = dist.new_group(ranks=self.ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                        use_local_synchronization=True)
+                                        use_local_synchronization=not self._whole_world)
         except (RuntimeError, ValueError) as e:
             raise GroupFailed(f"could not create the checkpointer's gloo group over ranks {self.ranks[:8]}: {e}. "
                               "Every rank of the process group must construct its Checkpointer") from e
@@ -93,13 +96,19 @@ class Collective:
         return self.rank == 0
 
     def close(self) -> None:
-        """Destroy the gloo group (its sockets and threads). Local, not collective: a process that
-        makes a Checkpointer per round (a long-lived rank) would otherwise keep every round's group.
-        Called once this rank's calls are done; a group broken by a dead rank is dropped all the same."""
+        """Destroy the gloo group (its sockets and threads: 5 open files on 2 ranks). Local, not
+        collective: called once this rank's calls are done; a group broken by a dead rank is dropped
+        the same. A process that makes a Checkpointer per round (a long-lived rank) keeps no round's.
+
+        A sub-group's group is left as it is: torch names a group made with
+        ``use_local_synchronization`` by a hash of its ranks and the number of groups registered, so
+        a destroyed one's name would come back for the next, whose rendezvous would then read the
+        old group's addresses from the store (connection refused). A whole world's groups are
+        numbered, never named twice."""
         import torch.distributed as dist
 
         group, self.group = self.group, None
-        if group is None or not dist.is_initialized():
+        if group is None or not self._whole_world or not dist.is_initialized():
             return
         try:
             dist.destroy_process_group(group)
