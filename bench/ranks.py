@@ -72,10 +72,12 @@ def one_round(workload: str, size: str, steps: int, layout: Layout, where: Any) 
             wall = time.perf_counter() - t0
         else:
             try:
-                r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), warm=True)
+                r = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), checkpoint_every=0, warm=True)
                 wall = time.perf_counter() - t0
                 t1 = time.perf_counter()  # the same round again, by the same group kept warm
-                warm = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), attempt=2, warm=True)
+                # (no shard checkpoints: the second attempt would continue from the first's)
+                warm = train_shard_group(ck, None, spec, 0, 1, Cut.of_step(0), attempt=2, checkpoint_every=0,
+                                         warm=True)
                 warm_wall = time.perf_counter() - t1
             finally:
                 end_groups(ck.url)
