@@ -4,6 +4,7 @@ processes on CPU, real SIGKILLs, real fences (trainrun.rank_group, trainrun.rank
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -92,6 +93,15 @@ def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(cl
     assert again.digest == result.digest and again.loss == result.loss
 
 
+def reapable(pid: int) -> bool:
+    """Whether a killed process is gone or a zombie its parent can reap: a many-threaded process's
+    leader shows as a zombie while its other threads still exit, and ``waitpid`` waits for those."""
+    try:
+        return alive(pid) is False and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
+
+
 def rank_pids(ck: Checkpointer) -> dict[int, int | None]:
     return {r: b.pid for r, b in read_rank_heartbeats(ck.store, "shard-0").items()}
 
@@ -117,9 +127,17 @@ def test_a_warm_group_trains_again_in_the_same_processes_on_a_fresh_groups_bits_
     fresh = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=4, heartbeat_every_s=0.2, warm=True)
     assert fresh.loss == clean.loss and not set(rank_pids(ck).values()) & set(pids.values())
     pids = rank_pids(ck)
+    os.kill(pids[1], signal.SIGKILL)  # a warm rank dies between two rounds: the next starts a fresh group
+    deadline = time.monotonic() + 10
+    while not reapable(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    replaced = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=5, heartbeat_every_s=0.2, warm=True)
+    assert replaced.loss == clean.loss and not set(rank_pids(ck).values()) & set(pids.values())
+    assert not any(alive(p) for p in pids.values() if p)
+    pids = rank_pids(ck)
     assert end_groups(ck.url) == 1 and not any(alive(p) for p in pids.values() if p)
     monkeypatch.setattr(rank_group, "IDLE_S", 0.5)  # a supervisor that forgets its group
-    train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=5, heartbeat_every_s=0.2, warm=True)
+    train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=6, heartbeat_every_s=0.2, warm=True)
     pids, deadline = rank_pids(ck), time.monotonic() + 20
     while any(alive(p) for p in pids.values() if p) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -121,8 +121,12 @@ def send_jobs(ranks: Sequence[Rank], jobs: Sequence[RankJob]) -> None:
     """Each rank its job, one JSON line on its stdin."""
     for r, job in zip(ranks, jobs, strict=True):
         assert r.process.stdin is not None
-        r.process.stdin.write(job.to_json().encode() + b"\n")
-        r.process.stdin.flush()
+        try:
+            r.process.stdin.write(job.to_json().encode() + b"\n")
+            r.process.stdin.flush()
+        except OSError as e:  # a warm rank that ended between two rounds (its pipe is closed)
+            raise RankGroupFailed(f"rank {r.rank} of the group ended before it could be sent its job ({e}); a "
+                                  "retry starts a fresh group from the same cut") from e
 
 
 def end_ranks(ranks: Sequence[Rank]) -> None:
