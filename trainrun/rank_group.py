@@ -252,29 +252,24 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                     local_tier=str(local_tier.root) if local_tier is not None else None,
                     local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None, idle_s=IDLE_S)
             for r in range(spec.ranks_per_shard)]
-    started = not group.ranks
-    failure: BaseException | None = None
     try:
-        if started:
-            group.ranks = start_ranks(jobs, Path(group.workdir.name))
-        else:
+        if group.ranks:
             send_jobs(group.ranks, jobs)
+        else:
+            group.ranks = start_ranks(jobs, Path(group.workdir.name))
         supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat,
                   port=group.port)
         result = ShardResult.from_json(result_path.read_bytes())
     except BaseException as e:
-        failure = e
-        group.end()
+        group.end()  # a failed group is never kept
         if not isinstance(e, FencedError):  # fenced: the watchdog owns the shard now, its fence says what happened
             finish_failed_beats(ck, part, generation, attempt, len(group.ranks), e, on_beat)
         raise
-    finally:
-        if failure is None:
-            result_path.unlink(missing_ok=True)
-            if warm:
-                keep_warm(group)
-            else:
-                group.end()
+    result_path.unlink(missing_ok=True)
+    if warm:
+        keep_warm(group)
+    else:
+        group.end()
     return ShardResult.from_dict({**result.to_dict(), "seconds": {**result.seconds,
                                                                   "group": round(time.perf_counter() - t0, 4)}})
 

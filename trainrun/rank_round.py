@@ -318,10 +318,9 @@ def run_job(job: RankJob) -> int:
     the done file written, the result first on rank 0)."""
     try:
         result = train_rank_round(job)
-        if job.rank == 0:
-            with open(job.result_path + ".tmp", "w", encoding="utf-8") as f:
+        if job.rank == 0:  # read once its done file exists, so written whole by then
+            with open(job.result_path, "w", encoding="utf-8") as f:
                 f.write(result.to_json().decode())
-            os.replace(job.result_path + ".tmp", job.result_path)
         with open(job.done_path, "w", encoding="utf-8"):
             pass
         return 0
