@@ -205,6 +205,33 @@ def test_a_groups_retry_continues_from_its_shard_checkpoint_and_writes_the_clean
 
 
 @pytest.mark.slow
+def test_a_groups_auto_checkpoints_follow_the_time_rule_at_steps_its_ranks_agree_on(tmp_path, monkeypatch):
+    """``auto`` in a group: the ranks agree on each checkpoint's step (a collective write at a step
+    only one rank chose would wait out the group's timeout), by the time rule, not a fixed count: a
+    tiny state (a write costs its floor, 10 ms: one every 0.5 s of training) and steps of >= 0.1 s
+    take the first within 5 steps, where a fixed count of 50 took none in a 12-step round. Rank 1
+    crashes at step 11; the retry continues from the newest and ends on the clean trajectory."""
+    monkeypatch.setenv("PYTHONPATH", f"{os.path.dirname(__file__)}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    s = spec(workload="slow_steps:build", steps_per_round=12)
+    ref = train_shard_group(step_zero(str(tmp_path / "ref"), s), None, s, 0, 1, Cut.of_step(0), checkpoint_every=0)
+    monkeypatch.setenv("CKPT_TEST_STEP_SLEEP", "0.1")  # read by the ranks started from here on
+    ck = step_zero(str(tmp_path / "a"), s)
+    chaos = ["crash:shard=0,round=1,rank=1,step=11"]
+    with pytest.raises(RankGroupFailed, match="rank 1 of its group of 2 exited with 1"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), chaos=chaos, heartbeat_every_s=0.2, checkpoint_every="auto")
+    keys = commit.substep_keys(ck.store, 1, "shard-0", 0)
+    assert keys and min(keys) <= 5 and max(keys) <= 10, sorted(keys)
+    for k, key in keys.items():  # each one the whole group's: both ranks wrote at that step
+        frag = commit.read_fragment(ck.store, key)[0]
+        assert isinstance(frag, GroupFragment) and frag.world == 2 and frag.meta["substep"] == k
+    retry = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, chaos=chaos, checkpoint_every="auto")
+    assert (retry.resumed_at_step, retry.start_source) == (max(keys), "store")
+    assert (retry.digest, retry.loss) == (ref.digest, ref.loss)  # the sleep is outside the trajectory
+    [row] = read_recoveries(ck.store, 1)
+    assert (row.kind, row.steps_recomputed) == ("crash", 11 - max(keys)), row
+
+
+@pytest.mark.slow
 def test_a_groups_retry_reads_its_ranks_local_copies_and_damaged_copies_fall_back_to_the_store(clean, tmp_path):
     """With a local tier each rank keeps the units it stored of the group's shard checkpoints
     (``<part>#r<rank>``): a retry on this host continues from them ("local"); copies that do not

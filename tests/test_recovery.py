@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -203,6 +204,53 @@ def test_auto_cadence_never_lets_more_than_its_step_ceiling_pass_even_with_slow_
     resumed = Cadence("auto", cost_s=10.0, last_step=30)  # an attempt continuing from its checkpoint at step 30
     assert not resumed.due(30 + AUTO_MAX_STEPS - 1, 120, busy=False, now=now)
     assert resumed.due(30 + AUTO_MAX_STEPS, 120, busy=False, now=now)
+
+
+def _agreeing_ranks(step_s: list[float], cost_s: float, steps_per_round: int, warm_up_s: float = 1.0) -> list[list[int]]:
+    """The steps at which each of len(step_s) ranks takes a group's ``auto`` checkpoints, each rank in
+    a thread with its own clock (``step_s`` a step, its first step ``warm_up_s`` longer), agreeing
+    through a barrier as the ranks' all_reduce(MAX) does."""
+    n = len(step_s)
+    barrier, proposals = threading.Barrier(n), [0] * n
+    taken: list[list[int]] = [[] for _ in range(n)]
+
+    def rank(r: int) -> None:
+        def agree(value: int) -> int:
+            proposals[r] = value
+            barrier.wait()
+            largest = max(proposals)
+            barrier.wait()
+            return largest
+
+        cadence, now = Cadence("auto", cost_s=cost_s, since=0.0, agree=agree), 0.0
+        for k in range(1, steps_per_round + 1):
+            now += step_s[r] + (warm_up_s if k == 1 else 0.0)
+            if cadence.due(k, steps_per_round, busy=False, now=now):
+                cadence.taken(k, now)
+                taken[r].append(k)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank waited for an agreement the others never joined"
+    return taken
+
+
+def test_a_groups_auto_cadence_is_agreed_by_its_ranks_and_follows_the_time_rule():
+    # a checkpoint costs 2 ms: the time rule takes one every 0.1 s of training. Rank 0's steps take
+    # 10 ms (one every 10 steps alone), rank 1's 20 ms (every 5): the group agrees on the larger, 10,
+    # and its first step's warm-up (1 s) does not count as the pace.
+    r0, r1 = _agreeing_ranks([0.010, 0.020], cost_s=0.002, steps_per_round=60)
+    assert r0 == r1, (r0, r1)
+    assert r0 == [10, 20, 30, 40, 50], r0  # (not after 1: the warm-up is not the pace)
+    # a slow write: the time rule would wait 500 s; the step ceiling binds, as for one process
+    r0, r1 = _agreeing_ranks([0.010, 0.011], cost_s=10.0, steps_per_round=120)
+    assert r0 == r1 == list(range(AUTO_MAX_STEPS, 120, AUTO_MAX_STEPS))
+    # slow steps, a cheap write: at most one a step (from the second on), never at the round's last step
+    r0, r1 = _agreeing_ranks([0.5, 0.4], cost_s=0.001, steps_per_round=5)
+    assert r0 == r1 == [2, 3, 4]
 
 
 # --- a shard round that fails and continues (no Prefect) ----------------------------------------------

@@ -60,7 +60,7 @@ from .local_tier import LocalTier
 from .rank_round import EXIT_FENCED, RankJob
 from .results import ShardResult
 from .resume_point import resume_point
-from .shard_checkpoint import Every, group_cadence
+from .shard_checkpoint import Every
 from .spec import RunSpec
 
 log = logging.getLogger("trainrun.rank_group")
@@ -226,7 +226,7 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                       local_tier: LocalTier | None = None, warm: bool = False) -> ShardResult:
     """Train shard ``shard``'s round ``round_no`` with ``spec.ranks_per_shard`` rank processes, from
     the shard's newest shard checkpoint of the round (``trainrun.resume_point``), else from ``cut``;
-    the group checkpoints every ``group_cadence(checkpoint_every)`` steps (each rank also keeps its
+    the group checkpoints at ``checkpoint_every`` (``auto``: at the steps its ranks agree on; each rank also keeps its
     units in ``local_tier``, where a rerun of the group on this host reads them) and writes the shard's
     fragment. ``warm``: the shard's group of its previous round trains this one if it is still
     alive, and the group is kept for the next (the caller ends it: ``end_groups``); else a group is
@@ -234,8 +234,7 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
     of a group that failed lives on when it raises."""
     part = shard_part(shard)
     generation = ck.live_generation(part)
-    every = group_cadence(checkpoint_every)
-    resume = resume_point(ck.store, part, round_no, generation) if every else None  # the same start for every rank
+    resume = resume_point(ck.store, part, round_no, generation) if checkpoint_every else None  # the same start for every rank
     key = group_key(ck, part, spec, group_timeout_s)
     group = take_warm(key) if warm else None
     t0 = time.perf_counter()
@@ -247,7 +246,7 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                     round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
                     chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
                     port=group.port, group_timeout_s=group_timeout_s, result_path=str(result_path),
-                    supervisor_pid=os.getpid(), checkpoint_every=every,
+                    supervisor_pid=os.getpid(), checkpoint_every=checkpoint_every,
                     resume=resume.to_dict() if resume is not None else None,
                     local_tier=str(local_tier.root) if local_tier is not None else None,
                     local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None, idle_s=IDLE_S)

@@ -81,7 +81,7 @@ class RankJob:
     group_timeout_s: float
     result_path: str
     supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
-    checkpoint_every: int = 0  # the group's shard checkpoints: every N round steps (0: none; see group_cadence)
+    checkpoint_every: int | str = 0  # the group's shard checkpoints: every N round steps, "auto" (agreed by the ranks), 0 none
     resume: dict[str, Any] | None = None  # the shard checkpoint every rank continues from (a ShardCheckpointRef)
     local_tier: str | None = None  # the local tier's root (trainrun.local_tier; None: no local copies)
     local_tier_max_bytes: int | None = None
@@ -133,6 +133,16 @@ def group_mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def group_max(value: int) -> int:
+    """The largest of every rank's ``value`` (one all_reduce: the same on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def group_all(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank of the group (one all_reduce: the same answer on every rank)."""
     import torch
@@ -165,7 +175,7 @@ def train_rank_round(job: RankJob) -> ShardResult:
     import torch.distributed as dist
 
     from .reshard import cut_shards
-    from .shard_checkpoint import ShardCheckpoints, cut_signature
+    from .shard_checkpoint import Every, ShardCheckpoints, cut_signature
     from .shard_round import ShardAttempt, ShardRNG, apply_threads, recognise_failure
 
     clock = Stopwatch()
@@ -193,8 +203,9 @@ def train_rank_round(job: RankJob) -> ShardResult:
         rng = ShardRNG(spec.seed, job.shard, job.round_no)
         if start.rng is not None:
             rng.set_state(start.rng)
-        saver = ShardCheckpoints(a, job.checkpoint_every, signature, tier, start.round_step,
-                                 copy=copy_name(part, job.rank))
+        every: Every = "auto" if job.checkpoint_every == "auto" else int(job.checkpoint_every)
+        saver = ShardCheckpoints(a, every, signature, tier, start.round_step, copy=copy_name(part, job.rank),
+                                 agree=group_max)
         clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
         hb.rebase(int(wl.data_position) - start.round_step)
         hb.beat(step=int(wl.data_position), force=True)

@@ -18,7 +18,12 @@ of the shard's own part), its attempt and host.
   state's size after its first step. And never more than ``AUTO_MAX_STEPS`` steps apart (waiting
   for the write in flight if need be), so that a failure recomputes at most that many steps
   whatever the machine's load (a slow write under load stretches the time rule). Never at the
-  round's last step (the round's fragment is written then).
+  round's last step (the round's fragment is written then). A group's ranks must write each one at
+  the same step (it is a collective write), and each judges time by its own clock, so they agree
+  on the step instead: at the attempt's first step and at each checkpoint, every rank proposes the
+  steps the time rule gives at its own pace and cost, and one ``all_reduce(MAX)`` makes the
+  largest proposal every rank's next checkpoint step (the group trains at its slowest rank's pace,
+  so the costliest rank's write is the one the group pays for; the step ceiling still binds).
 * **How** (``ShardCheckpoints``): ``Checkpointer.write_fragment_async(compress=False)``: the loop
   waits only for the snapshot; the writing runs in the background, changed chunks raw and
   unchanged ones not at all (a checkpoint that lives for a round: its CPU matters more than its
@@ -37,9 +42,10 @@ continues from step k runs steps k+1.. exactly as the attempt that wrote it woul
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -81,26 +87,30 @@ def step_bound(every: Every | str, steps_per_round: int) -> int:
     return AUTO_MAX_STEPS if every == "auto" else int(every) or steps_per_round
 
 
-def group_cadence(every: Every) -> int:
-    """A group's cadence in round steps (``--ranks-per-shard`` > 1): every rank takes each checkpoint
-    at the same step (it is a collective write), so ``auto``'s time rule, which each rank would
-    judge by its own clock, gives way to its step ceiling (docs/decisions.md, decision 49)."""
-    return AUTO_MAX_STEPS if every == "auto" else int(every)
-
-
 @dataclass
 class Cadence:
-    """When the next shard checkpoint is due (see the module docstring)."""
+    """When the next shard checkpoint is due (see the module docstring). ``agree`` (a group's ranks):
+    the largest of every rank's integer, the same on every rank (one collective); it is called at
+    the same round steps on every rank (the attempt's first step, and each checkpoint taken)."""
 
     every: Every
     cost_s: float | None = None  # what one checkpoint costs (measured, or estimated at the first step)
     since: float = field(default_factory=time.monotonic)  # when the last one was taken (or training began)
     last_step: int = 0  # the round step of the last one (or where the attempt started)
     max_steps: int = AUTO_MAX_STEPS  # "auto": never more steps apart than this
+    agree: Callable[[int], int] | None = None
+    next_step: int | None = None  # a group's "auto": the round step of its next checkpoint, agreed
+    paced: tuple[int, float] | None = None  # a group's "auto": (step, time) its pace is measured from
 
     @property
     def interval_s(self) -> float:
         return (self.cost_s or MIN_COST_S) / AUTO_BUDGET
+
+    def steps_for(self, step_s: float) -> int:
+        """The steps between checkpoints that the time rule gives at ``step_s`` a step: 1..``max_steps``."""
+        if step_s <= 0:
+            return self.max_steps
+        return max(1, min(self.max_steps, math.ceil(self.interval_s / step_s)))
 
     def estimate(self, state_bytes: int) -> None:
         """Until one was measured: a checkpoint of ``state_bytes`` costs what encoding it at
@@ -113,12 +123,31 @@ class Cadence:
             return False
         if self.every != "auto":
             return round_step % self.every == 0
+        if self.agree is not None:
+            if self.next_step is None:
+                now = time.monotonic() if now is None else now
+                if self.paced is None:  # the first step's pace includes warming up (DDP's buckets, allocations)
+                    self.paced = (round_step, now)
+                    return False
+                # the attempt's second step: the group agrees on its first checkpoint, at that step's pace
+                self.next_step = max(round_step, self.last_step + self.agree(self._steps_at(round_step, now)))
+            return round_step == self.next_step
         if round_step - self.last_step >= self.max_steps:
             return True  # the step bound holds even while a write is in flight: ``take`` waits for it
         return not busy and (time.monotonic() if now is None else now) - self.since >= self.interval_s
 
     def taken(self, round_step: int, at: float) -> None:
+        """A checkpoint was taken at ``round_step`` (its snapshot began ``at``); a group's ranks agree
+        on the next one, at the pace of the steps since the last."""
+        if self.agree is not None and self.every == "auto":
+            self.next_step = round_step + self.agree(self._steps_at(round_step, at))
+            self.paced = (round_step, at)
         self.since, self.last_step = at, round_step
+
+    def _steps_at(self, round_step: int, now: float) -> int:
+        """``steps_for`` at this rank's pace since ``paced`` (the attempt's first step, or the last checkpoint)."""
+        k0, t0 = self.paced if self.paced is not None else (self.last_step, self.since)
+        return self.steps_for((now - t0) / max(1, round_step - k0))
 
 
 @dataclass
@@ -137,11 +166,11 @@ class ShardCheckpoints:
     """One attempt's shard checkpoints: at most one write in flight; counts, bytes and seconds."""
 
     def __init__(self, a: ShardAttempt, every: Every, signature: dict[str, Any], tier: LocalTier | None,
-                 start_step: int = 0, copy: str | None = None):
+                 start_step: int = 0, copy: str | None = None, agree: Callable[[int], int] | None = None):
         self.a, self.signature, self.tier = a, signature, tier
         self.copy = copy or a.part  # its name in the tier (a rank of a group: trainrun.local_tier.copy_name)
-        self._memo = (a.ck.url, a.part)
-        self.cadence = Cadence(every, _LAST_COST.get(self._memo), last_step=start_step)
+        self._memo = (a.ck.url, self.copy)
+        self.cadence = Cadence(every, _LAST_COST.get(self._memo), last_step=start_step, agree=agree)
         self.count = 0
         self.bytes_written = 0
         self.blocked_s = 0.0  # the loop waited: snapshots (and, with a step count, a write still in flight)
