@@ -83,6 +83,22 @@ def test_an_fsdp_group_stores_each_ranks_shards_and_the_cut_averages_exact_full_
 
 
 @pytest.mark.slow
+def test_the_cut_reads_an_fsdp_groups_model_rank_by_rank_never_whole(fsdp_round):
+    """What the cut above averaged: each shard's model as its ranks' pieces (rows 0..127 and 128..255
+    of the embedding), never the 256 rows of one shard put together in the coordinator's process."""
+    from trainrun.cut import _shard_pieces
+
+    ck, s, _, _ = fsdp_round
+    frags = [ck.fragment(1, f"shard-{i}") for i in range(2)]
+    pieces = list(_shard_pieces(ck, 1, frags))
+    assert [p.last for p in pieces] == [False, True, False, True]
+    for p, offset in zip(pieces, (0, 128, 0, 128)):
+        assert tuple(p.model["tok.weight"].shape) == (128, 32) and p.where["tok.weight"].offsets == (offset, 0)
+        assert p.where.keys() == p.model.keys()  # every tensor of tinylm's model is sharded by FSDP
+    assert len({p.loss for p in pieces[:2]}) == 1  # a group's loss is the same on every rank
+
+
+@pytest.mark.slow
 def test_an_fsdp_group_with_a_killed_rank_fails_and_its_retry_writes_the_clean_fragment(fsdp_round, tmp_path):
     _, s, results, _ = fsdp_round
     ck = Checkpointer(str(tmp_path / "k"))

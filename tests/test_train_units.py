@@ -123,6 +123,47 @@ def test_outer_step_averages_exactly_and_keeps_nesterov_momentum():
 
 # --- resume rules -------------------------------------------------------------------------------------
 
+def test_the_mean_of_pieces_is_the_mean_of_whole_models_bit_for_bit_and_bad_pieces_are_refused():
+    """A group's model added piece by piece (FSDP's dim-0 blocks of uneven and empty size, a piece
+    replicated over ranks, a whole tensor beside the pieces) gives the same mean as whole models."""
+    from ckptlib.distributed import ShardInfo
+    from trainrun.outer import ShardMean
+
+    torch.manual_seed(0)
+    g = {"w": torch.randn(7, 3), "b": torch.randn(5), "steps": torch.tensor([3, 4])}
+    shards = [{k: (v + torch.randn_like(v) if v.is_floating_point() else v + i) for k, v in g.items()} for i in range(3)]
+    whole = ShardMean(g)
+    for m in shards:
+        whole.add(m)
+    pieces = ShardMean(g)
+    for m in shards:
+        for rows in ((0, 4), (4, 7), (7, 7)):  # three ranks: 4 rows, 3 rows, none
+            where = {"w": ShardInfo((7, 3), (rows[0], 0)), "b": ShardInfo((5,), (0,))}  # b replicated
+            pieces.add_piece({"w": m["w"][rows[0]:rows[1]], "b": m["b"], "steps": m["steps"]}, where)
+        pieces.end_shard()
+    expected, got = whole.result(), pieces.result()
+    assert expected.keys() == got.keys() == g.keys()
+    for name, t in expected.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+    def refused(add, match):
+        mean = ShardMean(g)
+        with pytest.raises(ValueError, match=match):
+            add(mean)
+            mean.end_shard()
+
+    m = shards[0]
+    refused(lambda mean: mean.add_piece({**m, "w": m["w"][:4]}, {"w": ShardInfo((7, 3), (0, 0))}),
+            r"covers 12 of the 21 elements of 'w': a piece is missing")
+    refused(lambda mean: [mean.add_piece({**m, "w": m["w"][r:r + 4]}, {"w": ShardInfo((7, 3), (r, 0))}) for r in (0, 3)],
+            r"pieces of 'w' overlap")
+    refused(lambda mean: mean.add_piece({**m, "w": m["w"][:4]}, {"w": ShardInfo((7, 3), (5, 0))}),
+            r"does not fit its \[7, 3\] tensor")
+    refused(lambda mean: mean.add_piece({**m, "w": m["w"][:4]}, {"w": ShardInfo((8, 3), (0, 0))}),
+            r"of a \[8, 3\] tensor, the global model's is \[7, 3\]")
+    refused(lambda mean: mean.add({"w": m["w"], "b": m["b"]}), r"covers 0 of the 2 elements of 'steps'")
+
+
 def test_plan_refuses_an_existing_run_without_resume_and_names_changed_fields(tmp_path):
     url = str(tmp_path / "run")
     spec = RunSpec(**TINY)

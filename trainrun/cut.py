@@ -3,7 +3,7 @@
 ::
 
     frags  = gather(store, r, shard parts)         # wait for every shard's fragment of its live generation
-    mean   = the shards' models from those very fragments, streamed (ShardMean)
+    mean   = the shards' models from those very fragments, streamed (ShardMean; a group's piece by piece)
     model  = outer_step(previous global model, mean)      # trainrun.outer
     coord  = write the coordinator's fragment of step r
     commit(exactly frags + coord)                  # only when ``publish``: every C-th round and the last
@@ -19,11 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptlib import Checkpointer
 from ckptlib.concurrency import map_ahead
+from ckptlib.distributed import GroupFragment, ShardInfo
 from ckptlib.distributed.documents import AnyFragment
 
 from .documents import Cut
@@ -61,9 +62,11 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     clock.lap("wait")
     mean = ShardMean(prev["model"])
     losses = []
-    for state in _shard_models(ck, round_no, [frags[p] for p in shard_parts]):
-        mean.add(state["model"])
-        losses.append(float(state["loss"]))
+    for piece in _shard_pieces(ck, round_no, [frags[p] for p in shard_parts]):
+        mean.add_piece(piece.model, piece.where)
+        if piece.last:
+            mean.end_shard()
+            losses.append(piece.loss)
     clock.lap("read")
     model, outer_state = outer_step(spec, prev["model"], prev["outer_optimizer"], mean)
     loss = math.fsum(losses) / len(losses)
@@ -101,14 +104,38 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     return replace(result, seconds=clock.seconds())
 
 
-def _shard_models(ck: Checkpointer, step: int, frags: list[AnyFragment]) -> Iterator[dict[str, Any]]:
-    """``{"model", "loss"}`` of each fragment, in the order given, read ``READ_AHEAD`` at a time (the
-    fragments are already read: only the models' chunks are fetched)."""
-    def read(f: AnyFragment) -> dict[str, Any]:
-        return ck.read_fragment(step, f.part, generation=f.generation, fragment=f, select=["model", "loss"])
+@dataclass(frozen=True)
+class _Piece:
+    """A shard's model, or the part of it one rank of its group held (``where``: the blocks of the
+    tensors that rank held a piece of, by name); ``last``: the shard's model is complete."""
+
+    model: dict[str, Any]
+    where: dict[str, ShardInfo]
+    loss: float
+    last: bool
+
+
+def _shard_pieces(ck: Checkpointer, step: int, frags: list[AnyFragment]) -> Iterator[_Piece]:
+    """Each fragment's model, in the order given: whole, or rank by rank for a group whose ranks held
+    pieces (FSDP: no full tensor of a shard is put together in this process). The first read of
+    each fragment runs ``READ_AHEAD`` fragments ahead (the fragments are read already: only the
+    models' chunks are fetched), so memory holds that many models, or pieces of models."""
+    def read(f: AnyFragment, rank: int = 0) -> _Piece:
+        if not isinstance(f, GroupFragment):
+            state = ck.read_fragment(step, f.part, generation=f.generation, fragment=f, select=["model", "loss"])
+            return _Piece(state["model"], {}, float(state["loss"]), True)
+        held = ck.read_rank(step, f.part, rank, generation=f.generation, fragment=f, select=["model", "loss"])
+        where = {path.removeprefix("/model/"): info for path, info in held.shards.items() if path.startswith("/model/")}
+        # a group whose rank 0 held no piece holds replicas (DDP): rank 0's model is the shard's
+        last = not where or rank == f.world - 1
+        return _Piece(held.state["model"], where, float(held.state["loss"]), last)
 
     with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="cut-read") as pool:
-        yield from map_ahead(pool, read, frags, READ_AHEAD)
+        for f, first in zip(frags, map_ahead(pool, read, frags, READ_AHEAD)):
+            yield first
+            if not first.last:
+                assert isinstance(f, GroupFragment)
+                yield from (read(f, rank) for rank in range(1, f.world))
 
 
 def _reshards(prev: dict[str, Any], cut: Cut, spec: RunSpec) -> list[dict[str, Any]]:
