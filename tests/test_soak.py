@@ -19,7 +19,7 @@ from trainrun.shard_checkpoint import AUTO_MAX_STEPS
 @pytest.mark.slow
 def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step_bound(prefect_harness, tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "ckpt", "soak", "--rounds", "3", "--failures", "2", "--kinds", "crash,stall",
+    cmd = [sys.executable, "-m", "ckpt", "soak", "--rounds", "2", "--failures", "2", "--kinds", "crash,stall",
            "--steps-per-round", str(2 * AUTO_MAX_STEPS + 10), "--seed", "3", "--store", str(tmp_path / "runs"),
            "--json", str(out)]
     p = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=540)
@@ -30,13 +30,13 @@ def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step
     assert r["same_digest"] and r["clean_digest"] == r["drilled_digest"]
     assert r["steps_bound"] == AUTO_MAX_STEPS and r["beyond_bound"] == 0, r["rows"]
     assert all(0 <= row["steps_recomputed"] <= AUTO_MAX_STEPS for row in r["rows"]), r["rows"]
-    assert r["shard_checkpoints"]["clean"]["count"] >= 2 * 3 * 2  # the ceiling: at least 2 a round per shard
+    assert r["shard_checkpoints"]["clean"]["count"] >= 2 * 2 * 2  # the ceiling: at least 2 a round per shard
     # goodput is the clean run's round time over the drilled run's, the same rounds of the same steps
     # (docs/training.md). Not bounded above: the two runs are minutes apart, and a machine whose load
     # changes between them (CI: other test workers on the same 2 cores) makes the clean run the
     # slower one (the README's 30-minute soak: 104.4%, "not a measurement"; CI saw 155%)
     clean_walls, drilled_walls = r["clean_round_wall_s"], r["drilled_round_wall_s"]
-    assert len(clean_walls) == len(drilled_walls) == r["rounds"] == 3, r
+    assert len(clean_walls) == len(drilled_walls) == r["rounds"] == 2, r
     assert r["goodput"] == pytest.approx(sum(clean_walls) / sum(drilled_walls), abs=1e-4) and r["goodput"] > 0.0
     assert r["clean_rounds_s"] == pytest.approx(sum(clean_walls), abs=1e-3)
     assert r["drilled_rounds_s"] == pytest.approx(sum(drilled_walls), abs=1e-3)
