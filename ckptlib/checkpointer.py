@@ -46,7 +46,7 @@ from .leases import Lease
 from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
-from .save import EncodedPart, Snapshot, WriteOptions, encode_part, secure_snapshot, take_snapshot
+from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_secure_snapshot, take_snapshot
 from .store import Store
 
 if TYPE_CHECKING:
@@ -198,9 +198,9 @@ class Checkpointer:
             group_fut: SaveFuture[CommitInfo] = SaveFuture(step)
             self._in_background(group_fut, lambda: self._group_persist(pending, t0, blocked))
             return group_fut
-        buffers = self._bases.buffers(SINGLE_PART)
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False, buffers=buffers.take)
-        secure_snapshot(snap, self._bases.held(SINGLE_PART), self._pool, buffers)  # no copy of the caller's memory kept
+        # no copy of the caller's memory kept: each unit read in place is patched into the base or copied
+        snap = take_secure_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), self._bases.held(SINGLE_PART),
+                                    self._bases.buffers(SINGLE_PART))
         fut: SaveFuture[CommitInfo] = SaveFuture(step)
         self._in_background(fut, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
         return fut

@@ -78,7 +78,7 @@ class EncodeOptions:
 class Previous:
     """The previous version of a unit: its raw checksum, its raw bytes, its stored blob.
 
-    ``changes``: set when a snapshot found the unit's changes itself (``save.secure_snapshot``):
+    ``changes``: set when a snapshot found the unit's changes itself (``save.take_secure_snapshot``):
     ``data`` then holds the new bytes already (patched in place) and ``changes`` is (positions of
     the changed elements, their old values as unsigned integers)."""
 

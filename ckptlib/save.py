@@ -2,11 +2,11 @@
 
 Called by ``Checkpointer`` (the only caller). The phases are the code of ``encode_part``:
 
-1. ``take_snapshot`` and ``secure_snapshot`` are the only steps that read the caller's tensors.
+1. ``take_snapshot`` and ``take_secure_snapshot`` are the only steps that read the caller's tensors.
    ``take_snapshot(copy=False)`` copies only what it cannot read in place (other devices, layouts,
    small leaves into their packs); a save the caller waits for then encodes CPU tensors straight
-   from their memory, which must not change until the save returns. A background save follows it
-   with ``secure_snapshot``: each unit read in place is patched into the base's buffer (few
+   from their memory, which must not change until the save returns. A background save takes
+   ``take_secure_snapshot`` instead: each unit read in place is patched into the base's buffer (few
    changes) or copied into a pool buffer, and the caller may change its state as soon as it
    returns. (``copy=True`` copies every leaf into host buffers.)
 2. Each unit is encoded (``ckptlib.encoding``: unchanged, delta or keyframe) and uploaded with
@@ -22,6 +22,7 @@ Called by ``Checkpointer`` (the only caller). The phases are the code of ``encod
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -85,14 +86,14 @@ class Snapshot:
     specs: list[LeafSpec]
     units: list[Unit]
     unit_data: list[np.ndarray]  # raw bytes of each unit (views)
-    # raw bytes of each leaf (views; a packed leaf's is a slice of its pack). After secure_snapshot a
+    # raw bytes of each leaf (views; a packed leaf's is a slice of its pack). After take_secure_snapshot a
     # leaf read in place still points at the caller's memory: only ``unit_data`` is ours then
     leaf_data: list[np.ndarray]
     owned: list[bool]  # unit_data[u] is our memory, not the caller's
     chunk_bytes: int = 0
     seconds: float = 0.0
     # unit -> (positions of its changed elements, their old values): changes a snapshot by difference
-    # found and patched into the base's buffer, which is now ``unit_data[u]`` (``secure_snapshot``)
+    # found and patched into the base's buffer, which is now ``unit_data[u]`` (``take_secure_snapshot``)
     changes: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
@@ -113,6 +114,9 @@ class EncodedPart:
 
 # --- 1. snapshot -----------------------------------------------------------------------------------
 
+Work = list[tuple[int, Callable[[], None]]]  # (bytes it moves, what moves them): a snapshot's parallel part
+
+
 def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], *, copy: bool = True,
                   buffers: Callable[[int, bool], np.ndarray] | None = None) -> Snapshot:
     """The leaves of ``state`` as raw bytes (the blocking part of a save).
@@ -123,6 +127,43 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int],
     pages are faulted in already; pinning is slow, and so are page faults on fresh memory).
     """
     t0 = time.perf_counter()
+    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, copy, buffers)
+    _run(pool, copies, on_gpu)
+    snap.seconds = time.perf_counter() - t0
+    return snap
+
+
+def take_secure_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], base: Base | None,
+                         buffers: BufferPool) -> Snapshot:
+    """A snapshot of ``state`` that is our own, so the caller may change its state as soon as this
+    returns: the blocking part of a background save, without a second copy of the state.
+
+    Small leaves are copied into their packs, as ``take_snapshot(copy=False)`` does; a unit read in
+    place whose previous bytes the base holds (in a buffer of its own) is compared with them, and
+    when few elements changed, the changes are written into the base's buffer, which becomes the
+    unit's snapshot, with the old values kept beside it (``snap.changes``, what its sparse delta is
+    made of). A comparison reads two streams and writes nothing: no page of fresh memory is touched,
+    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 44). Every
+    other unit is copied into a buffer from ``buffers`` (the writer's pool: pages already faulted
+    in, or fresh ones when it has none of that size, which is why more change is patched then).
+    The copies and the comparisons share one round of the pool (each of two rounds waited for its
+    slowest group). If anything fails, the base's bytes are dropped (some may be patched)."""
+    t0 = time.perf_counter()
+    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, False, buffers.take)
+    try:
+        _run(pool, copies + _securing(snap, base, buffers), on_gpu)
+    except BaseException:
+        if base is not None:
+            base.raw.clear()  # (some of its bytes may be patched)
+        raise
+    snap.seconds = time.perf_counter() - t0
+    return snap
+
+
+def _planned_snapshot(state: Any, chunk_bytes: int | Callable[[int], int], copy: bool,
+                      buffers: Callable[[int, bool], np.ndarray] | None) -> tuple[Snapshot, Work, bool]:
+    """The snapshot with its units placed, the copies still to make into our buffers, and whether a
+    leaf is on a GPU (its copies are asynchronous: ``_run`` synchronises)."""
     skeleton, leaves = flatten(state)
     specs = [spec for spec, _ in leaves]
     if callable(chunk_bytes):
@@ -135,18 +176,24 @@ def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int],
 
     unit_data, leaf_data, owned, to_copy = _place_units(units, leaves, buffer, copy)
 
-    # torch.copy_ and numpy copies release the GIL: copy in parallel, in a few groups of about equal
-    # bytes (one task per leaf would cost more in dispatch than copying a small tensor).
-    def copy_group(indices: list[int]) -> None:
-        for i in indices:
-            copy_into(leaves[i][1], specs[i], leaf_data[i], non_blocking=on_gpu)
+    snap = Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, chunk_bytes)
+    copies: Work = [(specs[i].nbytes, functools.partial(copy_into, leaves[i][1], specs[i], leaf_data[i], on_gpu))
+              for i in to_copy]
+    return snap, copies, on_gpu
 
-    list(pool.map(copy_group, _balanced_groups([specs[i].nbytes for i in to_copy], _SNAPSHOT_GROUPS, to_copy)))
+
+def _run(pool: Executor, work: Work, on_gpu: bool = False) -> None:
+    """Do ``work`` on the pool in a few groups of about equal bytes (torch.copy_ and numpy copies
+    release the GIL; one task per item would cost more in dispatch than copying a small tensor)."""
+    def group(members: list[int]) -> None:
+        for k in members:
+            work[k][1]()
+
+    list(pool.map(group, _balanced_groups([nbytes for nbytes, _ in work], _SNAPSHOT_GROUPS, list(range(len(work))))))
     if on_gpu:
         import torch
 
         torch.cuda.synchronize()  # the asynchronous copies must land before the caller moves on
-    return Snapshot(skeleton, specs, units, unit_data, leaf_data, owned, chunk_bytes, time.perf_counter() - t0)
 
 
 def _place_units(units: list[Unit], leaves: list[tuple[LeafSpec, Any]], buffer: Callable[[int], np.ndarray],
@@ -195,21 +242,9 @@ _PATCH_BELOW = 0.02
 _PATCH_BELOW_FRESH = 0.08
 
 
-def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor, buffers: BufferPool) -> None:
-    """Make a snapshot taken in place (``take_snapshot(copy=False)``) our own, so the caller may
-    change its state: the blocking part of a background save, without a second copy of the state.
-
-    A unit whose previous bytes the base holds (in a buffer of its own) is compared with them; when
-    few elements changed, the changes are written into the base's buffer, which becomes the unit's
-    snapshot, and the old values are kept beside it (``snap.changes``, what its sparse delta is
-    made of). A comparison reads two streams and writes nothing: no page of fresh memory is touched,
-    where a copy into fresh memory costs 4-5x a memcpy in page faults (docs/decisions.md 44). Every
-    other unit is copied into a buffer from ``buffers`` (the writer's pool: pages already faulted
-    in, or fresh ones when it has none of that size, which is why more change is patched then). If
-    anything fails, the base's bytes are dropped (some may be patched)."""
-    t0 = time.perf_counter()
+def _securing(snap: Snapshot, base: Base | None, buffers: BufferPool) -> Work:
+    """The securing of each unit still read in place (``take_secure_snapshot``)."""
     shared = Counter(base.units.values()) if base is not None else Counter()
-    todo = [u for u in range(len(snap.units)) if not snap.owned[u]]
 
     def secure(u: int) -> None:
         unit, view = snap.units[u], snap.unit_data[u]
@@ -231,17 +266,7 @@ def secure_snapshot(snap: Snapshot, base: Base | None, pool: Executor, buffers: 
         copy[:] = view
         snap.unit_data[u], snap.owned[u] = copy, True
 
-    def group(members: list[int]) -> None:
-        for u in members:
-            secure(u)
-
-    try:
-        list(pool.map(group, _balanced_groups([snap.units[u].nbytes for u in todo], _SNAPSHOT_GROUPS, todo)))
-    except BaseException:
-        if base is not None:
-            base.raw.clear()
-        raise
-    snap.seconds += time.perf_counter() - t0
+    return [(snap.units[u].nbytes, functools.partial(secure, u)) for u in range(len(snap.units)) if not snap.owned[u]]
 
 
 def _balanced_groups(sizes: list[int], n: int, items: list[int]) -> list[list[int]]:
