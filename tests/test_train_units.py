@@ -162,6 +162,8 @@ def test_the_mean_of_pieces_is_the_mean_of_whole_models_bit_for_bit_and_bad_piec
     refused(lambda mean: mean.add_piece({**m, "w": m["w"][:4]}, {"w": ShardInfo((8, 3), (0, 0))}),
             r"of a \[8, 3\] tensor, the global model's is \[7, 3\]")
     refused(lambda mean: mean.add({"w": m["w"], "b": m["b"]}), r"covers 0 of the 2 elements of 'steps'")
+    refused(lambda mean: mean.add({**m, "w": m["w"][:1]}), r"covers 3 of the 21 elements of 'w'")  # never broadcast
+    refused(lambda mean: mean.add({**m, "b": m["b"].reshape(5, 1)}), r"piece of 'b' \(\[5, 1\] at \[0\]\) does not fit")
 
 
 def test_plan_refuses_an_existing_run_without_resume_and_names_changed_fields(tmp_path):

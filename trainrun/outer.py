@@ -64,7 +64,8 @@ class ShardMean:
                 raise ValueError(f"shard {self.n}'s piece of '{name}' is of a {list(info.global_shape)} tensor, "
                                  f"the global model's is {list(ref.shape)}")
             box = (offsets, tuple(t.shape))
-            if len(offsets) != ref.dim() or any(o < 0 or o + n > m for o, n, m in zip(offsets, t.shape, ref.shape)):
+            if len(offsets) != ref.dim() or t.dim() != ref.dim() or \
+                    any(o < 0 or o + n > m for o, n, m in zip(offsets, t.shape, ref.shape)):
                 raise ValueError(f"shard {self.n}'s piece of '{name}' ({list(t.shape)} at {list(offsets)}) does not "
                                  f"fit its {list(ref.shape)} tensor")
             boxes = self._boxes.setdefault(name, [])

@@ -20,7 +20,7 @@ of the shard's own part), its attempt and host.
   whatever the machine's load (a slow write under load stretches the time rule). Never at the
   round's last step (the round's fragment is written then). A group's ranks must write each one at
   the same step (it is a collective write), and each judges time by its own clock, so they agree
-  on the step instead: at the attempt's first step and at each checkpoint, every rank proposes the
+  on the step instead: at the attempt's second step and at each checkpoint, every rank proposes the
   steps the time rule gives at its own pace and cost, and one ``all_reduce(MAX)`` makes the
   largest proposal every rank's next checkpoint step (the group trains at its slowest rank's pace,
   so the costliest rank's write is the one the group pays for; the step ceiling still binds).
@@ -91,7 +91,7 @@ def step_bound(every: Every | str, steps_per_round: int) -> int:
 class Cadence:
     """When the next shard checkpoint is due (see the module docstring). ``agree`` (a group's ranks):
     the largest of every rank's integer, the same on every rank (one collective); it is called at
-    the same round steps on every rank (the attempt's first step, and each checkpoint taken)."""
+    the same round steps on every rank (the attempt's second step, and each checkpoint taken)."""
 
     every: Every
     cost_s: float | None = None  # what one checkpoint costs (measured, or estimated at the first step)
