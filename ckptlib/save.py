@@ -251,7 +251,8 @@ def _mostly_changed(new: np.ndarray, old: np.ndarray, below: float) -> bool:
     if new.size < 8 * _SAMPLE:
         return False
     every = new.size // _SAMPLE
-    return int(np.count_nonzero(new[::every] != old[::every])) > 4 * below * new[::every].size
+    sample = new[::every]
+    return int(np.count_nonzero(sample != old[::every])) > 4 * below * sample.size
 
 
 def _securing(snap: Snapshot, base: Base | None, buffers: BufferPool) -> Work:

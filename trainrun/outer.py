@@ -75,13 +75,16 @@ class ShardMean:
                 raise ValueError(f"shard {self.n}'s pieces of '{name}' overlap ({list(t.shape)} at {list(offsets)})")
             boxes.append(box)
             block = tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))
-            if not ref.is_floating_point():
-                if self.n == 0:
-                    self.acc.setdefault(name, torch.empty(ref.shape, dtype=t.dtype))[block] = t.detach()
-                continue
-            if self.n == 0 and name not in self.acc:
-                self.acc[name] = torch.zeros(ref.shape, dtype=torch.float64)
-            self.acc[name][block].add_(t.to(torch.float64))
+            floating = ref.is_floating_point()
+            if not floating and self.n > 0:
+                continue  # non-floating tensors are the first shard's
+            if name not in self.acc:
+                self.acc[name] = torch.zeros(ref.shape, dtype=torch.float64) if floating else \
+                    torch.empty(ref.shape, dtype=t.dtype)
+            if floating:
+                self.acc[name][block].add_(t.to(torch.float64))
+            else:
+                self.acc[name][block] = t.detach()
 
     def end_shard(self) -> None:
         """The current shard is complete: its pieces covered every tensor of the global model once."""

@@ -135,22 +135,22 @@ def group_mean(value: float) -> float:
 
 def group_max(value: int) -> int:
     """The largest of every rank's ``value`` (one all_reduce: the same on every rank)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([int(value)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return _reduced(value, "MAX")
 
 
 def group_all(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank of the group (one all_reduce: the same answer on every rank)."""
+    return bool(_reduced(1 if ok else 0, "MIN"))
+
+
+def _reduced(value: int, op: str) -> int:
+    """``value`` reduced over the group's ranks by ``torch.distributed.ReduceOp.<op>`` (as int64)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    return int(t.item())
 
 
 def start_in_group(a: ShardAttempt, job: RankJob, reader: Checkpointer, signature: dict[str, Any],
