@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-from . import commit
+from . import commit, compaction
 from .bases import Base, DeltaBases, base_of, chain_origin, substep_chain
 from .chunking import auto_chunk_bytes
+from .compaction import Compactor
 from .distributed.documents import AnyFragment, GroupFragment
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
 from .errors import CheckpointError, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
@@ -135,13 +136,20 @@ class Checkpointer:
     ``save_async``, ``restore`` and ``write_fragment`` are then collective: every rank calls them with
     its own state (DTensors, DDP replicas, per-rank values), one checkpoint holds all ranks or none.
     ``group_timeout_s``: how long a rank waits for the others (a hung rank fails the call then).
+
+    ``compact=True`` (single writer): once a save has committed, a keyframe of each of its
+    delta-coded chunks is written beside the stream, off the training path, from the bytes this
+    writer holds anyway, so the latest step restores one object per chunk instead of its chains
+    (``ckptlib.compaction``; more bytes written per save, counted in ``compaction_bytes``). The
+    next save, restore or GC stops a compaction in flight; ``wait()`` and ``close()`` let it end.
     """
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
                  chunk_bytes: int | None = None, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  delta_budget: float | None = DEFAULT_DELTA_BUDGET, zstd_level: int = 3,
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
-                 reuse_buffers: bool | None = None, process_group: Any = None, group_timeout_s: float = 600.0):
+                 reuse_buffers: bool | None = None, process_group: Any = None, group_timeout_s: float = 600.0,
+                 compact: bool = False):
         self.options = WriteOptions.checked(chunk_bytes, keyframe_every, delta_budget, zstd_level,
                                             max_upload_bytes_per_s)
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
@@ -162,6 +170,11 @@ class Checkpointer:
             from .distributed.collective import Collective
 
             self._collective = Collective(process_group, group_timeout_s)
+        if compact and process_group is not None:
+            raise ValueError("compact=True is for a single writer; a collective Checkpointer does not compact (yet)")
+        # raw copies: what a compaction is for is a restore at read speed (docs/decisions.md 58)
+        self._compactor = Compactor(self.store, self._pool, None, self.options.limiter) if compact else None
+        self._compaction: Future[Any] | None = None
 
     @property
     def url(self) -> str:
@@ -219,12 +232,37 @@ class Checkpointer:
             self._inflight = fut
         self._background.submit(run)
 
-    def wait(self) -> None:
-        """Block until no save is in flight; raise the error of a failed background save that
-        nobody took from its future."""
-        self._drain()
+    @property
+    def compaction_bytes(self) -> int:
+        """Bytes this writer's compactions wrote (``compact=True``; 0 otherwise)."""
+        return self._compactor.bytes_written if self._compactor is not None else 0
 
-    def _drain(self) -> None:
+    @property
+    def compaction_seconds(self) -> float:
+        """Seconds this writer's compactions ran (in its persisting thread, off the training path)."""
+        return self._compactor.seconds if self._compactor is not None else 0.0
+
+    def wait(self) -> None:
+        """Block until no save (and no compaction) is in flight; raise the error of a failed
+        background save that nobody took from its future."""
+        self._drain(finish=True)
+
+    def _drain(self, finish: bool = False) -> None:
+        """Wait for the save in flight; then stop the compaction in flight (``finish``: let it end)
+        before the caller touches the base it reads."""
+        try:
+            self._drain_save()
+        finally:
+            with self._lock:
+                compaction, self._compaction = self._compaction, None
+            if compaction is not None:
+                assert self._compactor is not None
+                if not finish:
+                    self._compactor.stop.set()
+                compaction.result()  # never raises: _compact logs its errors
+                self._compactor.stop.clear()
+
+    def _drain_save(self) -> None:
         with self._lock:
             fut, self._inflight = self._inflight, None
         if fut is None:
@@ -315,16 +353,38 @@ class Checkpointer:
         return result
 
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
+        published: list[Fragment] = []
+
         def publish(enc: EncodedPart) -> tuple[Manifest, bool]:
             base = self._bases.held(SINGLE_PART)
+            published.append(enc.fragment)
             return commit.commit_step(self.store, step, {SINGLE_PART: (enc.fragment, None)},
                                       parent=base.step if base else None, single=True, meta=meta)
 
         manifest, created = self._save_part(snap, SINGLE_PART, step, publish)
         if not created:
             log.info("step %d was already committed with the same digest: nothing new published", step)
+        elif self._compactor is not None:
+            self._start_compaction(published[-1])
         durable = time.perf_counter() - t0
         return self._info(manifest, created, durable if blocked is None else blocked, durable)
+
+    def _start_compaction(self, fragment: Fragment) -> None:
+        """Queue the compaction of committed ``fragment`` behind whatever the persisting thread runs
+        now (a save's future is settled first: its durable time never includes it)."""
+        base = self._bases.held(SINGLE_PART)
+        raw = dict(base.raw) if base is not None and base.step == fragment.step else {}
+        if raw:
+            with self._lock:
+                self._compaction = self._background.submit(self._compact, fragment, raw)
+
+    def _compact(self, fragment: Fragment, raw: dict[str, np.ndarray]) -> None:
+        assert self._compactor is not None
+        try:
+            self._compactor.run(fragment, raw)
+        except Exception as e:  # noqa: BLE001 - a compaction costs time, never a save
+            log.warning("the compaction of step %d failed (%s: %s): its restore reads the delta chains", fragment.step,
+                        type(e).__name__, e)
 
     def _group_begin(self, step: int, state: Any, meta: dict | None, *, copy: bool, target: Any = None) -> Any:
         """A collective save's foreground half (``distributed.saving.begin``)."""
@@ -421,9 +481,11 @@ class Checkpointer:
                     out[name] = self._restore_group_part(frag, into_parts.get(name), select, device, rank)
                     continue
                 held = self._bases.held(name)
+                # a writer or follower holding a base decodes one link per changed chunk: no shortcut pays
+                shortcuts = compaction.read_table(self.store, frag) if held is None or not held.raw else None
                 state, raw = restore_part(frag, self.store, self._pool, device=device, into=into_parts.get(name),
                                           select=select, keep=keep_base,
-                                          known=held.raw if held is not None else None)
+                                          known=held.raw if held is not None else None, shortcuts=shortcuts)
                 if raw is not None:
                     self._bases.set(name, base_of(frag, self.options.chunk_bytes, raw))
                 out[name] = state
@@ -902,12 +964,12 @@ class Checkpointer:
             raise CheckpointError(f"this Checkpointer of {self.url} is closed; create a new one")
 
     def close(self) -> None:
-        """Wait for a save in flight (raising its error if nobody took it), then free threads and
-        memory. Idempotent."""
+        """Wait for a save (and a compaction) in flight, raising the save's error if nobody took it,
+        then free threads and memory. Idempotent."""
         if self._closed:
             return
         try:
-            self._drain()
+            self._drain(finish=True)
         finally:
             self._closed = True
             self._background.shutdown(wait=True)

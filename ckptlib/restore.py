@@ -18,6 +18,7 @@ Called by ``Checkpointer`` (restore, verify) and validation. Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import Counter, defaultdict
@@ -37,6 +38,8 @@ from .manifest import Blob, Fragment, Leaf
 from .store import Store
 from .tree import MISSING, leaf_indices, prune, unflatten
 from .types import LeafSpec
+
+log = logging.getLogger("ckptlib")
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,18 @@ class _ChainDecoder:
 
     Only the top of a chain is checked against its checksum (it covers every link below it);
     when it does not match, the chain is walked again link by link to name the damaged object.
+
+    ``shortcuts``: keyframes of some chunks kept beside their chains (``compaction``), by raw
+    checksum. A chunk with a chain of two links or more is decoded from its shortcut instead; a
+    shortcut that is missing, damaged or decodes to other bytes is passed over for the chain (one
+    warning per decoder).
     """
 
     def __init__(self, fragment: Fragment, store: Store, tops: list[str], known: Mapping[str, np.ndarray] | None = None,
-                 decode_slots: int | None = None):
+                 decode_slots: int | None = None, shortcuts: Mapping[str, Blob] | None = None):
         self.fragment, self.store = fragment, store
+        self._shortcuts = dict(shortcuts or {})
+        self._warned = False
         # Fetching runs on every thread of the pool (remote stores need many requests in flight);
         # decoding is CPU work whose buffers are chunk-sized: only as many chains decode at once as
         # there are cores, which bounds a restore's memory beside the state it fills.
@@ -198,6 +208,9 @@ class _ChainDecoder:
         while d is not None and d not in self._cache:
             chain.append((d, self._blob(d)))
             d = chain[-1][1].base
+        shortcut = self._shortcuts.get(digest) if len(chain) > 1 else None
+        if shortcut is not None and self._fill_from(shortcut, digest, out):
+            return
         links = chain[::-1]  # bottom first
         # The first object is fetched before taking a decode slot (the I/O of many chains overlaps);
         # the others inside it, one at a time, so a decoding thread holds one payload, not a chain's.
@@ -206,6 +219,29 @@ class _ChainDecoder:
             self._decode(links, d, out, fetched)
         if codecs.checksum(out) != digest:
             self._locate(digest, out.nbytes)
+
+    def _fill_from(self, shortcut: Blob, digest: str, out: np.ndarray) -> bool:
+        """Decode chunk ``digest`` from its compacted keyframe into ``out``; False (said once) when
+        that object is unusable: the caller then decodes the chain."""
+        try:
+            payload = self._payload(shortcut)
+            with self._slots:
+                self._apply(shortcut, out, payload)
+            if codecs.checksum(out) == digest:
+                if digest in self._shared:
+                    with self._lock:
+                        self._cache.setdefault(digest, out.copy())
+                return True
+            why = "decodes to bytes whose checksum does not match"
+        except Damaged as e:
+            why = e.reason
+        with self._lock:
+            warned, self._warned = self._warned, True
+        if not warned:
+            log.warning("step %d, part '%s': the compacted copy of chunk %s (object %s) %s; restoring it from its "
+                        "delta chain (and so any other such chunk of this restore)", self.fragment.step,
+                        self.fragment.part, digest, shortcut.key, why)
+        return False
 
     def _decode(self, links: list[tuple[str, Blob]], start_digest: str | None, out: np.ndarray,
                 fetched: dict[str, np.ndarray]) -> None:
@@ -279,12 +315,14 @@ def _finish_staged(t: _Target, leaf: Leaf) -> None:
 
 def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list[int], *,
                   dests: Mapping[int, Any] | None = None, known: Mapping[str, np.ndarray] | None = None,
-                  keep: bool = False) -> tuple[dict[int, Any], list[Problem], dict[str, np.ndarray] | None]:
+                  keep: bool = False, shortcuts: Mapping[str, Blob] | None = None,
+                  ) -> tuple[dict[int, Any], list[Problem], dict[str, np.ndarray] | None]:
     """Decode the leaves ``wanted`` (indices) into new objects, or into ``dests`` in place.
 
     Returns (objects by leaf index: the filled object of every intact leaf, problems, and with
     ``keep`` a private copy of every chunk decoded, by checksum: a writer's next delta base).
-    ``known``: raw chunks the caller already holds, by checksum (a chain stops there)."""
+    ``known``: raw chunks the caller already holds, by checksum (a chain stops there).
+    ``shortcuts``: compacted keyframes of delta-coded chunks (``_ChainDecoder``)."""
     dests = dests or {}
     leaves = fragment.leaves
     # chunk checksum -> [(leaf, start in leaf, start in chunk, length)]
@@ -294,7 +332,7 @@ def decode_leaves(fragment: Fragment, store: Store, pool: Executor, wanted: list
         for n, (digest, start, at, length) in enumerate(leaves[i].segments()):
             placements[digest].append((i, start, at, length))
             index_of[(i, digest)] = n
-    decoder = _ChainDecoder(fragment, store, list(placements), known)
+    decoder = _ChainDecoder(fragment, store, list(placements), known, shortcuts=shortcuts)
     check_fits(restore_bytes(fragment, wanted, dests, placements, decoder._shared, keep),
                f"step {fragment.step}, part '{fragment.part}'")
     targets = {i: _target(leaves[i], dests.get(i)) for i in wanted}
@@ -365,6 +403,7 @@ def _raise(problems: list[Problem]) -> None:
 def restore_part(
     fragment: Fragment, store: Store, pool: Executor, *, device: Any = "cpu", into: Any = None,
     select: list[str] | None = None, keep: bool = False, known: Mapping[str, np.ndarray] | None = None,
+    shortcuts: Mapping[str, Blob] | None = None,
 ) -> tuple[Any, dict[str, np.ndarray] | None]:
     """(state, with ``keep`` a private copy of the raw chunks decoded, by checksum). Raises
     CorruptCheckpoint, or ValueError listing every mismatch between ``into`` and the checkpoint.
@@ -374,10 +413,12 @@ def restore_part(
     from the checkpoint. ``select``: restore only these top-level keys (or '/'-paths).
     ``known``: raw chunks the caller already holds, by checksum (e.g. the previous step it
     restored): a chain stops there, so following a stream of checkpoints decodes one link per
-    changed chunk instead of whole chains. They are trusted as given (the result is still checked)."""
+    changed chunk instead of whole chains. They are trusted as given (the result is still checked).
+    ``shortcuts``: compacted keyframes of delta-coded chunks (``compaction.read_table``)."""
     b = bind_selection(fragment.skeleton, [leaf.spec for leaf in fragment.leaves], fragment.step, fragment.part,
                        into=into, select=select)
-    objects, problems, kept = decode_leaves(fragment, store, pool, b.wanted, dests=b.dests, known=known, keep=keep)
+    objects, problems, kept = decode_leaves(fragment, store, pool, b.wanted, dests=b.dests, known=known, keep=keep,
+                                            shortcuts=shortcuts)
     _raise(problems)
     return assemble(b, objects, device), kept
 

@@ -49,7 +49,7 @@ from ckptlib.testing.compare import first_difference
 from .config import BenchConfig
 from .contenders import RUNNERS, CkptlibRunner, Runner
 from .entropy import entropy_bound
-from .probes import PeakRss, dir_bytes, evict_page_cache, release_free_memory, rss_bytes
+from .probes import PeakRss, evict_page_cache, release_free_memory, rss_bytes
 from .series import Series, capture_states
 from .trees import map_tensors
 
@@ -154,6 +154,7 @@ def _time_interleaved(series: Series, cfg: BenchConfig) -> dict[str, _Saves]:
                 blocked, durable = runners[s].save(step, state)
                 timed[s].blocked.append(blocked)
                 timed[s].durable.append(durable)
+                runners[s].settle()
     finally:
         for runner in runners.values():
             runner.close()
@@ -182,14 +183,15 @@ def _load_1min() -> float | None:
 def _save_series(runner: Runner, series: Series, root: str) -> _Saves:
     saves = _Saves()
     for step, state in zip(series.steps, series.states):
-        before = dir_bytes(root)
+        before = runner.stored_bytes()
         saves.before.append(rss_bytes())
         with PeakRss() as peak:
             b, d = runner.save(step, state)
         saves.blocked.append(b)
         saves.durable.append(d)
-        saves.written.append(dir_bytes(root) - before)
+        saves.written.append(runner.stored_bytes() - before)
         saves.peaks.append(peak.peak)
+        runner.settle()
     return saves
 
 
@@ -236,6 +238,9 @@ def _ckptlib_figures(runner: CkptlibRunner) -> dict[str, Any]:
     return {"restore_worst_s": max(per_step.values()), "restore_per_step_s": per_step,
             "restore_follow_s": statistics.median(list(following.values())[1:] or list(following.values())),
             "ckptlib_reported_bytes_written": statistics.fmean(i.bytes_written for i in infos),
+            # written after each commit, beside the stream (not in bytes_written): the latest step's keyframes
+            "compaction_bytes": statistics.fmean(runner.compaction_bytes[1:] or [0]),
+            "compaction_s": runner.ck.compaction_seconds / max(1, len(runner.compaction_bytes)),
             "ckptlib_kinds": [i.kind for i in runner.infos],
             "final_digest": runner.infos[-1].digest}
 

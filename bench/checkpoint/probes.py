@@ -95,10 +95,13 @@ class PeakRss:
                 self.peak = r
 
 
-def dir_bytes(root: str) -> int:
-    """Bytes of every file under ``root`` (a file deleted meanwhile counts 0)."""
+def dir_bytes(root: str, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of every file under ``root`` (a file deleted meanwhile counts 0), but for the folders
+    ``skip`` names directly under it."""
     total = 0
-    for folder, _dirs, files in os.walk(root):
+    for folder, dirs, files in os.walk(root):
+        if folder == root:
+            dirs[:] = [d for d in dirs if d not in skip]
         for name in files:
             try:
                 total += os.stat(os.path.join(folder, name)).st_size

@@ -53,7 +53,7 @@ def _x(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}x"
 
 
-TABLE_COLUMNS = ("workload", "system", "MiB/ckpt", "x smaller vs torch.save", "blocked ms", "vs memcpy",
+TABLE_COLUMNS = ("workload", "system", "MiB/ckpt", "x smaller vs torch.save", "compaction MiB", "blocked ms", "vs memcpy",
                  "durable ms", "vs torch.save", "restore ms", "vs torch.load", "vs DCP load", "worst restore ms",
                  "worst vs DCP", "follower ms", "held / state", "save peak / state", "restore peak / state",
                  "into peak / state")
@@ -66,6 +66,7 @@ def table_rows(records: list[dict]) -> list[list[str]]:
         bound = f" (bound {r['entropy_bound_x']:.2f}x)" if r.get("entropy_bound_x") else ""
         rows.append([r["workload"], r["system"], _mib(r["bytes_written"]),
                      "-" if r["system"] == "memcpy" else _x(q["bytes_x_smaller"], 2) + bound,
+                     _mib(r["compaction_bytes"]) if "compaction_bytes" in r else "-",
                      _ms(r["blocked_s"]), _x(q["blocked_vs_memcpy"]), _ms(r["durable_s"]),
                      _x(q["durable_vs_torch"]), _ms(r["restore_s"]), _x(q["restore_vs_torch"]),
                      _x(q["restore_vs_dcp"]), _ms(r.get("restore_worst_s")), _x(q["worst_vs_dcp"]),
