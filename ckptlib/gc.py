@@ -17,8 +17,12 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
    batch of deletes. The first time no save is in flight, the steps committed since the listing
    are marked too (saves that were in flight as the leases were read). A read lease of a step the
    marks do not cover (dropped by this GC, or never seen committed) also stops the deletes: that
-   reader may hold a manifest read before it was dropped. Keys that are not objects ckptlib writes
-   are skipped and reported, never deleted.
+   reader may hold a manifest read before it was dropped. Compaction shortcuts (``compact/``,
+   ``ckptlib.compaction``): a table of a step up to the newest commit that this GC does not keep
+   (the dropped steps count as not kept already), or that a newer table of the same part of a kept
+   step supersedes, and an object no remaining table names, once older than ``grace_s`` (tables of
+   later steps are a writer's; a table lost costs a restore time, never data). Keys that are not
+   objects ckptlib writes are skipped and reported, never deleted.
 3. Drop the steps the policy does not keep: the leases are read again before each batch, and a
    step a reader leased since the plan is kept (its objects marked); for each other, its report and
    verdict, then its manifest last (a crash leaves a committed step whose objects all exist). Also
@@ -39,6 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from . import compaction
 from .commit import (
     committed_steps,
     fragment_needs,
@@ -296,7 +301,33 @@ class _Sweeper:
             elif (info.key not in protect and (only is None or info.key in only)
                   and int(m.group(1)) <= self.marks.newest and info.modified < self.cutoff):
                 garbage.append((info.key, info.size))
+        if only is None:
+            garbage += self._compaction_garbage()
         self.delete(garbage)
+
+    def _compaction_garbage(self) -> list[tuple[str, int]]:
+        """Stale compaction tables (first: none is left naming a deleted object), then objects no
+        remaining table names; all older than the cutoff."""
+        kept = self.marks.seen - set(self.report.dropped_steps)
+        tables: dict[str, tuple[int, str, int, bool]] = {}  # key -> step, part, size, old enough
+        objects = []
+        for info in self.store.scan(compaction.PREFIX):
+            m = compaction.TABLE_KEY.match(info.key)
+            if m:
+                tables[info.key] = (int(m.group(1)), m.group(2), info.size, info.modified < self.cutoff)
+            elif compaction.OBJECT_KEY.match(info.key):
+                objects.append(info)
+            else:
+                self.report.skipped.append(info.key)
+        newest_kept: dict[str, int] = {}
+        for step, part, _, _ in tables.values():
+            if step in kept:
+                newest_kept[part] = max(step, newest_kept.get(part, step))
+        stale = [(key, size) for key, (step, part, size, old) in tables.items()
+                 if old and step <= self.marks.newest and (step not in kept or step < newest_kept[part])]
+        gone = {key for key, _ in stale}
+        named = set().union(*(compaction.objects_named(self.store, key) for key in tables if key not in gone))
+        return stale + [(i.key, i.size) for i in objects if i.key not in named and i.modified < self.cutoff]
 
 
 def _uncommit(store: Store, step: int, dry_run: bool) -> tuple[list[str], list[str], int]:
