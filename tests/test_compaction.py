@@ -226,3 +226,30 @@ def test_a_stopped_compaction_names_nothing_and_the_next_one_completes(tmp_path)
         table = compactor.run(frag, raw)
     assert table is not None and set(table.chunks) == set(delta_tops(frag))
     assert store.exists(table_key(2, "state")) and compactor.bytes_written > 0
+
+
+def test_compaction_on_every_store_kind_restores_exact_and_gc_keeps_only_the_newest_table(any_store, caplog):
+    """Local, memory and a real S3 server (SeaweedFS): write, read, fall back, sweep."""
+    from ckptlib import RetentionPolicy
+    from ckptlib.compaction import OBJECT_KEY, TABLE_KEY
+
+    state = _state()
+    with Checkpointer(any_store, compact=True, chunk_bytes=CHUNK) as ck:
+        for k in range(4):
+            _train(state, k)
+            ck.save(k, state)
+        ck.wait()
+        assert ck.compaction_bytes > 0
+    with Checkpointer(any_store) as reader:
+        _exact(reader.restore(), state)
+    tables = [key for key in any_store.list("compact") if TABLE_KEY.match(key)]
+    objects = [key for key in any_store.list("compact") if OBJECT_KEY.match(key)]
+    assert tables == [table_key(3, "state")] and objects
+    any_store.delete(objects[0])
+    caplog.set_level(logging.WARNING, logger="ckptlib")
+    with Checkpointer(any_store) as reader:
+        _exact(reader.restore(), state)
+        reader.gc(RetentionPolicy(keep_last=1), grace_s=0)
+        _exact(reader.restore(), state)
+    assert len(_fallbacks(caplog)) == 2  # one per restore: the deleted object's chunk read its chain
+    assert [key for key in any_store.list("compact") if TABLE_KEY.match(key)] == [table_key(3, "state")]
