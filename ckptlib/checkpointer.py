@@ -137,7 +137,7 @@ class Checkpointer:
     its own state (DTensors, DDP replicas, per-rank values), one checkpoint holds all ranks or none.
     ``group_timeout_s``: how long a rank waits for the others (a hung rank fails the call then).
 
-    ``compact=True`` (single writer): once a save has committed, a keyframe of each of its
+    ``compact=True`` (single writer): once a save has committed, a raw copy of each of its
     delta-coded chunks is written beside the stream, off the training path, from the bytes this
     writer holds anyway, so the latest step restores one object per chunk instead of its chains
     (``ckptlib.compaction``; more bytes written per save, counted in ``compaction_bytes``). The
@@ -150,6 +150,8 @@ class Checkpointer:
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
                  reuse_buffers: bool | None = None, process_group: Any = None, group_timeout_s: float = 600.0,
                  compact: bool = False):
+        if compact and process_group is not None:
+            raise ValueError("compact=True is for a single writer; a collective Checkpointer does not compact (yet)")
         self.options = WriteOptions.checked(chunk_bytes, keyframe_every, delta_budget, zstd_level,
                                             max_upload_bytes_per_s)
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
@@ -170,8 +172,6 @@ class Checkpointer:
             from .distributed.collective import Collective
 
             self._collective = Collective(process_group, group_timeout_s)
-        if compact and process_group is not None:
-            raise ValueError("compact=True is for a single writer; a collective Checkpointer does not compact (yet)")
         # raw copies: what a compaction is for is a restore at read speed (docs/decisions.md 58)
         self._compactor = Compactor(self.store, self._pool, None, self.options.limiter) if compact else None
         self._compaction: Future[Any] | None = None

@@ -1,10 +1,11 @@
-"""Compaction of the newest step: a keyframe of each of its delta-coded chunks, kept beside the stream.
+"""Compaction of the newest step: a copy of each of its delta-coded chunks, kept beside the stream.
 
 A chunk whose blob is a delta restores through its chain (up to ``keyframe_every`` objects, each
 fetched and applied). A writer made with ``Checkpointer(compact=True)`` writes, once a save has
-committed and off the training path, a keyframe of every such chunk of the new step from the raw
-bytes it holds anyway (its delta base), and a table that says, per raw checksum, which object holds
-it. A restore of that step then reads one object per chunk (docs/decisions.md 58).
+committed and off the training path, a keyframe (raw bytes: a restore copies them) of every such
+chunk of the new step from the raw bytes it holds anyway (its delta base), and a table that says,
+per raw checksum, which object holds it. A restore of that step then reads one object per chunk
+(docs/decisions.md 58).
 
 The chain stays the truth, the table only a shortcut:
 

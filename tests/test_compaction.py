@@ -253,3 +253,8 @@ def test_compaction_on_every_store_kind_restores_exact_and_gc_keeps_only_the_new
         _exact(reader.restore(), state)
     assert len(_fallbacks(caplog)) == 2  # one per restore: the deleted object's chunk read its chain
     assert [key for key in any_store.list("compact") if TABLE_KEY.match(key)] == [table_key(3, "state")]
+
+
+def test_compact_is_refused_for_a_collective_checkpointer_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="single writer"):
+        Checkpointer(str(tmp_path), compact=True, process_group=object())
