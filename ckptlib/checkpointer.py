@@ -172,8 +172,7 @@ class Checkpointer:
             from .distributed.collective import Collective
 
             self._collective = Collective(process_group, group_timeout_s)
-        # raw copies: what a compaction is for is a restore at read speed (docs/decisions.md 58)
-        self._compactor = Compactor(self.store, self._pool, None, self.options.limiter) if compact else None
+        self._compactor = Compactor(self.store, self._pool, self.options.limiter) if compact else None
         self._compaction: Future[Any] | None = None
 
     @property

@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from . import codecs
-from .encoding import keyframe_of
 from .errors import CorruptCheckpoint, ObjectNotFound, ObjectTooLarge, StoreError
 from .manifest import Blob, Fragment, max_stored_bytes
 from .store import Store
@@ -70,16 +69,10 @@ def object_key(raw_digest: str, codec_configs: list[dict[str, Any]]) -> str:
     return f"{PREFIX}/objects/{h[:2]}/{h}"
 
 
-def delta_tops(fragment: Fragment) -> dict[str, int]:
-    """The chunks of ``fragment`` that its leaves read and whose blobs are deltas, by raw checksum:
-    the element size of the leaves they hold (what a keyframe codes its byte planes by)."""
-    out: dict[str, int] = {}
-    for leaf in fragment.leaves:
-        for digest, *_ in leaf.segments():
-            blob = fragment.blobs.get(digest)
-            if blob is not None and blob.base is not None:
-                out.setdefault(digest, leaf.spec.itemsize)
-    return out
+def delta_tops(fragment: Fragment) -> set[str]:
+    """The raw checksums of the chunks of ``fragment`` that its leaves read and whose blobs are deltas."""
+    return {digest for leaf in fragment.leaves for digest, *_ in leaf.segments()
+            if (blob := fragment.blobs.get(digest)) is not None and blob.base is not None}
 
 
 @dataclass(frozen=True)
@@ -101,10 +94,10 @@ class Table:
                 "chunks": {d: {"key": b.key, "size": b.size, "codecs": list(b.codecs)} for d, b in self.chunks.items()}}
 
     @classmethod
-    def parse(cls, doc: Any, fragment: Fragment) -> Table:
-        """A table read from the store, checked against ``fragment`` whole (ValueError naming what
-        is wrong). One of another fragment of the same step and part (the step was dropped and
-        committed again) is refused too."""
+    def parse(cls, doc: Any, fragment: Fragment, tops: set[str]) -> Table:
+        """A table read from the store, checked against ``fragment`` (whose ``delta_tops`` are
+        ``tops``) whole: ValueError naming what is wrong. One of another fragment of the same step
+        and part (the step was dropped and committed again) is refused too."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"it is not a compaction table of format {FORMAT}")
         if doc.get("step") != fragment.step or doc.get("part") != fragment.part:
@@ -114,14 +107,11 @@ class Table:
         entries = doc.get("chunks")
         if not isinstance(entries, dict):
             raise ValueError("it has no chunk table")
-        tops = delta_tops(fragment)
-        chunks = {}
-        for digest, entry in entries.items():
-            chunks[digest] = _entry(digest, entry, fragment, tops)
+        chunks = {digest: _entry(digest, entry, fragment, tops) for digest, entry in entries.items()}
         return cls(fragment.step, fragment.part, fragment.digest, chunks)
 
 
-def _entry(digest: str, entry: Any, fragment: Fragment, tops: Mapping[str, int]) -> Blob:
+def _entry(digest: str, entry: Any, fragment: Fragment, tops: set[str]) -> Blob:
     if digest not in tops:
         raise ValueError(f"chunk {str(digest)[:40]} is not a delta-coded chunk of the fragment")
     if not isinstance(entry, dict) or set(entry) != {"key", "size", "codecs"}:
@@ -152,7 +142,7 @@ def read_table(store: Store, fragment: Fragment) -> dict[str, Blob]:
     key = table_key(fragment.step, fragment.part)
     try:
         data = store.get(key, max_bytes=_TABLE_BYTES_PER_CHUNK * len(tops) + _TABLE_SLACK)
-        return Table.parse(json.loads(data), fragment).chunks
+        return Table.parse(json.loads(data), fragment, tops).chunks
     except ObjectNotFound:
         return {}
     except (ObjectTooLarge, StoreError, ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -179,10 +169,10 @@ class Compactor:
     """A writer's compactions of one part: ``run`` writes the new step's table, reusing what the
     last one wrote, then deletes what only the last one named. One run at a time (the writer's
     persisting thread); ``stop`` ends a run between two chunks (the next save is about to write
-    over the raw bytes it reads). ``level``: zstd level of the keyframes (None: raw copies)."""
+    over the raw bytes it reads). The copies are raw: a restore copies them (docs/decisions.md 58)."""
 
-    def __init__(self, store: Store, pool: Executor, level: int | None, limiter: RateLimiter):
-        self.store, self.pool, self.level, self.limiter = store, pool, level, limiter
+    def __init__(self, store: Store, pool: Executor, limiter: RateLimiter):
+        self.store, self.pool, self.limiter = store, pool, limiter
         self.stop = threading.Event()
         self.bytes_written = 0  # objects and tables written, over this writer's life
         self.seconds = 0.0  # spent in runs, over this writer's life
@@ -203,8 +193,7 @@ class Compactor:
         tops = delta_tops(fragment)
         written = {**self._unnamed, **(self._last.chunks if self._last is not None else {})}
 
-        def one(item: tuple[str, int]) -> tuple[str, Blob] | None:
-            digest, itemsize = item
+        def one(digest: str) -> tuple[str, Blob] | None:
             if self.stop.is_set():
                 return None
             if digest in written:
@@ -212,14 +201,13 @@ class Compactor:
             data = raw.get(digest)
             if data is None or data.nbytes != fragment.blobs[digest].nbytes or codecs.checksum(data) != digest:
                 return None
-            chosen, payload = keyframe_of(data, itemsize, self.level)
-            configs = [c.to_config() for c in chosen]
-            blob = Blob(object_key(digest, configs), payload.nbytes, data.nbytes, tuple(configs), None, 0)
-            self.limiter.acquire(payload.nbytes)
-            self.store.put(blob.key, np.ascontiguousarray(payload).data)
+            configs = [codecs.Raw().to_config()]
+            blob = Blob(object_key(digest, configs), data.nbytes, data.nbytes, tuple(configs), None, 0)
+            self.limiter.acquire(data.nbytes)
+            self.store.put(blob.key, np.ascontiguousarray(data).data)
             return digest, blob
 
-        done = dict(r for r in self.pool.map(one, tops.items()) if r is not None)
+        done = dict(r for r in self.pool.map(one, tops) if r is not None)
         fresh = {d: b for d, b in done.items() if d not in written}
         self.bytes_written += sum(b.size for b in fresh.values())
         if self.stop.is_set():

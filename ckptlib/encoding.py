@@ -194,14 +194,9 @@ def dense_or_sparse_delta(view: np.ndarray, base_view: np.ndarray, unit: Unit, l
 def keyframe(view: np.ndarray, unit: Unit, level: int | None) -> tuple[list, np.ndarray]:
     """(codecs, payload) of a keyframe: byte planes, zstd-coded at ``level`` where that pays
     (measured on a sample of the chunk), or the raw bytes when nothing does (or ``level`` is None)."""
-    return keyframe_of(view, unit.itemsize, level)
-
-
-def keyframe_of(view: np.ndarray, itemsize: int, level: int | None) -> tuple[list, np.ndarray]:
-    """``keyframe`` of a chunk whose elements have ``itemsize`` bytes."""
     if level is None:
         return [codecs.Raw()], view
-    itemsize = itemsize if 1 <= itemsize <= 16 else 1
+    itemsize = unit.itemsize if 1 <= unit.itemsize <= 16 else 1
     planes = codecs.Planes.paying(view, itemsize, level, _PLANE_PAYS)
     if not planes:
         return [codecs.Raw()], view

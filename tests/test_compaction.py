@@ -219,7 +219,7 @@ def test_a_stopped_compaction_names_nothing_and_the_next_one_completes(tmp_path)
         frag = ck.fragment(2, "state")
     store = Store.from_url(str(tmp_path))
     with ThreadPoolExecutor(2) as pool:
-        compactor = Compactor(store, pool, 3, RateLimiter(None))
+        compactor = Compactor(store, pool, RateLimiter(None))
         compactor.stop.set()
         assert compactor.run(frag, raw) is None and not store.exists(table_key(2, "state"))
         compactor.stop.clear()
