@@ -42,7 +42,7 @@ from .distributed.documents import AnyFragment, GroupFragment
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
 from .errors import CheckpointError, CorruptCheckpoint, FormatVersionError, NoCheckpoint, ObjectNotFound, StoreError
 from .export import Exported
-from .gc import GcReport, collect_garbage
+from .gc import DEFAULT_GRACE_S, DEFAULT_SAVE_WAIT_S, GcReport, collect_garbage
 from .leases import Lease
 from .manifest import Fragment, Manifest
 from .restore import Problem, inspect_part, restore_part
@@ -949,12 +949,14 @@ class Checkpointer:
 
     # --- retention -------------------------------------------------------------------------------
 
-    def gc(self, policy: RetentionPolicy, *, grace_s: float = 600.0, dry_run: bool = False) -> GcReport:
-        """Drop checkpoints the policy does not keep and sweep unreferenced objects (see ckptlib.gc)."""
+    def gc(self, policy: RetentionPolicy, *, grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False,
+           wait_s: float = DEFAULT_SAVE_WAIT_S) -> GcReport:
+        """Drop checkpoints the policy does not keep and sweep unreferenced objects (see ckptlib.gc).
+        ``wait_s``: how long to wait for saves that began before this GC before deferring the sweeps."""
         self._check_open()
         self._drain()
         self._fragments.clear()
-        return collect_garbage(self.store, policy, grace_s=grace_s, dry_run=dry_run)
+        return collect_garbage(self.store, policy, grace_s=grace_s, dry_run=dry_run, wait_s=wait_s)
 
     # --- lifetime --------------------------------------------------------------------------------
 

@@ -12,10 +12,14 @@ Order (each step safe to crash after; the argument is in docs/format.md, "Garbag
    chains included, every object a pending fragment (of a step after the newest commit) needs, and
    every object a quarantined step names (``ckptlib.quarantine``).
 2. Sweep garbage: unmarked objects under ``chunks/`` and ``fragments/`` older than ``grace_s``,
-   temp files of killed writes, expired leases. Only while no save holds a lease (a save that
-   re-uses an unreferenced object would otherwise lose it); the leases are read again before each
-   batch of deletes. The first time no save is in flight, the steps committed since the listing
-   are marked too (saves that were in flight as the leases were read). A read lease of a step the
+   temp files of killed writes (only while no save holds a lease), expired leases. Only while every
+   save lease names this GC's lock (``leases``: such a save checks, after this GC, that what it needs
+   exists; one that began before the lock may publish without looking, and a save that re-uses an
+   unreferenced object would lose it); the leases are read again before each batch of deletes. A
+   save that does not name the lock is waited for, up to ``wait_s`` (then the sweeps are deferred):
+   every save that begins later names it. The first time the deletes may go on, the steps committed
+   and the fragments published since the listing are marked too (by saves in flight as the leases
+   were read). A read lease of a step the
    marks do not cover (dropped by this GC, or never seen committed) also stops the deletes: that
    reader may hold a manifest read before it was dropped. Compaction shortcuts (``compact/``,
    ``ckptlib.compaction``): a table of a step up to the newest commit that this GC does not keep
@@ -74,6 +78,10 @@ _BATCH = 256  # deletes between two looks at the leases and the lock
 # validation report) are not covered by a save lease, so a grace of 0 must still not reach them.
 TEMP_MIN_AGE_S = 900.0
 DEFAULT_GRACE_S = 600.0  # unreferenced objects younger than this are left alone (saves in flight)
+# How long a GC waits for saves that began before it (they may publish without looking at it) before
+# it defers its sweeps. Saves that begin meanwhile wait for the GC before they publish, so this
+# bounds how long a GC can hold up a save too.
+DEFAULT_SAVE_WAIT_S = 30.0
 
 
 @dataclass
@@ -97,9 +105,11 @@ class _Stop(Exception):
 
 
 def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = DEFAULT_GRACE_S,
-                    dry_run: bool = False) -> GcReport:
+                    dry_run: bool = False, wait_s: float = DEFAULT_SAVE_WAIT_S) -> GcReport:
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    if wait_s < 0:
+        raise ValueError(f"wait_s must be >= 0, got {wait_s}")
     if not is_store(store):
         raise CheckpointError(
             f"{store.url} is not a ckptlib store (no ckptlib.json, no manifests/): garbage collection deletes only "
@@ -107,13 +117,14 @@ def collect_garbage(store: Store, policy: RetentionPolicy, *, grace_s: float = D
         )
     lock = None if dry_run else GcLock(store).acquire()
     try:
-        return _collect(store, policy, grace_s, dry_run, lock)
+        return _collect(store, policy, grace_s, dry_run, lock, wait_s)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: bool, lock: GcLock | None) -> GcReport:
+def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: bool, lock: GcLock | None,
+             wait_s: float) -> GcReport:
     # The leases are read BEFORE the steps are listed: a save seen here is still live (its base step
     # is kept, and the sweep waits while it lives), and one not seen here had already published its
     # manifest (a save publishes, then releases its lease), so the listing below has it.
@@ -124,7 +135,7 @@ def _collect(store: Store, policy: RetentionPolicy, grace_s: float, dry_run: boo
     dropped = [s for s in steps if s not in kept]
     report = GcReport(sorted(kept), dropped, dry_run=dry_run)
     marks = _Marks.read(store, steps, kept, lock)
-    sweeper = _Sweeper(store, report, marks, lock, dry_run, time.time() - grace_s)
+    sweeper = _Sweeper(store, report, marks, lock, dry_run, time.time() - grace_s, wait_s)
     try:
         sweeper.run(dropped)
     except _Stop:
@@ -169,26 +180,30 @@ class _Marks:
         return marks
 
     def catch_up(self, store: Store) -> list[int]:
-        """Mark the steps committed since the listing (by saves that were in flight when this GC read
-        the leases and have finished since): their objects are kept. Returns those steps."""
+        """Mark the steps committed and the fragments published since the listing (by saves that were
+        in flight when this GC read the leases and have finished since): their objects are kept.
+        Returns the new steps."""
         new = [s for s in committed_steps(store) if s not in self.seen]
         for step in new:
             keys = _needed(store, step)
             self.kept |= keys
             self.dropped_only -= keys
             self.seen.add(step)
-        if new:
-            self.kept |= _pending_fragment_marks(store, self.newest)
+        self.kept |= _pending_fragment_marks(store, self.newest)  # a fragment needs no commit to be published
         return new
 
 
 class _Sweeper:
-    """Deletes, in batches, only while no save is in flight and the lock is this GC's."""
+    """Deletes, in batches, only while every save in flight will check after this GC (it named the
+    lock) and the lock is this GC's."""
 
     def __init__(self, store: Store, report: GcReport, marks: _Marks, lock: GcLock | None, dry_run: bool,
-                 cutoff: float):
+                 cutoff: float, wait_s: float = 0.0):
         self.store, self.report, self.marks, self.lock, self.dry_run, self.cutoff = \
             store, report, marks, lock, dry_run, cutoff
+        self.wait_s = 0.0 if dry_run else wait_s  # a dry run deletes nothing: it has nothing to wait for
+        self.waited_until: float | None = None  # the deadline of the wait for saves, once one began
+        self.saving = False  # a save lease was live at the last look (temp files are left alone)
         self.caught_up = False
         self.uncommitted: set[int] = set()  # dropped steps whose manifests this GC deletes (or deleted)
         self.deleter = ThreadPoolExecutor(max_workers=_DELETE_THREADS, thread_name_prefix="ckpt-gc-delete")
@@ -203,7 +218,7 @@ class _Sweeper:
         # manifests, reports and verdicts of steps no lease names, never an object.
         swept = True
         try:
-            if not self.dry_run and self.clear_to_delete() is None:
+            if not self.dry_run and self.clear_to_delete() is None and not self.saving:
                 for name in self.store.remove_stale_temp(min(self.cutoff, time.time() - TEMP_MIN_AGE_S)):
                     self.report.deleted_objects.append(name)
                 self.delete([(key, 0) for key in expired_leases(self.store, self.cutoff)])
@@ -248,18 +263,31 @@ class _Sweeper:
         log.info("garbage collection of %s keeps step %d: a restore of it is in flight", self.store.url, step)
 
     def clear_to_delete(self) -> str | None:
-        """Why nothing may be deleted now (None: go on). The first time it is clear, the steps
-        committed since the listing are marked: after that no save can publish before this GC ends
-        (a save that began after it took the lock sees the lock and waits). A read lease of a step
-        the marks do not cover (one this GC dropped, or one it never saw committed) also waits: that
-        reader may hold a manifest whose objects are no longer marked."""
-        leases = live_leases(self.store)
-        busy = [lease for lease in leases if lease.kind == "save"]
-        if busy:
-            return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}): "
-                    "objects were not swept; run GC again later")
-        if self.lock is not None and not self.lock.renew():
-            return "the GC lock was taken over or expired (this GC ran past its lock's expiry): stopped"
+        """Why nothing may be deleted now (None: go on), after waiting up to ``wait_s`` in all for
+        saves that did not see this GC's lock. The first time it is clear, the steps committed and
+        fragments published since the listing are marked: after that no save can publish before
+        this GC ends (a save that began after it took the lock names the lock in its lease and waits
+        for it). A read lease of a step the marks do not cover (one this GC dropped, or one it never
+        saw committed) stops the deletes: that reader may hold a manifest whose objects are no
+        longer marked."""
+        lock_id = self.lock.id if self.lock is not None else None
+        pause = 0.02
+        while True:
+            leases = live_leases(self.store)
+            self.saving = any(lease.kind == "save" for lease in leases)
+            busy = [lease for lease in leases if not lease.lets_sweep(lock_id)]
+            if self.lock is not None and not self.lock.renew():
+                return "the GC lock was taken over or expired (this GC ran past its lock's expiry): stopped"
+            if not busy:
+                break
+            now = time.monotonic()
+            if self.waited_until is None:
+                self.waited_until = now + self.wait_s
+            if now >= self.waited_until:
+                return (f"a save is in flight (lease {busy[0].id} from {busy[0].host} pid {busy[0].pid}, waited "
+                        f"{self.wait_s:g} s for it): objects were not swept; run GC again later")
+            time.sleep(min(pause, self.waited_until - now))
+            pause = min(0.5, pause * 2)  # most saves publish within a second
         if not self.caught_up:
             self.caught_up = True
             new = self.marks.catch_up(self.store)

@@ -11,11 +11,15 @@ The protocol (the argument is in docs/format.md, "Garbage collection"):
   is published. ``step`` is the committed step its deltas build on: GC keeps that step.
 * Right after writing its lease, the save looks at ``gc.lock``. A GC that takes the lock after
   that moment reads the leases after it, sees this one, and does not sweep. A GC that holds the
-  lock at that moment may have read the leases before; then, before publishing, the save waits
-  for that GC to end and checks that every object it re-used (found already stored instead of
-  writing it) still exists, writing again any that was swept.
+  lock at that moment may have read the leases before; then the save writes that lock's id into
+  its lease (``gc``) and, before publishing, waits for that GC to end and checks that every object
+  it needs still exists, writing again any re-used one (found already stored instead of writing
+  it) that was swept, and encoding its part again as keyframes if one it cannot write back is gone.
 * A GC holds ``gc.lock`` (put-if-absent: one GC at a time), keeps every step named by a live lease,
-  and sweeps objects only while no save lease is live; it looks again before each batch of deletes.
+  and sweeps objects only while every live save lease names its lock (a save that did not see it
+  may publish without checking); it looks again before each batch of deletes. It waits a while
+  (``wait_s``) for the saves that did not see it to publish: saves that began after it took the
+  lock all name it, so it does not starve however often saves come.
 * Leases and the lock expire (a killed writer cannot block GC forever, a killed GC cannot block saves
   for more than two minutes); long operations renew them. An expired lease protects nothing: a save
   stalled longer than its lease's time to live (default one hour, renewed while uploads progress)
@@ -40,7 +44,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import ObjectNotFound, ObjectTooLarge, StoreError
@@ -68,18 +72,28 @@ class LeaseDoc:
     step: int | None  # the step it needs kept (a save's delta base, a reader's step)
     host: str = ""
     pid: int = 0
+    # a save's only: the id of the GC lock it saw right after writing this lease. That GC may sweep
+    # beside it, because the save waits for that GC to end and checks what it needs before it publishes.
+    gc: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "id": self.id, "start": self.start, "expires": self.expires, "step": self.step,
-                "host": self.host, "pid": self.pid}
+        doc = {"kind": self.kind, "id": self.id, "start": self.start, "expires": self.expires, "step": self.step,
+               "host": self.host, "pid": self.pid}
+        return doc if self.gc is None else {**doc, "gc": self.gc}
+
+    def lets_sweep(self, lock_id: str | None) -> bool:
+        """Whether the GC holding lock ``lock_id`` may delete objects while this lease lives: a read
+        lease is judged by its step (``ckptlib.gc``); a save's only if it saw that very lock."""
+        return self.kind != "save" or (lock_id is not None and self.gc == lock_id)
 
     @classmethod
     def from_json(cls, d: Any) -> LeaseDoc | None:
         """The lease, or None for a document that is not one (it then protects nothing)."""
         try:
-            step = d.get("step")
+            step, gc = d.get("step"), d.get("gc")
             return cls(str(d["kind"]), str(d["id"]), float(d["start"]), float(d["expires"]),
-                       int(step) if step is not None else None, str(d.get("host", "")), int(d.get("pid", 0)))
+                       int(step) if step is not None else None, str(d.get("host", "")), int(d.get("pid", 0)),
+                       str(gc) if gc is not None else None)
         except (AttributeError, KeyError, TypeError, ValueError):
             return None
 
@@ -103,7 +117,13 @@ class Lease:
     def acquire(self) -> Lease:
         self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
         self.held = True
-        self.gc_seen = read_gc_lock(self.store) is not None
+        lock = read_gc_lock(self.store)
+        self.gc_seen = lock is not None
+        if lock is not None and self.doc.kind == "save" and isinstance(lock.get("id"), str):
+            # Say so in the lease: that GC then sweeps beside this save instead of stopping for it
+            # (until this put lands, it sees a save that did not see it, and waits).
+            self.doc = replace(self.doc, gc=lock["id"])
+            self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
         return self
 
     def try_acquire(self) -> Lease:
@@ -130,7 +150,10 @@ class Lease:
         if not self.gc_seen:
             return []
         deadline, pause = time.monotonic() + GC_WAIT_S, 0.02
-        while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now():
+        # Only the GC this lease names may have swept beside it; a later one sees the lease as a save
+        # that did not see it and sweeps nothing while it lives (an unnamed one: wait for any).
+        while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now() and \
+                (self.doc.gc is None or lock.get("id") == self.doc.gc):
             if time.monotonic() > deadline:
                 raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
                                  "this save waited for it and gives up. Save again once it has finished.")

@@ -136,7 +136,8 @@ def test_a_rank_killed_mid_save_commits_nothing_and_the_next_group_saves(tmp_pat
         assert first_difference(dict(want["model"]), dict(got["model"])) is None
         assert first_difference(want["optim"], got["optim"]) is None
         # the killed rank's save lease keeps GC from sweeping until it expires (an hour): as it would
-        report = ck.gc(RetentionPolicy(keep_last=2), grace_s=0)
+        # (the GC waits wait_s for it to publish, then defers)
+        report = ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=0.5)
         assert report.deferred and "a save is in flight" in report.deferred
         for key in ck.store.list("leases/"):  # ... then it expires
             ck.store.delete(key)

@@ -187,7 +187,7 @@ def _gc_history(store):
 
 def _gc(store):
     with Checkpointer(store) as ck:
-        return ck.gc(RetentionPolicy(keep_last=2), grace_s=0)
+        return ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=0)  # see default_gc
 
 
 @pytest.fixture
@@ -369,7 +369,7 @@ def test_a_restore_of_the_latest_step_outlives_a_newer_commit_and_a_gc(new_store
 
 def _keep_last_2(store):
     with Checkpointer(store) as ck:
-        return ck.gc(RetentionPolicy(keep_last=2), grace_s=0)
+        return ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=0)  # see default_gc
 
 
 @pytest.mark.parametrize("template", ["memory", "local"], indirect=True)
