@@ -61,6 +61,8 @@ def gc_store(
         r = gc_run(url, keep_last, keep_every, grace_seconds, dry_run, keep_latest_healthy, access)
         logger.info("%s: kept %s, %sdropped %s, %d objects, %d bytes", url, r["kept_steps"],
                     "would have " if dry_run else "", r["dropped_steps"], r["deleted_objects"], r["freed_bytes"])
+        if r.get("deferred"):
+            logger.warning("%s: stopped early: %s", url, r["deferred"])
         results.append(r)
     _publish(store, results, dry_run)
     return results
@@ -72,11 +74,12 @@ def _publish(store: str, results: list[dict[str, Any]], dry_run: bool) -> None:
     key = "gc-" + (re.sub(r"[^a-z0-9]+", "-", store.lower()).strip("-")[:80] or "store")
     rows = [{"run": r["run"], "kept": ", ".join(map(str, r["kept_steps"])) or "-",
              "dropped": ", ".join(map(str, r["dropped_steps"])) or "-",
-             "objects": r["deleted_objects"], "freed_bytes": r["freed_bytes"], "dry_run": r["dry_run"]}
+             "objects": r["deleted_objects"], "freed_bytes": r["freed_bytes"], "dry_run": r["dry_run"],
+             "stopped_early": r.get("deferred") or "-"}
             for r in results]
     try:
         create_table_artifact(rows or [{"run": "-", "kept": "-", "dropped": "-", "objects": 0, "freed_bytes": 0,
-                                        "dry_run": dry_run}],
+                                        "dry_run": dry_run, "stopped_early": "-"}],
                               key=key, description=f"{'Dry run: ' if dry_run else ''}garbage collection of {store}")
     except Exception as e:  # noqa: BLE001 - the deletes are done; the UI view is secondary
         get_run_logger().warning("could not create the gc artifact: %s", e)

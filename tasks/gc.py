@@ -30,12 +30,13 @@ def find_runs(root: str, access: StoreAccess | None = None) -> list[str]:
       retry_condition_fn=transient_store_error)
 def gc_run(run_url: str, keep_last: int, keep_every: int | None, grace_s: float, dry_run: bool,
            keep_latest_healthy: bool = True, access: StoreAccess | None = None) -> dict:
-    """Apply the retention policy to one run; return what was (or would be) deleted. A run with no
-    committed checkpoint yet (it only beats) is left alone."""
+    """Apply the retention policy to one run; return what was (or would be) deleted, and why the
+    sweeps stopped early if they did (``deferred``: a save in flight). A run with no committed
+    checkpoint yet (it only beats) is left alone."""
     with Checkpointer(run_url, storage_options(access)) as ck:
         if not ck.steps():
             return {"run": run_url, "kept_steps": [], "dropped_steps": [], "deleted_objects": 0, "deleted_chunks": 0,
-                    "freed_bytes": 0, "latest_healthy": None, "dry_run": dry_run}
+                    "freed_bytes": 0, "latest_healthy": None, "dry_run": dry_run, "deferred": None}
         healthy = ck.latest_step(healthy=True) if keep_latest_healthy else None
         policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every,
                                  keep_named=frozenset(() if healthy is None else (healthy,)))
@@ -43,4 +44,5 @@ def gc_run(run_url: str, keep_last: int, keep_every: int | None, grace_s: float,
     chunks = sum(1 for k in report.deleted_objects if k.startswith("chunks/"))
     return {"run": run_url, "kept_steps": report.kept_steps, "dropped_steps": report.dropped_steps,
             "deleted_objects": len(report.deleted_objects), "deleted_chunks": chunks,
-            "freed_bytes": report.freed_bytes, "latest_healthy": healthy, "dry_run": report.dry_run}
+            "freed_bytes": report.freed_bytes, "latest_healthy": healthy, "dry_run": report.dry_run,
+            "deferred": report.deferred}

@@ -270,6 +270,23 @@ def test_gc_dry_run_then_real(store):
         assert ck.verify(3) == [] and ck.verify(1) == []
 
 
+def test_gc_says_why_it_swept_nothing_beside_a_save_in_flight(store):
+    from ckptlib.leases import Lease
+    from ckptlib.store import Store
+
+    lease = Lease(Store.from_url(store), "save", 3).acquire()  # a save that began before the GC
+    try:
+        result = ckpt("gc", store, "--keep-last", "1", "--grace-seconds", "0", "--wait-seconds", "0.2")
+    finally:
+        lease.release()
+    assert result.exit_code == 0, result.output
+    assert "delete 2 object(s) (0 chunks)" in result.stdout  # the two dropped manifests only
+    assert f"stopped early: a save is in flight (lease {lease.doc.id}" in result.stdout
+    assert "waited 0.2 s" in result.stdout and "run GC again later" in result.stdout
+    with Checkpointer(store) as ck:
+        assert ck.steps() == [3] and ck.verify(3) == []
+
+
 def test_gc_rejects_a_bad_policy(store):
     assert_clean_error(ckpt("gc", store, "--keep-last", "0"), 2, "keep_last must be >= 1")
 

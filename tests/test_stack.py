@@ -143,6 +143,7 @@ def test_gc_flow_collects_every_run_under_a_root(tmp_path, prefect_harness):
     assert [(r["kept_steps"], r["dropped_steps"]) for r in only_b] == [([1, 2], [0])]
     res = {r["run"]: r for r in gc_store(str(root), keep_last=1, grace_seconds=0)}
     assert res[f"{root}/a"]["kept_steps"] == [2, 4] and res[f"{root}/a"]["latest_healthy"] == 2
+    assert res[f"{root}/a"]["deferred"] is None and res[f"{root}/a"]["deleted_chunks"] > 0  # no save beside it
     assert res[f"{root}/team/b"]["kept_steps"] == [2]
     assert sorted(p.name for p in (root / "a" / "manifests").iterdir()) == ["2.json", "4.json"]
     with Checkpointer(str(root / "a")) as ck:  # what is kept still restores, bit for bit
