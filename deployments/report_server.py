@@ -32,6 +32,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+SERVER_NAME = "ckpt-reports"  # its Server header: how the stack tells it from another process on the port
 REPORT_TYPES = (".html", ".png", ".csv", ".json", ".css", ".js", ".svg", ".txt")
 MAX_RUN_DEPTH = 3  # as trainrun.layout.find_runs: a run is at most three folders below the store root
 CSP = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
@@ -65,7 +66,7 @@ class ReportServer(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     server: ReportServer
-    server_version = "ckpt-reports"
+    server_version = SERVER_NAME
     sys_version = ""
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server protocol
@@ -143,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", required=True)
     ap.add_argument("--prefix", default="runs", help="the store root in the bucket: only reports under it")
     a = ap.parse_args(argv)
-    server = ReportServer((a.host, a.port), a.bucket, a.prefix, s3_client())
+    try:
+        server = ReportServer((a.host, a.port), a.bucket, a.prefix, s3_client())
+    except OSError as e:
+        print(f"the report server cannot listen on {a.host}:{a.port}: {e.strerror or e} "
+              "(another process holds the port?): stop it or choose another port (--reports-port)",
+              file=sys.stderr, flush=True)
+        return 2
     print(f"serving the reports of s3://{a.bucket}/{a.prefix} read-only on http://{a.host}:{a.port}/buckets/",
           flush=True)
     try:

@@ -79,7 +79,8 @@ DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
 MARKER = "CKPT_STACK_ID"
 SERVICES = ("worker", "reports", "server", "seaweedfs")  # stop order
-START_ORDER = ("server", "seaweedfs", "reports", "worker")
+# The report server binds its port before SeaweedFS picks its own internal ports, so they cannot take it.
+START_ORDER = ("server", "reports", "seaweedfs", "worker")
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -294,7 +295,7 @@ class Stack:
         services["server"]["answers"] = services["server"]["running"] and _api_healthy(info["api_url"])
         services["seaweedfs"]["answers"] = services["seaweedfs"]["running"] and _tcp_open(
             info["host"], info["s3_port"])
-        services["reports"]["answers"] = services["reports"]["running"] and _tcp_open(
+        services["reports"]["answers"] = services["reports"]["running"] and _reports_answer(
             info["host"], info.get("reports_port") or 0)
         api_status = _worker_status(info["api_url"], info["pool"], info["worker_name"]) \
             if services["server"]["answers"] else None
@@ -318,12 +319,12 @@ class Stack:
             return current
         if current.get("processes"):
             return self.repair(current, timeout=timeout)
-        if s3_port == 0:
-            s3_port = free_port(host)
-        if filer_port == 0:
-            filer_port = free_port(host)
-        if reports_port == 0:
-            reports_port = free_port(host)
+        # Ports left to us are picked together, so no two coincide (one at a time, the OS may hand
+        # out a port it just gave back).
+        from deployments.local_services import _free_ports
+
+        picked = iter(_free_ports(host, [s3_port, filer_port, reports_port].count(0)))
+        s3_port, filer_port, reports_port = (p or next(picked) for p in (s3_port, filer_port, reports_port))
         for what, port, flag in (("Prefect API", api_port, "--api-port / PREFECT_SERVER_API_PORT"),
                                  ("S3", s3_port, "--s3-port"), ("SeaweedFS filer", filer_port, "--filer-port"),
                                  ("report server", reports_port, "--reports-port")):
@@ -379,11 +380,11 @@ class Stack:
             # the server boots (imports, migrations) while SeaweedFS starts
             self._start("server", info, timeout, wait=False)
             started.append("server")
+            self._start("reports", info, timeout)
+            started.append("reports")
             self._start("seaweedfs", info, timeout)
             started.append("seaweedfs")
             self._write_info(info)  # its ports, for `down` and restarts
-            self._start("reports", info, timeout)
-            started.append("reports")
             self._wait_api(info, timeout)
             self._start("worker", info, timeout)
             started.append("worker")
@@ -483,7 +484,9 @@ class Stack:
                                     "--port", str(info["reports_port"]), "--bucket", info["bucket"],
                                     "--prefix", info.get("prefix") or DEFAULT_PREFIX],
                         env, self.logs / "reports.log", cwd=Path(__file__).resolve().parent.parent)
-            self._wait("report server", lambda: _tcp_open(host, info["reports_port"]), timeout, "reports",
+            # Its own answer, not just an open port: a port taken by another process (CI saw a browser
+            # get SeaweedFS's gRPC bytes there) must fail the start, not make a stack with dead report links.
+            self._wait("report server", lambda: _reports_answer(host, info["reports_port"]), timeout, "reports",
                        self.logs / "reports.log")
         elif service == "worker":
             api_url, pool = info["api_url"], info["pool"]
@@ -597,6 +600,22 @@ def _tcp_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _reports_answer(host: str, port: int) -> bool:
+    """Whether the stack's report server (by its ``Server`` header) answers on ``host:port``."""
+    import http.client
+
+    from deployments.report_server import SERVER_NAME
+
+    conn = http.client.HTTPConnection(host, port, timeout=2)
+    try:
+        conn.request("HEAD", "/")
+        return (conn.getresponse().getheader("Server") or "").split(" ")[0] == SERVER_NAME
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def _pool_exists(api_url: str, pool: str) -> bool:

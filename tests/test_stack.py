@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -451,6 +452,29 @@ def test_training_run_on_the_worker(stack):
     print(f"training run {run_id}: {seconds:.1f} s from trigger to Completed")
     stack["run_id"] = run_id
     stack["digest"] = digest(stack, run_id)
+
+
+def test_the_report_server_is_up_only_when_it_answers_on_its_port(tmp_path):
+    """Another process holding the report server's port (CI saw a browser get SeaweedFS's gRPC bytes
+    there: weed had picked the port after the stack had) fails the start, named, instead of making a
+    stack whose report links answer garbage; on a free port the same start answers."""
+    stack = Stack(tmp_path / "stack")
+    (stack.dir / "logs").mkdir(parents=True)
+    info = {"stack_id": uuid.uuid4().hex, "host": "127.0.0.1", "bucket": "checkpoints", "prefix": "runs",
+            "reader": ["ckpt-reader", "unused"], "s3_endpoint": "http://127.0.0.1:9"}
+    with socket.socket() as other:  # not a report server, but it accepts connections
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        info["reports_port"] = port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"report server exited(.|\n)*cannot listen on 127.0.0.1:{port}"):
+            stack._start("reports", info, timeout=60)
+    info["reports_port"] = free_port()
+    stack._start("reports", info, timeout=60)
+    try:
+        assert _status("HEAD", f"http://127.0.0.1:{info['reports_port']}/buckets/checkpoints/runs/") == 404
+    finally:
+        stack._procs["reports"].kill()
+        stack._procs["reports"].wait()
 
 
 def test_the_report_server_serves_reports_read_only_and_nothing_else(stack):
