@@ -114,8 +114,11 @@ class Lease:
         self.held = False
         self._renewed = self.doc.start
 
-    def acquire(self) -> Lease:
+    def _write(self) -> None:
         self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
+
+    def acquire(self) -> Lease:
+        self._write()
         self.held = True
         lock = read_gc_lock(self.store)
         self.gc_seen = lock is not None
@@ -123,7 +126,7 @@ class Lease:
             # Say so in the lease: that GC then sweeps beside this save instead of stopping for it
             # (until this put lands, it sees a save that did not see it, and waits).
             self.doc = replace(self.doc, gc=lock["id"])
-            self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
+            self._write()
         return self
 
     def try_acquire(self) -> Lease:
@@ -139,7 +142,7 @@ class Lease:
         if self.held and _now() - self._renewed > self.ttl_s / 4:
             self._renewed = _now()
             self.doc = LeaseDoc(**{**self.doc.to_json(), "expires": self._renewed + self.ttl_s})
-            self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
+            self._write()
 
     def before_publish(self, needed: Iterable[str], reused: dict[str, bytes]) -> list[str]:
         """If a GC held the lock when this lease was written, wait for it to end, then make sure every
