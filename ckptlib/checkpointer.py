@@ -122,7 +122,7 @@ class Checkpointer:
     ``url``: a plain path, ``file:///abs/path``, ``memory://name`` or ``s3://bucket/prefix``;
     ``storage_options`` go to fsspec/s3fs (endpoint_url, key, secret, ...).
     Options: ``chunk_bytes`` (default: what the part was saved with before, else about 1/32 of the
-    state between 256 KiB and 4 MiB; smaller tensors are packed together up to it),
+    state between 256 KiB and 4 MiB, 4 MiB from 64 MiB up; smaller tensors are packed together up to it),
     ``keyframe_every`` K (restore reads at most K objects per chunk; 1 = keyframes only; default
     32), ``delta_budget`` B (a chunk gets a new keyframe once its chain's deltas add up to B times
     its keyframe's size, so a restore reads at most 1 + B keyframes' worth of bytes per chunk;

@@ -21,13 +21,17 @@ from .types import LeafSpec
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB: large enough for zstd and S3, small enough to parallelise
 MIN_AUTO_CHUNK_BYTES = 256 << 10
+FULL_CHUNK_FROM = 16 * DEFAULT_CHUNK_BYTES  # 64 MiB
 
 
 def auto_chunk_bytes(state_bytes: int) -> int:
     """The chunk size for a state of ``state_bytes``: about 1/32 of it as a power of two, between
-    256 KiB and 4 MiB. A restore decodes a few chunks per core at a time, so chunks small against
-    the state keep its memory beside the state small (docs/decisions.md, "Memory"); 4 MiB is large
-    enough for zstd and for S3 requests."""
+    256 KiB and 4 MiB, and 4 MiB from 64 MiB up. A restore decodes a few chunks per core at a time,
+    so chunks small against the state keep its memory beside the state small (docs/decisions.md,
+    "Memory"); 4 MiB is large enough for zstd and for S3 requests, and from 64 MiB up its buffers
+    are small beside the state while the stream is 3% smaller than with 2 MiB (decision 60)."""
+    if state_bytes >= FULL_CHUNK_FROM:
+        return DEFAULT_CHUNK_BYTES
     size = MIN_AUTO_CHUNK_BYTES
     while size < DEFAULT_CHUNK_BYTES and size * 2 * 32 <= state_bytes:
         size *= 2

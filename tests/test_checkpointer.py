@@ -118,6 +118,18 @@ def test_digest_independent_of_chunking_and_encoding(tmp_path):
     assert c.digest == a.digest
 
 
+def test_a_state_of_64_mib_or_more_is_saved_in_4_mib_chunks(tmp_path):
+    """The automatic chunk size (decision 60): about 1/32 of a smaller state, 4 MiB from 64 MiB up
+    (finetune's 99 MiB stream is 3% smaller than in 2 MiB chunks at no cost in memory)."""
+    for name, state, chunk in (("big", {"w": torch.zeros(64 << 18), "b": torch.zeros(9 << 20, dtype=torch.bfloat16)},
+                                4 << 20),  # 82 MiB
+                               ("mid", {"w": torch.zeros(18 << 20, dtype=torch.bfloat16)}, 1 << 20)):  # 36 MiB
+        with Checkpointer(str(tmp_path / name)) as ck:
+            ck.save(1, state)
+            (part,) = ck.manifest(1).parts
+            assert ck.fragment(1, part).chunk_bytes == chunk, name
+
+
 def test_incremental_unchanged_and_sparse_changes(tmp_path):
     emb = torch.randn(200_000, 16)
     frozen = torch.randn(500_000)
