@@ -20,10 +20,14 @@ The protocol (the argument is in docs/format.md, "Garbage collection"):
   may publish without checking); it looks again before each batch of deletes. It waits a while
   (``wait_s``) for the saves that did not see it to publish: saves that began after it took the
   lock all name it, so it does not starve however often saves come.
-* Leases and the lock expire (a killed writer cannot block GC forever, a killed GC cannot block saves
-  for more than two minutes); long operations renew them. An expired lease protects nothing: a save
-  stalled longer than its lease's time to live (default one hour, renewed while uploads progress)
-  is not protected.
+* Leases live as long as their holder does: a thread of the holder's process renews its lease every
+  ``ttl_s / 3`` seconds (default time to live 30 s), so a killed saver's or reader's lease expires
+  within 30 s and GC sweeps within a minute of the kill, however long a live save takes. A lease
+  whose renewal came late (the process was frozen, or the store refused the writes) may have been
+  seen expired: the save then checks what it needs before publishing, as beside a GC it saw (below).
+  Expiry is judged on the writer's clock against the reader's: hosts' clocks must agree to well
+  within the time to live (NTP keeps them within milliseconds). The GC lock expires too (a killed GC
+  cannot block saves for more than two minutes); a running GC renews it.
 
 Every restore takes a read lease of its step the same way, before it reads the manifest (best
 effort: a reader without write access to the store reads unprotected). A reader never waits for a
@@ -41,6 +45,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -54,7 +59,10 @@ log = logging.getLogger("ckptlib")
 
 LEASE_PREFIX = "leases/"
 GC_LOCK = "gc.lock"
-DEFAULT_LEASE_TTL_S = 3600.0
+# Short, because it is renewed by the holder's own thread while it lives: what a killed holder
+# leaves blocks GC for at most this long (it used to be an hour, so under one failure a minute GC
+# never swept). Every renewal is one small put, every ttl/3 seconds, only while a save or read runs.
+DEFAULT_LEASE_TTL_S = 30.0
 # A running GC renews its lock at least every GC_LOCK_TTL_S / 4 seconds, so the lock of a GC that
 # was killed expires within two minutes and nothing waits on it longer than that.
 GC_LOCK_TTL_S = 120.0
@@ -103,16 +111,26 @@ def _now() -> float:
 
 
 class Lease:
-    """A save's or a reader's lease (a context manager). ``reused``: keys of objects the save found
-    stored already; ``verify`` checks them before publishing when a GC ran beside the save."""
+    """A save's or a reader's lease (a context manager), renewed by a thread of its own while held.
+    ``reused``: keys of objects the save found stored already; ``before_publish`` checks them before
+    publishing when a GC ran beside the save, or when the lease may have lapsed."""
 
-    def __init__(self, store: Store, kind: str, step: int | None, ttl_s: float = DEFAULT_LEASE_TTL_S):
+    def __init__(self, store: Store, kind: str, step: int | None, ttl_s: float | None = None):
+        ttl_s = DEFAULT_LEASE_TTL_S if ttl_s is None else ttl_s  # read at call time: a test may shorten it
+        if not ttl_s > 0:
+            raise ValueError(f"a lease's ttl_s must be > 0, got {ttl_s}")
         self.store, self.ttl_s = store, ttl_s
         self.doc = LeaseDoc(kind, uuid.uuid4().hex, _now(), _now() + ttl_s, step, socket.gethostname(), os.getpid())
         self.key = f"{LEASE_PREFIX}{kind}-{self.doc.id}.json"
         self.gc_seen = False
         self.held = False
+        # Set once a renewal landed after the expiry it was meant to push (or could not be written):
+        # a GC may have judged this lease expired meanwhile, so the save checks before publishing.
+        self.lapsed = False
         self._renewed = self.doc.start
+        self._write_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def _write(self) -> None:
         self.store.put(self.key, json.dumps(self.doc.to_json()).encode())
@@ -120,14 +138,24 @@ class Lease:
     def acquire(self) -> Lease:
         self._write()
         self.held = True
-        lock = read_gc_lock(self.store)
-        self.gc_seen = lock is not None
-        if lock is not None and self.doc.kind == "save" and isinstance(lock.get("id"), str):
-            # Say so in the lease: that GC then sweeps beside this save instead of stopping for it
-            # (until this put lands, it sees a save that did not see it, and waits).
-            self.doc = replace(self.doc, gc=lock["id"])
-            self._write()
+        self._name_gc_lock()
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew_while_held, name=f"ckptlib-lease-{self.doc.id[:8]}",
+                                         daemon=True)
+        self._renewer.start()
         return self
+
+    def _name_gc_lock(self) -> None:
+        """Look at ``gc.lock`` right after this lease was written; a save names the GC it finds."""
+        with self._write_lock:
+            lock = read_gc_lock(self.store)
+            self.gc_seen = lock is not None
+            named = lock.get("id") if lock is not None and self.doc.kind == "save" else None
+            if isinstance(named, str) or self.doc.gc is not None:
+                # Say so in the lease: that GC then sweeps beside this save instead of stopping for it
+                # (until this put lands, it sees a save that did not see it, and waits).
+                self.doc = replace(self.doc, gc=named if isinstance(named, str) else None)
+                self._write()
 
     def try_acquire(self) -> Lease:
         """``acquire``, or nothing when the store cannot be written (a read-only reader)."""
@@ -137,31 +165,45 @@ class Lease:
             log.debug("no read lease in %s (%s): reading unprotected", self.store.url, e)
             return self
 
+    def _renew_while_held(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except StoreError as e:  # the next try may land; a late one marks the lease lapsed
+                log.debug("could not renew lease %s/%s: %s", self.store.url, self.key, e)
+
     def renew(self) -> None:
         """Push the expiry forward; cheap to call often (writes at most every ttl/4)."""
-        if self.held and _now() - self._renewed > self.ttl_s / 4:
-            self._renewed = _now()
-            self.doc = LeaseDoc(**{**self.doc.to_json(), "expires": self._renewed + self.ttl_s})
-            self._write()
+        with self._write_lock:
+            if not self.held or self._stop.is_set() or _now() - self._renewed <= self.ttl_s / 4:
+                return
+            now = _now()
+            renewed = replace(self.doc, expires=now + self.ttl_s)
+            self.store.put(self.key, json.dumps(renewed.to_json()).encode())  # on failure nothing changes
+            if now >= self.doc.expires:  # the expiry last written had passed: a GC may have seen it
+                self.lapsed = True
+                log.warning("lease %s/%s was renewed %.1f s after it expired (the process stalled, or the store "
+                            "refused its renewals): what it protects is checked before the save publishes",
+                            self.store.url, self.key, now - self.doc.expires)
+            self.doc, self._renewed = renewed, now
 
     def before_publish(self, needed: Iterable[str], reused: dict[str, bytes]) -> list[str]:
-        """If a GC held the lock when this lease was written, wait for it to end, then make sure every
-        object the save needs (``needed``: the keys its fragment names, delta chains included) still
-        exists: a re-used one it swept is written back from ``reused`` (key -> its encoded bytes).
-        Returns the keys still missing (a new object of this save, or an older link of a delta
-        chain, swept by that GC): the caller encodes the part again without them. [] when no GC ran."""
+        """If a GC held the lock when this lease was written, or the lease may have lapsed, wait for
+        that GC (any GC, after a lapse) to end, then make sure every object the save needs (``needed``:
+        the keys its fragment names, delta chains included) still exists: a re-used one it swept is
+        written back from ``reused`` (key -> its encoded bytes). Returns the keys still missing (a new
+        object of this save, or an older link of a delta chain, swept by that GC): the caller encodes
+        the part again without them. [] when no GC ran and the lease held."""
+        if self.held and _now() >= self.doc.expires:
+            self.renew()  # late: lapsed. Renewed now, so every GC that looks from here on sees it
+        if self.lapsed:
+            # A GC that saw this lease expired may have swept what it needs, and may still hold the
+            # lock: name whichever GC holds it now (as on acquiring), wait for it, then check.
+            self._name_gc_lock()
+            self.gc_seen, self.lapsed = True, False
         if not self.gc_seen:
             return []
-        deadline, pause = time.monotonic() + GC_WAIT_S, 0.02
-        # Only the GC this lease names may have swept beside it; a later one sees the lease as a save
-        # that did not see it and sweeps nothing while it lives (an unnamed one: wait for any).
-        while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now() and \
-                (self.doc.gc is None or lock.get("id") == self.doc.gc):
-            if time.monotonic() > deadline:
-                raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
-                                 "this save waited for it and gives up. Save again once it has finished.")
-            time.sleep(pause)
-            pause = min(0.5, pause * 2)  # a GC often lasts a fraction of a second
+        self._wait_for_gc()
         missing = []
         for key in dict.fromkeys(needed):
             if self.store.exists(key):
@@ -174,7 +216,23 @@ class Lease:
                 missing.append(key)
         return missing
 
+    def _wait_for_gc(self) -> None:
+        deadline, pause = time.monotonic() + GC_WAIT_S, 0.02
+        # Only the GC this lease names may have swept beside it; a later one sees the lease as a save
+        # that did not see it and sweeps nothing while it lives (an unnamed one: wait for any).
+        while (lock := read_gc_lock(self.store)) is not None and lock.get("expires", 0) > _now() and \
+                (self.doc.gc is None or lock.get("id") == self.doc.gc):
+            if time.monotonic() > deadline:
+                raise StoreError(f"a garbage collection has held {self.store.url}/{GC_LOCK} for over {GC_WAIT_S:.0f} s; "
+                                 "this save waited for it and gives up. Save again once it has finished.")
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)  # a GC often lasts a fraction of a second
+
     def release(self) -> None:
+        self._stop.set()
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join()  # no renewal may land after the delete below
         if self.held:
             self.held = False
             try:
