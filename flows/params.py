@@ -51,7 +51,7 @@ class StartFrom(BaseModel):
 
     model_config = ConfigDict(extra="forbid", title="Start from a checkpoint", hide_input_in_errors=True)
 
-    run_id: str = Field(description="The run whose checkpoint to start from (under the same store). This run's "
+    run_id: str = Field(title="Source run", description="The run whose checkpoint to start from (under the same store). This run's "
                         "own id: resume from that step; another run's: branch from it.")
     step: int = Field(-1, ge=-1, description="Its committed step; -1: its last healthy (validated) step.")
 

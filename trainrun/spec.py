@@ -107,6 +107,14 @@ class RunSpec(BaseModel):
         return run_parts(self.shards)
 
 
+def _readable_every(schema: dict[str, Any]) -> None:
+    """The form's two branches of ``shard_checkpoint_every``, named, the default first: pydantic
+    writes ``Literal["auto"]`` as a ``const``, which the Prefect UI shows as "is a const and cannot
+    be changed" until the integer branch is picked."""
+    schema["anyOf"] = [{"type": "string", "enum": ["auto"], "title": "auto (about 2% of training time)"},
+                       {"type": "integer", "minimum": 0, "title": "every N steps (0: never)"}]
+
+
 class RunSettings(BaseModel):
     """How long, how often, where and with which drills a run trains (may change between sessions)."""
 
@@ -135,7 +143,8 @@ class RunSettings(BaseModel):
                                     "shard's fragment.")
     shard_checkpoint_every: int | Literal["auto"] = Field(
         "auto", description="Each shard checkpoints its own state every N steps of a round (0: never; auto: at about "
-        "2% of its training time), so that a failed shard continues from there, not from the round's cut.")
+        "2% of its training time), so that a failed shard continues from there, not from the round's cut.",
+        json_schema_extra=lambda schema: _readable_every(schema))
     local_tier: bool = Field(True, description="Also keep each shard's newest checkpoint on its host (/dev/shm), "
                              "where a rerun on the same host reads it at memory speed (the store stays the fallback).")
 
