@@ -15,11 +15,16 @@ Contract:
   (``readonly_storage_options``), so wrong credentials and missing permissions fail as on real S3.
   Buckets are not created on upload (``-s3.autoCreateBucket=false``): a missing bucket is an error.
   The identities file (``<data_dir>/s3.json``) is readable by this user only (0600, its folder 0700).
-* ``jwt=True`` (the local stack) closes SeaweedFS's plain HTTP doors: the filer would otherwise serve
-  every object of every bucket and accept PUT and DELETE from any local process without
-  credentials, and volume servers would accept writes. A ``security.toml`` (0600) with fresh random
-  keys per start makes the filer and the volume servers answer 401 to any request without a JWT
-  signed by them; S3 (authenticated as above) works as before.
+* ``locked=True`` (the local stack) closes every door of SeaweedFS to a request without credentials,
+  from any local process of any user (loopback and weed's IP ``white_list`` keep out no local user,
+  and weed's guard protects the master's ``/col/delete``, ``/dir/assign``, ``/vol/grow``,
+  ``/vol/vacuum`` by that list only). A private CA made at each start (its key is never written, so
+  nothing can sign another certificate) signs one certificate that every component presents and
+  requires (``<data_dir>/tls/``, 0600): every gRPC port, and the master's, volume server's and
+  filer's HTTP ports (HTTPS with client certificates), answer only a peer holding it. On top, the
+  filer and volume servers want a JWT signed with fresh random keys (``security.toml``, 0600), and
+  weed runs with umask 077, so the unix sockets it opens in /tmp are its user's only. S3 (signed
+  requests, as above) is the one door for clients.
 * ``stop()`` sends SIGTERM, waits ``grace`` seconds (weed's graceful stop can take over 10 s), then
   SIGKILLs; it returns only when the process is gone, and is idempotent. A still running server is
   also stopped at interpreter exit (not if the interpreter itself is SIGKILLed).
@@ -99,12 +104,68 @@ def write_private(path: Path, text: str) -> None:
     os.chmod(path, 0o600)  # an existing file keeps its mode through os.open
 
 
-def _jwt_config() -> str:
-    """weed's ``security.toml``: JWT keys for writes and reads of the volume servers and the filer."""
+def _private_tls(folder: Path, host: str) -> dict[str, str]:
+    """A private CA made now and one certificate it signs (for ``host``, loopback and localhost;
+    server and client use: weed's HTTPS clients check the name they dial),
+    written to ``folder`` (0700, files 0600); returns the paths ``ca``, ``cert``, ``key``. The CA's
+    key is dropped here: no one, this process included, can sign another certificate for it."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def signed(builder: x509.CertificateBuilder, key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.UTC)
+        return (builder.serial_number(x509.random_serial_number()).public_key(key.public_key())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=3650)).sign(ca_key, hashes.SHA256()))
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = signed(x509.CertificateBuilder().subject_name(name("ckpt-stack-ca")).issuer_name(name("ckpt-stack-ca"))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True), ca_key)
+    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    for where in dict.fromkeys(["127.0.0.1", host]):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(where)))
+        except ValueError:  # a host name, not an address
+            names.append(x509.DNSName(where))
+    cert = signed(x509.CertificateBuilder().subject_name(name("ckpt-stack")).issuer_name(ca.subject)
+                  .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                  .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                        ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False), key)
+    pem = serialization.Encoding.PEM
+    files = {"ca": ca.public_bytes(pem).decode(), "cert": cert.public_bytes(pem).decode(),
+             "key": key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption()).decode()}
+    paths = {}
+    for what, text in files.items():
+        paths[what] = str(folder / f"{what}.pem")
+        write_private(folder / f"{what}.pem", text)
+    os.chmod(folder, 0o700)
+    return paths
+
+
+def _locked_config(tls: dict[str, str]) -> str:
+    """weed's ``security.toml`` for ``locked``: mTLS on every gRPC port and on the master's, volume
+    servers' and filer's HTTP (the one certificate of ``tls`` for all, as server and as client), and
+    fresh JWT keys for writes and reads of the volume servers and the filer."""
     import secrets
 
-    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
-    return "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in sections)
+    pair = f'cert = "{tls["cert"]}"\nkey = "{tls["key"]}"\n'
+    jwt = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    text = "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\nexpires_after_seconds = 10\n\n' for name in jwt)
+    text += f'[grpc]\nca = "{tls["ca"]}"\n\n'
+    text += "".join(f"[grpc.{part}]\n{pair}\n" for part in ("master", "volume", "filer", "s3", "client"))
+    # with ca set, weed's HTTPS servers require and verify a client certificate
+    text += "".join(f'[https.{part}]\n{pair}ca = "{tls["ca"]}"\n\n' for part in ("master", "volume", "filer"))
+    text += f'[https.client]\nenabled = true\n{pair}ca = "{tls["ca"]}"\n'
+    return text
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -165,7 +226,7 @@ class SeaweedFS:
         admin: tuple[str, str] = (ADMIN_KEY, ADMIN_SECRET),
         ports: dict[str, int] | None = None,
         reader: tuple[str, str] = (READER_KEY, READER_SECRET),
-        jwt: bool = False,
+        locked: bool = False,
     ) -> SeaweedFS:
         """Start SeaweedFS with its files under ``data_dir``; return when S3 answers.
 
@@ -176,8 +237,8 @@ class SeaweedFS:
         seconds. ``admin``: the admin identity's (access key, secret key), e.g. a secret unique to
         one test that then looks for it wherever it must not be. ``ports``: every port by name (as
         ``.ports`` of an earlier start), so a restart on the same data comes back where it was.
-        ``reader``: the read-only identity's keys. ``jwt``: close the filer's and volume servers' plain
-        HTTP (see the module docstring).
+        ``reader``: the read-only identity's keys. ``locked``: close every door but S3 (see the module
+        docstring).
         """
         data_dir = Path(data_dir).absolute()
         (data_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -194,8 +255,8 @@ class SeaweedFS:
              "actions": ["Read", "List"]},
         ]}
         write_private(data_dir / "s3.json", json.dumps(identities, indent=2))
-        if jwt:
-            write_private(data_dir / "security.toml", _jwt_config())
+        if locked:
+            write_private(data_dir / "security.toml", _locked_config(_private_tls(data_dir / "tls", host)))
         else:
             (data_dir / "security.toml").unlink(missing_ok=True)
 
@@ -237,9 +298,10 @@ class SeaweedFS:
         ]
         # weed must use its identities file, not credentials that happen to be in our environment.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        log_file = open(data_dir / "weed.log", "ab")
+        log_file = open(data_dir / "weed.log", "ab")  # noqa: SIM115 - the server's: closed by stop() or detach()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                env=env, cwd=data_dir, start_new_session=True)
+                                env=env, cwd=data_dir, start_new_session=True,
+                                umask=0o077)  # its unix sockets in /tmp: no other user may connect
         return cls(proc, data_dir, host, ports, log_file)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -256,7 +318,7 @@ class SeaweedFS:
             try:
                 client.list_buckets()
                 return
-            except Exception as e:  # not up yet: connection refused, 5xx, auth not loaded
+            except Exception as e:  # noqa: BLE001 - not up yet: connection refused, 5xx, auth not loaded
                 last = e
                 time.sleep(0.2)
         raise RuntimeError(

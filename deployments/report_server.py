@@ -13,7 +13,8 @@
 * It reads the bucket through S3 with the stack's **read-only** identity (``AWS_ACCESS_KEY_ID`` /
   ``AWS_SECRET_ACCESS_KEY`` / ``AWS_ENDPOINT_URL`` of its environment, never its command line), so
   even a bug here could not write. SeaweedFS's own filer, which would serve (and accept writes to)
-  every object without credentials, is closed by JWT keys (``deployments/local_services.py``).
+  every object without credentials, answers only the stack's own certificate
+  (``SeaweedFS.start(locked=True)`` in ``deployments/local_services.py``).
 * It binds the stack's host (loopback by default) only. Pages are served with
   ``X-Content-Type-Options: nosniff`` and a Content-Security-Policy that lets a report load only
   from this server (the reports need no CDN: ``docs/deployments.md``).

@@ -38,12 +38,16 @@
   and nothing else, read-only, as ``http://127.0.0.1:8888/buckets/<bucket>/<key>``
   (``s3://checkpoints/runs/<run>/reports/<step>/index.html``), reading them with the stack's
   read-only S3 identity. ``CKPT_S3_HTTP_BASE`` (in ``env``) is that base: ``s3://X/Y`` is at
-  ``$CKPT_S3_HTTP_BASE/X/Y``. SeaweedFS's filer (an internal port, ``--filer-port``, default free)
-  answers 401 without a JWT (``SeaweedFS.start(jwt=True)``): it would otherwise serve every object
-  and accept PUT and DELETE from any local process.
+  ``$CKPT_S3_HTTP_BASE/X/Y``.
+* Doors: S3 (signed requests only) and the report server (GET and HEAD of reports only) are the
+  stack's doors to the bucket. SeaweedFS's other ports (master, volume server, filer
+  (``--filer-port``, default free), every gRPC port) answer only a peer holding the certificate of
+  a CA made at each start (``SeaweedFS.start(locked=True)``, ``docs/security.md``).
 * Secrets: the S3 admin and read-only identities are random per stack (made by the first ``up``);
   every file holding one (``stack.json``, ``env``, ``seaweedfs/s3.json``, ``seaweedfs/security.toml``,
-  ``prefect/database-url``) is 0600 and the stack's folder and its subfolders are 0700.
+  ``seaweedfs/tls/key.pem``, ``prefect/database-url``) is 0600 and the stack's folder and its
+  subfolders are 0700. No secret is ever printed (terminals and CI logs keep what they show): ``up``
+  prints the path of ``env`` and the command that loads it, ``status --json`` masks the secrets.
 
 Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
 ``distributed``), so ``down`` also works from a bare ``python3``.
@@ -73,7 +77,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_API_PORT = 4200
 DEFAULT_S3_PORT = 8333
 DEFAULT_REPORTS_PORT = 8888
-DEFAULT_FILER_PORT = 0  # internal (closed by JWT): any free port
+DEFAULT_FILER_PORT = 0  # internal (closed to any peer without the stack's certificate): any free port
 DEFAULT_BUCKET = "checkpoints"
 DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
@@ -206,7 +210,7 @@ def _alive(pid: int) -> bool:
             return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
         except OSError:
             return False
-    except Exception:
+    except Exception:  # noqa: BLE001 - psutil's NoSuchProcess, AccessDenied, ...: gone for our purposes
         return False
 
 
@@ -465,7 +469,7 @@ class Stack:
                 s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=info["s3_port"], timeout=timeout,
                                      filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"),
                                      admin=(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
-                                     reader=tuple(info["reader"]) if info.get("reader") else s3_reader(), jwt=True)
+                                     reader=tuple(info["reader"]) if info.get("reader") else s3_reader(), locked=True)
             finally:
                 os.environ.pop(MARKER, None)
             self.pid_path("seaweedfs").write_text(str(s3.detach()))
@@ -530,7 +534,7 @@ class Stack:
             try:
                 if ready():
                     return
-            except Exception:
+            except Exception:  # noqa: BLE001 - not answering yet, whatever the probe raised
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"{what} did not answer within {timeout:.0f} s; log {log_path}:\n{_tail(log_path)}")
@@ -687,6 +691,18 @@ def s3_reader() -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- CLI
 
+def masked_secrets(info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` (as in stack.json) fit to print: each S3 secret replaced by where it is."""
+    where = f"*** (in {info.get('env_file')})"
+    env = {**info.get("env", {})}
+    if "AWS_SECRET_ACCESS_KEY" in env:
+        env["AWS_SECRET_ACCESS_KEY"] = where
+    out = {**info, "env": env}
+    if info.get("reader"):
+        out["reader"] = [info["reader"][0], f"*** (in {info.get('dir')}/stack.json)"]
+    return out
+
+
 def _print_up(info: dict[str, Any]) -> None:
     rel = os.path.relpath(info["dir"])
     rel = info["dir"] if rel.startswith("..") else rel
@@ -701,12 +717,11 @@ Local stack is up ({rel}):
   Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log, reports.log)
   Settings       {info['env_file']}
 
-Use it from a shell (source the file, or export these):
-  . {os.path.join(rel, 'env')}
-  export PREFECT_API_URL={env['PREFECT_API_URL']}
-  export AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']}
-  export AWS_ACCESS_KEY_ID={env['AWS_ACCESS_KEY_ID']}
-  export AWS_SECRET_ACCESS_KEY={env['AWS_SECRET_ACCESS_KEY']}
+Use it from a shell: load the settings and credentials (the file is yours only, 0600; the S3
+secret is in it and is never printed):
+  set -a; . {os.path.join(rel, 'env')}; set +a
+It sets PREFECT_API_URL={env['PREFECT_API_URL']}, AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']},
+AWS_ACCESS_KEY_ID={env['AWS_ACCESS_KEY_ID']}, AWS_SECRET_ACCESS_KEY and CKPT_STORE={env['CKPT_STORE']}.
 
 Next: `make deploy` registers the deployments; open {info['ui_url']} to run them.
 Stop: `make stack-down`.""")
@@ -732,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the report server's port: the validation reports, read-only, over plain HTTP "
                            "(default 8888; 0 = any free port)")
     p_up.add_argument("--filer-port", type=int, default=int(env.get("CKPT_STACK_FILER_PORT", DEFAULT_FILER_PORT)),
-                      help="SeaweedFS filer's internal HTTP port, closed without a JWT (default 0: any free port)")
+                      help="SeaweedFS filer's internal HTTPS port, closed to clients without the stack's "
+                           "certificate (default 0: any free port)")
     p_up.add_argument("--bucket", default=DEFAULT_BUCKET)
     p_up.add_argument("--prefix", default=DEFAULT_PREFIX, help="folder of runs in the bucket (default runs)")
     p_up.add_argument("--pool", default=DEFAULT_POOL, help="process work pool name (default local-pool)")
@@ -791,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     st = stack.status()
     if args.json:
-        print(json.dumps(st, indent=2))
+        print(json.dumps(masked_secrets(st), indent=2))
     elif not st.get("services"):
         _log(f"no stack in {stack.dir}")
     else:

@@ -21,6 +21,7 @@ Select with ``pytest tests/test_stack.py`` (marks: slow, prefect, s3).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -292,7 +293,8 @@ def stack(tmp_path_factory, postgres):
 def test_up_answers_and_tells_where_everything_is(stack):
     out = stack["up_output"]
     for what in (stack["ui_url"], stack["api_url"], stack["s3_endpoint"], "checkpoints", stack["logs"],
-                 "PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+                 "PREFECT_API_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                 stack["env_file"], f"set -a; . {stack['env_file']}; set +a"):  # (the stack is outside the cwd)
         assert what in out, f"`stack up` does not print {what!r}:\n{out}"
     assert not stack["api_url"].endswith(":4200/api")  # tests never take the developer's port
     # The env file is sourceable and carries what a client needs.
@@ -305,6 +307,10 @@ def test_up_answers_and_tells_where_everything_is(stack):
         assert json.load(r)["api_url"] == stack["api_url"]
     st = stack_cli("status", "--dir", stack["dir"], "--json")
     assert st.returncode == 0, st.stdout + st.stderr
+    # No secret in what the commands print (terminals and CI logs keep it): before, `up` printed
+    # `export AWS_SECRET_ACCESS_KEY=<the admin secret>`.
+    for secret in (stack["env"]["AWS_SECRET_ACCESS_KEY"], stack["reader"][1]):
+        assert secret not in out and secret not in st.stdout + st.stderr
     status = json.loads(st.stdout)
     assert all(s["answers"] and s["running"] for s in status["services"].values()), status["services"]
     for name in ("prefect-server.log", "worker.log", "seaweedfs.log"):
@@ -318,6 +324,16 @@ def test_up_answers_and_tells_where_everything_is(stack):
     again = stack_cli("up", "--dir", stack["dir"], "--api-port", str(stack["api_port"]))
     assert again.returncode == 0 and "already running" in again.stdout
     assert stack["s3_http_base"] == f"http://127.0.0.1:{stack['reports_port']}/buckets"  # the report server
+    # Every port the stack's processes listen on is one the docs name (docs/security.md says how each is closed).
+    import psutil
+
+    listening = set()
+    for pid in stack_processes(stack["stack_id"]):
+        with contextlib.suppress(psutil.Error):
+            listening |= {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+                          if c.status == psutil.CONN_LISTEN}
+    named = {stack["api_port"], stack["reports_port"], *stack["seaweedfs_ports"].values()}
+    assert listening == named, f"ports nobody named: {listening - named}; named but closed: {named - listening}"
 
 
 def test_every_file_holding_a_secret_is_this_users_only(stack):
@@ -340,6 +356,9 @@ def test_every_file_holding_a_secret_is_this_users_only(stack):
                     break
                 assert folder.stat().st_mode & 0o777 == 0o700, (folder, oct(folder.stat().st_mode))
     assert {"env", "stack.json", "seaweedfs/s3.json"} <= set(holding), holding
+    logs = [h for h in holding if h.startswith("logs/") or h.endswith(".log")]
+    assert not logs, f"a log holds an S3 secret: {logs}"  # (the output of `up` is checked by the test above)
+    assert (root / "seaweedfs" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
     assert (root / "seaweedfs" / "security.toml").stat().st_mode & 0o777 == 0o600
 
 
@@ -481,7 +500,8 @@ def test_the_report_server_serves_reports_read_only_and_nothing_else(stack):
     """Reports over HTTP, and only them: GET and HEAD of a report answer; a manifest, a chunk, a verdict,
     another bucket or a path climbing out of reports/ is 404; PUT, POST and DELETE are 405, and the
     objects are untouched. SeaweedFS's own filer, which served every object and took PUT (201) and
-    DELETE (204) from any local process, answers 401 without its JWT."""
+    DELETE (204) from any local process, speaks only HTTPS to the stack's own certificate (400 to plain
+    HTTP; every door of SeaweedFS without it: tests/test_local_services.py)."""
     run_id = _need(stack, "run_id")
     base = f"{stack['s3_http_base']}/checkpoints/runs/{run_id}"
     assert _status("GET", f"{base}/reports/1/index.html") == 200
@@ -497,8 +517,8 @@ def test_the_report_server_serves_reports_read_only_and_nothing_else(stack):
         assert _status(method, f"{base}/reports/index.html", b"x") == 405, method
     filer = f"http://127.0.0.1:{stack['filer_port']}/buckets/checkpoints/runs/{run_id}"
     for method, body in (("GET", None), ("PUT", b"{}"), ("POST", b"{}"), ("DELETE", None)):
-        assert _status(method, f"{filer}/manifests/1.json", body) == 401, method
-    assert _status("PUT", f"{filer}/manifests/99.json", b"{}") == 401
+        assert _status(method, f"{filer}/manifests/1.json", body) == 400, method
+    assert _status("PUT", f"{filer}/manifests/99.json", b"{}") == 400
     s3 = s3_client(stack)
     assert s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/1.json")["Body"].read() == before
     assert not keys_under(s3, "checkpoints", f"runs/{run_id}/manifests/99.json")
