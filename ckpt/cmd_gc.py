@@ -19,13 +19,13 @@ def gc(url: UrlArg,
        keep_every: Annotated[Optional[int], typer.Option("--keep-every", help="Also keep every step divisible by K.")] = None,
        keep: Annotated[Optional[list[int]], typer.Option("--keep", help="Also keep this step (repeatable).")] = None,
        grace_seconds: Annotated[Optional[float], typer.Option(
-           "--grace-seconds", min=0.0, show_default=False,
+           "--grace-seconds", metavar="S", min=0.0, show_default=False,
            help="Only delete unreferenced objects older than this (protects saves in flight; default: "
-                "ckptlib.gc.DEFAULT_GRACE_S, 10 minutes).")] = None,
+                "10 minutes).")] = None,
        wait_seconds: Annotated[Optional[float], typer.Option(
-           "--wait-seconds", min=0.0, show_default=False,
+           "--wait-seconds", metavar="S", min=0.0, show_default=False,
            help="Wait this long for saves that began before this GC to publish before deferring the "
-                "sweeps (default: ckptlib.gc.DEFAULT_SAVE_WAIT_S, 30 s).")] = None,
+                "sweeps (default: 30 s).")] = None,
        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be deleted; delete nothing.")] = False,
        storage_options: StorageOptionsOpt = None) -> None:
     """Drop checkpoints a retention policy does not keep and sweep objects no kept checkpoint needs."""

@@ -38,19 +38,19 @@ DEFAULT_KINDS = "crash,hang,stall"
 
 @app.command("soak")
 def soak(
-    minutes: Annotated[float, typer.Option("--minutes", min=0.1, help="Training time of each run (about).")] = 5.0,
+    minutes: Annotated[float, typer.Option("--minutes", metavar="MIN", min=0.1, help="Training time of each run (about).")] = 5.0,
     fail_every: Annotated[float, typer.Option("--fail-every", metavar="S", min=1.0,
                                               help="Seconds between failures, on average (exponential gaps).")] = 60.0,
-    failures: Annotated[Optional[int], typer.Option("--failures", min=1, help="Instead of --fail-every: exactly "
+    failures: Annotated[Optional[int], typer.Option("--failures", metavar="N", min=1, help="Instead of --fail-every: exactly "
                                                     "this many failures, at moments uniform over the run.")] = None,
     kinds: Annotated[str, typer.Option("--kinds", help="Comma-separated chaos kinds: crash, hang, stall, zombie "
                                        "(threads or dask), kill, stop (dask).")] = DEFAULT_KINDS,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the failure schedule.")] = 0,
     workload: Annotated[str, typer.Option("--workload", help="The workload (as ckpt train).")] = "tinylm",
     size: Annotated[str, typer.Option("--size", help="Workload size preset: small | bench.")] = "small",
-    shards: Annotated[int, typer.Option("--shards", min=1)] = 2,
-    steps_per_round: Annotated[int, typer.Option("--steps-per-round", min=2)] = 150,
-    rounds: Annotated[Optional[int], typer.Option("--rounds", min=1, help="Rounds of each run (default: "
+    shards: Annotated[int, typer.Option("--shards", metavar="N", min=1)] = 2,
+    steps_per_round: Annotated[int, typer.Option("--steps-per-round", metavar="H", min=2)] = 150,
+    rounds: Annotated[Optional[int], typer.Option("--rounds", metavar="R", min=1, help="Rounds of each run (default: "
                                                   "from --minutes).")] = None,
     shard_checkpoint_every: Annotated[str, typer.Option("--shard-checkpoint-every", metavar="N|auto")] = "auto",
     watchdog_timeout: Annotated[float, typer.Option("--watchdog-timeout", metavar="S", min=0.5)] = 5.0,

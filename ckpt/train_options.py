@@ -42,7 +42,7 @@ class TrainOptions:
                                "file:///abs/path or s3://bucket/prefix; checkpoints go to <store>/<run-id>.")] = "./runs"
     run_id: Annotated[Optional[str], _opt("--run-id", metavar="ID", panel=RUN,
                                           help="Run id (default: date + short uuid).")] = None
-    workload: Annotated[str, _opt("--workload", metavar="NAME|module:factory", panel=TRAJECTORY,
+    workload: Annotated[str, _opt("--workload", metavar="NAME", panel=TRAJECTORY,
                                   help="tinylm, recsys, finetune, finetune-bf16, or package.module:factory.")] = "tinylm"
     size: Annotated[str, _opt("--size", panel=TRAJECTORY, help="Workload size preset: small | bench.")] = "small"
     workload_extra: Annotated[Optional[str], _opt("--workload-extra", metavar="JSON", panel=TRAJECTORY,
@@ -62,17 +62,19 @@ class TrainOptions:
     seed: Annotated[int, _opt("--seed", panel=TRAJECTORY, help="Run seed.")] = 0
     resume: Annotated[bool, _opt("--resume", panel=RUN,
                                  help="Continue the run --run-id from its last healthy checkpoint.")] = False
-    task_runner: Annotated[str, _opt("--task-runner", metavar="threads|dask|dask://HOST:PORT|pool:FLOW/DEPLOYMENT",
-                                     panel=WHERE, help="Where shard tasks run (docs/scale.md).")] = "threads"
+    task_runner: Annotated[str, _opt("--task-runner", metavar="RUNNER", panel=WHERE,
+                                     help="Where shard tasks run: threads, dask, dask://HOST:PORT or "
+                                          "pool:FLOW/DEPLOYMENT (docs/scale.md).")] = "threads"
     storage_options: Annotated[Optional[str], _opt("--storage-options", metavar="@FILE|JSON", panel=WHERE,
                                                    help=STORAGE_OPTIONS_HELP)] = None
     credentials_block: Annotated[Optional[str], _opt("--credentials-block", metavar="NAME", panel=WHERE,
                                                      help="A Prefect Secret block holding the s3fs options "
                                                           "(instead of --storage-options).")] = None
-    chaos: Annotated[Optional[list[str]], _opt("--chaos", metavar="KIND:shard=I,round=R", panel=FAILURES,
-                                               help="Inject a fault: crash, hang, zombie, stall, kill or "
-                                                    "stop:shard=I,round=R[,step=K][,attempt=A] (repeatable; kill and "
-                                                    "stop need --task-runner dask; see docs/watchdog.md).")] = None
+    chaos: Annotated[Optional[list[str]], _opt("--chaos", metavar="FAULT", panel=FAILURES,
+                                               help="Inject a fault KIND:shard=I,round=R, optionally with ,step=K "
+                                                    "and ,attempt=A; KIND: crash, hang, zombie, stall, kill or stop "
+                                                    "(repeatable; kill and stop need --task-runner dask; see "
+                                                    "docs/watchdog.md).")] = None
     outer_lr: Annotated[float, _opt("--outer-lr", panel=TRAJECTORY, help="Outer learning rate (1 = averaging).")] = 1.0
     outer_momentum: Annotated[float, _opt("--outer-momentum", panel=TRAJECTORY,
                                           help="Outer Nesterov momentum (0 = none).")] = 0.0

@@ -133,7 +133,11 @@ class _Binder:
                 continue
             seen.add(key)
             pairs.append((k, self.walk(v, _child(obj, key), path.child(key))))
+        before = len(self.mismatches)
         self.extras(obj, seen, path)
+        why = _keyed_otherwise(seen, obj) if len(self.mismatches) > before else None
+        if why:  # one cause, said once, rather than a mismatch for each tensor below
+            self.mismatches[before:] = [f"{path}: {why}"]
         return Node(n.kind, n.value, tuple(pairs), n.attrs).json()
 
     def leaf(self, n: Node, node: Any, obj: Any, path: Path) -> Any:
@@ -175,6 +179,24 @@ class _Binder:
         new = self.alias(s, obj, v)
         self.view_dest.setdefault(v, (new["__leaf__"], obj))
         return new
+
+
+def _keyed_otherwise(saved: set, obj: Any) -> str | None:
+    """Why a destination dict cannot take the saved one, when one numbers its entries and the other
+    names them: an optimizer's ``opt.state_dict()`` (parameters 0, 1, ...) against the state of
+    ``get_state_dict`` (parameter names, as FSDP2 and every other layout has them)."""
+    if not isinstance(obj, dict) or not saved or not obj or saved & obj.keys():
+        return None
+    numbered = [all(isinstance(k, int) for k in keys) for keys in (saved, obj.keys())]
+    named = [all(isinstance(k, str) for k in keys) for keys in (saved, obj.keys())]
+    if not (numbered[0] and named[1]) and not (named[0] and numbered[1]):
+        return None
+    how = ("by number, the destination by name" if numbered[0] else "by name, the destination by number")
+    return (f"the checkpoint keys these entries {how} ({sorted(saved, key=str)[0]!r} against "
+            f"{sorted(obj, key=str)[0]!r}): an optimizer's opt.state_dict() numbers its parameters, "
+            "get_state_dict(model, opt) (torch.distributed.checkpoint.state_dict) names them; restore "
+            "into the kind of state that was saved, and save get_state_dict's to restore into FSDP2, DDP "
+            "or another world size alike (docs/distributed.md)")
 
 
 def bind_into(skeleton: Any, specs: list[LeafSpec], into: Any) -> tuple[Any, dict[int, Any], list[Alias], list[str]]:

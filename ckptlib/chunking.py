@@ -7,9 +7,12 @@ tensor: a ResNet-50 state has 481 tensors, most of them small.
 
 Packs are made per group (top-level key, element size, float or not; see ``LeafSpec.group``) so
 a partial restore of one key reads only its own packs and byte planes line up; within a group
-leaves are placed first-fit by decreasing size, so packs are nearly full. The plan depends only
-on the leaves' paths, sizes and types: the same state shape gives the same units at every save,
-and a unit's delta base is the unit with the same ``ident`` in the previous checkpoint.
+leaves are placed first-fit by decreasing size, so packs are nearly full. A group's pack at most
+half full (a small group, or a large one's rest) goes to the packs shared by its element size and
+kind instead, kept whole: a flat state of many small groups (``w0``..``w99``, or ``layer{i}.``)
+is still about ``bytes / chunk_bytes`` objects, and a small group still reads one pack. The plan
+depends only on the leaves' paths, sizes and types: the same state shape gives the same units at
+every save, and a unit's delta base is the unit with the same ``ident`` in the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class Unit:
 
 
 def plan_units(specs: list[LeafSpec], chunk_bytes: int) -> list[Unit]:
-    """The units of a part, in a deterministic order: chunks of large leaves, then packs."""
+    """The units of a part, in a deterministic order: chunks of large leaves, then each group's
+    packs, then the shared packs."""
     units: list[Unit] = []
     small: dict[tuple, list[int]] = defaultdict(list)
     for i, spec in enumerate(specs):
@@ -87,33 +91,51 @@ def plan_units(specs: list[LeafSpec], chunk_bytes: int) -> list[Unit]:
         for j, (a, b) in enumerate(chunk_ranges(spec.nbytes, size)):
             units.append(Unit(("leaf", spec.path, spec.nbytes, size, j), b - a, spec.itemsize, spec.is_float,
                               (Segment(i, a, 0, b - a),)))
+    sizes = [spec.nbytes for spec in specs]
+    # (itemsize, is_float) -> the groups' packs at most half full, each with the identity it has alone
+    shared: dict[tuple[int, bool], list[tuple[list[int], tuple]]] = defaultdict(list)
     for group in sorted(small, key=lambda g: min(small[g])):
         top, itemsize, is_float = group
         capacity = chunk_size_for(itemsize, chunk_bytes)
-        for k, members in enumerate(_first_fit_decreasing(small[group], specs, capacity)):
-            segments, offset = [], 0
-            for i in members:
-                segments.append(Segment(i, 0, offset, specs[i].nbytes))
-                offset += specs[i].nbytes
-            layout = tuple((specs[i].path, specs[i].nbytes) for i in members)
-            units.append(Unit(("pack", top, itemsize, is_float, k, layout), offset, itemsize, is_float,
-                              tuple(segments)))
+        for k, members in enumerate(_first_fit_decreasing([[i] for i in small[group]], sizes, capacity)):
+            if 2 * sum(sizes[i] for i in members) <= capacity:  # first-fit leaves at most one per group
+                shared[itemsize, is_float].append((members, ("pack", top, itemsize, is_float, k)))
+            else:
+                units.append(_pack(("pack", top, itemsize, is_float, k), members, specs))
+    for (itemsize, is_float), pieces in shared.items():
+        alone = {members[0]: ident for members, ident in pieces}
+        capacity = chunk_size_for(itemsize, chunk_bytes)
+        for k, members in enumerate(_first_fit_decreasing([m for m, _ in pieces], sizes, capacity)):
+            # a piece that shares with no other keeps its own identity (and so its delta base)
+            ident = alone.get(members[0]) if all(specs[i].group == specs[members[0]].group for i in members) else None
+            units.append(_pack(ident or ("pack", None, itemsize, is_float, k), members, specs))
     return units
 
 
-def _first_fit_decreasing(indices: list[int], specs: list[LeafSpec], capacity: int) -> list[list[int]]:
-    """Bins of leaf indices (each bin's bytes <= capacity), members in state order, bins in the
-    order of their first member."""
+def _pack(ident: tuple, members: list[int], specs: list[LeafSpec]) -> Unit:
+    """The pack of leaves ``members`` laid end to end; its identity is ``ident`` and its layout."""
+    segments, offset = [], 0
+    for i in members:
+        segments.append(Segment(i, 0, offset, specs[i].nbytes))
+        offset += specs[i].nbytes
+    layout = tuple((specs[i].path, specs[i].nbytes) for i in members)
+    first = specs[members[0]]
+    return Unit((*ident, layout), offset, first.itemsize, first.is_float, tuple(segments))
+
+
+def _first_fit_decreasing(items: list[list[int]], sizes: list[int], capacity: int) -> list[list[int]]:
+    """Bins of items (lists of leaf indices, each kept whole; each bin's bytes <= capacity), placed
+    largest first; a bin's leaves in state order, bins in the order of their first leaf."""
     bins: list[list[int]] = []
     free: list[int] = []
-    for i in sorted(indices, key=lambda i: (-specs[i].nbytes, i)):
-        n = specs[i].nbytes
+    for item in sorted(items, key=lambda item: (-sum(sizes[i] for i in item), item[0])):
+        n = sum(sizes[i] for i in item)
         for b, room in enumerate(free):
             if n <= room:
-                bins[b].append(i)
+                bins[b].extend(item)
                 free[b] -= n
                 break
         else:
-            bins.append([i])
+            bins.append(list(item))
             free.append(capacity - n)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])

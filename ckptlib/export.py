@@ -23,8 +23,9 @@ installed torch and safetensors (a round trip of a small sample), never assumed 
   their values resolved (same values; documented, not a conversion).
 
 What no conversion can hold (numpy ``longdouble`` or fixed-width strings as tensors) is refused
-either way. The file is written atomically (a temp file beside it, fsynced, renamed) and an
-existing file is replaced only with ``force``.
+either way. The file is written atomically (a temp file beside it, fsynced, renamed), gets the
+mode any file the user writes gets (0666 less the umask), in both formats, and an existing file is
+replaced only with ``force``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import io
 import json
 import math
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -431,6 +433,7 @@ def write_export(state: Any, path: str, *, info: dict[str, Any], force: bool = F
         payload, converted = to_weights_only(state, convert=convert)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
+        mode = _user_file_mode(tmp)
         if fmt == "safetensors":
             from safetensors.torch import save_file
 
@@ -445,6 +448,7 @@ def write_export(state: Any, path: str, *, info: dict[str, Any], force: bool = F
                 torch.save(payload, tmp)
             except RuntimeError as e:  # torch's file writer reports I/O problems as RuntimeError
                 raise OSError(f"cannot write {path}: {e}") from None
+        os.chmod(tmp, mode)  # safetensors writes 0600; an export is a file like any other the user writes
         _fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -453,6 +457,17 @@ def write_export(state: Any, path: str, *, info: dict[str, Any], force: bool = F
         raise
     _fsync(folder, directory=True)
     return Exported(os.path.getsize(path), tuple(converted))
+
+
+def _user_file_mode(path: str) -> int:
+    """Create the empty file ``path`` and return its mode: 0666 less the umask (and whatever the
+    directory imposes), as for any file the user writes. Asked of the kernel, not of ``os.umask``,
+    which would set the process's umask for a moment under every other thread."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: str, *, directory: bool = False) -> None:
