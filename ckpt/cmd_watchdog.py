@@ -129,8 +129,9 @@ def status_of(url: str, storage_options: dict | None = None, *, timeout_s: float
 
 
 def rank_rows(store: Any, part: str) -> dict[str, Any]:
-    """A group's part (``--ranks-per-shard`` > 1): ``{"rank": 0, "ranks": [one row per rank]}``, each
-    row with its ``part`` and ``rank`` (rank 0's is the part's own beat); ``{}`` for one process."""
+    """A group's part (``--ranks-per-shard`` > 1): ``{"rank": 0, "ranks": [one row per rank of its
+    group], "foreign_beats": n}``, each row with its ``part`` and ``rank`` (rank 0's is the part's own
+    beat), ``n`` the beats there of no rank of the group (counted, not read); ``{}`` for one process."""
     from ckptlib.heartbeat import read_rank_heartbeats
 
     beats = read_rank_heartbeats(store, part)
@@ -140,7 +141,8 @@ def rank_rows(store: Any, part: str) -> dict[str, Any]:
     return {"rank": 0, "ranks": [{"part": part, "rank": r, "status": b.status, "generation": b.generation,
                                   "attempt": b.attempt, "round": b.round, "step": b.step, "round_step": b.round_step,
                                   "steps_per_round": b.steps_per_round, "age_s": b.age(now), "pid": b.pid,
-                                  "host": b.host, "error": b.error} for r, b in beats.items()]}
+                                  "host": b.host, "error": b.error} for r, b in beats.items()],
+            "foreign_beats": beats.ignored}
 
 
 def _age(s: float | None) -> str:
@@ -185,6 +187,8 @@ def render_status(runs: list[dict[str, Any]]):
                 t.add_row(f"  rank {k['rank']}", Text(k["status"], style="dim"), str(k["generation"]),
                           str(k["attempt"] or "-"), str(k["round"]), rstep, _age(k["age_s"]) + " ago",
                           f"{k['pid']}@{k['host']}", k["error"] or "")
+            if p.get("foreign_beats"):
+                t.add_row("", Text(f"{p['foreign_beats']} foreign heartbeats ignored", style="yellow"))
         items.append(t)
         for f in r["fences"]:
             lat = f.get("detection_latency_s")

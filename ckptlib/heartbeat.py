@@ -64,6 +64,7 @@ HEARTBEAT_FORMAT = 1
 # A beat is a few KiB (a coordinator's meta holds the run's spec and its cut: O(shards) names); a
 # larger one was not written here and is refused unread (docs/format.md, "Caps").
 HEARTBEAT_MAX_BYTES = 4 << 20
+MAX_WORLD = 1 << 16  # ranks a group's beats may name (as ckptlib.distributed.documents.MAX_WORLD)
 Status = Literal["running", "finished", "failed", "fenced"]
 STATUSES: tuple[Status, ...] = ("running", "finished", "failed", "fenced")
 
@@ -259,18 +260,46 @@ def read_heartbeats(store: Store, *, threads: int = 1) -> dict[str, Beat]:
     return {b.part: b for b in beats if b is not None}
 
 
-def read_rank_heartbeats(store: Store, part: str) -> dict[int, Beat]:
+class RankBeats(dict[int, Beat]):
+    """``{rank: Beat}`` of a group's part, and ``ignored``: how many beats under its ranks' folder are
+    of no rank of its group (a rank beyond its world, or a name no rank writes), at most
+    ``MAX_FOREIGN_COUNTED``: counted from names, never read."""
+
+    ignored: int = 0
+
+
+UNNAMED_WORLD = 1024  # ranks read of a group whose rank 0's beat names no world (read_rank_heartbeats)
+MAX_FOREIGN_COUNTED = 100_000  # names listed to count foreign beats, at most (the listing stops there)
+
+
+def read_rank_heartbeats(store: Store, part: str, world: int | None = None) -> RankBeats:
     """The latest beat of every rank of ``part`` that beat as a group: ``{rank: Beat}``, rank 0's
-    from the part's own key (only when it carries a rank). One listing, one read per rank."""
-    found: dict[int, Beat] = {}
+    from the part's own key (only when it carries a rank). Only ranks below the group's ``world``
+    are read (None: the ``"ranks"`` its rank 0's beat names in ``meta``, as trainrun writes it;
+    ``UNNAMED_WORLD`` without one), one read each; any other beat there is counted (``RankBeats.ignored``), not read:
+    planted beats cost a name each, and at most ``MAX_FOREIGN_COUNTED`` of those."""
+    found = RankBeats()
     first = read_heartbeat(store, part)
     if first is not None and first.rank is not None:
         found[0] = first
+    if world is None:
+        named = first.meta.get("ranks") if first is not None and first.rank is not None else None
+        world = UNNAMED_WORLD
+        if isinstance(named, int) and not isinstance(named, bool) and 1 <= named <= MAX_WORLD:
+            world = named
     prefix = f"heartbeats/ranks/{commit.check_part_name(part)}/"
-    for key in store.list(prefix):
-        name = key[len(prefix):]
-        if name.endswith(".json") and name[: -len(".json")].isdigit():
-            beat = read_heartbeat(store, part, int(name[: -len(".json")]))
-            if beat is not None:
-                found[int(name[: -len(".json")])] = beat
-    return dict(sorted(found.items()))
+    ranks = set()
+    for n, info in enumerate(store.scan(prefix)):
+        if n >= MAX_FOREIGN_COUNTED + world:
+            break
+        name = info.key[len(prefix):]
+        stem = name[: -len(".json")] if name.endswith(".json") else ""
+        if stem.isdigit() and stem == str(int(stem)) and 0 < int(stem) < world:
+            ranks.add(int(stem))
+        else:
+            found.ignored += 1
+    for r in sorted(ranks):
+        beat = read_heartbeat(store, part, r)
+        if beat is not None:
+            found[r] = beat
+    return found

@@ -88,6 +88,29 @@ def _checksum(v: Any, what: str) -> str:
     return v
 
 
+def _meta(v: Any) -> dict[str, Any]:
+    """A document's ``meta``: an object of at most ``MANIFEST_FIELDS_BYTES`` (as writers refuse more).
+    Measured as a lower bound of its JSON size, walking it and stopping as soon as it is over: the
+    check costs no more than the cap, whatever was stored (ValueError)."""
+    if not isinstance(v, dict):
+        raise ValueError(f"meta is a {type(v).__name__}, not an object")
+    budget, stack = MANIFEST_FIELDS_BYTES, [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            budget -= 1 + sum(len(k) + 4 for k in x)  # {"k":v,...}: quotes, colon, comma per member
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            budget -= 1 + len(x)
+            stack.extend(x)
+        else:
+            budget -= len(x) + 2 if isinstance(x, str) else 1
+        if budget < 0:
+            raise ValueError(f"its meta is more than the {MANIFEST_FIELDS_BYTES} bytes any ckptlib writes "
+                             "(writers refuse a larger meta)")
+    return v
+
+
 @dataclass(frozen=True)
 class Blob:
     """One stored object: the encoding of one raw chunk (identified by its raw checksum)."""
@@ -202,7 +225,7 @@ class Fragment:
         frag = cls(_int(d["step"], "step", 0, 2**63), str(d["part"]), _int(d["generation"], "generation", 0, 2**63),
                    d.get("config_hash"), d["skeleton"], leaves, blobs, _checksum(d["digest"], "digest"),
                    _int(d["logical_bytes"], "logical_bytes", 0, 2**63), _int(d["bytes_written"], "bytes_written", 0, 2**63),
-                   dict(d.get("stats", {})), dict(d.get("meta", {})), fmt,
+                   dict(d.get("stats", {})), _meta(d.get("meta", {})), fmt,
                    _int(d["chunk_bytes"], "chunk_bytes", 1) if d.get("chunk_bytes") is not None else None)
         frag.check_consistent()
         return frag
@@ -428,6 +451,10 @@ def combined_digest(part_digests: dict[str, str], single: bool) -> str:
 def dumps(doc: AnyFragment | Manifest) -> bytes:
     """The stored bytes of a document; UnsupportedState when a reader would refuse them (its cap)."""
     # key order is part of a state; NaN cannot appear (non-finite floats are tagged in the skeleton)
+    meta = len(json.dumps(doc.meta, separators=(",", ":"), allow_nan=False).encode())
+    if meta > MANIFEST_FIELDS_BYTES:
+        raise UnsupportedState(f"meta of {meta} bytes, more than the {MANIFEST_FIELDS_BYTES} a reader accepts "
+                               "(docs/format.md, \"Caps\"): keep meta small (store large data as state)")
     data = json.dumps(doc.to_json(), separators=(",", ":"), allow_nan=False).encode()
     cap = document_cap(doc)
     if len(data) > cap:
@@ -458,6 +485,11 @@ def loads_manifest(data: bytes, where: str) -> Manifest:
     if len(data) > document_cap(m):  # a multi-part manifest names its parts' fragments: O(parts)
         raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than the {document_cap(m)} a manifest of "
                                 f"{len(m.parts)} parts may hold: it was not written by ckptlib")
+    try:
+        _meta(m.meta)  # after the cap of its shape, the tighter one for a multi-part manifest
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{where} is not a valid manifest: {e}: it was damaged or written by something "
+                                "else") from None
     return m
 
 

@@ -145,7 +145,8 @@ class RunSettings(BaseModel):
         "auto", description="Each shard checkpoints its own state every N steps of a round (0: never; auto: at about "
         "2% of its training time), so that a failed shard continues from there, not from the round's cut.",
         json_schema_extra=lambda schema: _readable_every(schema))
-    local_tier: bool = Field(True, description="Also keep each shard's newest checkpoint on its host (/dev/shm), "
+    local_tier: bool = Field(True, description="Also keep each shard's newest checkpoint on its host, in a private "
+                             "folder ($XDG_RUNTIME_DIR, else /dev/shm; trainrun.local_tier), "
                              "where a rerun on the same host reads it at memory speed (the store stays the fallback).")
 
     @field_validator("task_runner")

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import FormatVersionError
-from ..manifest import CHECKSUM, MAX_FRAGMENT_BYTES, Blob, Fragment, _checksum, _int, _parse, fragment_key
+from ..manifest import CHECKSUM, MAX_FRAGMENT_BYTES, Blob, Fragment, _checksum, _int, _meta, _parse, fragment_key
 from ..types import MAX_NDIM, LeafSpec
 
 GROUP_FORMAT = 3
-MAX_WORLD = 1 << 20  # ranks a group fragment may name
+MAX_WORLD = 1 << 16  # ranks a group fragment may name (a forged world costs no more than this)
 _SAVE_ID = re.compile(r"^[0-9a-f]{16}$")
 _PART = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 RANK_KEY = re.compile(rf"^fragments/(\d+)/({_PART})\.g(\d+)\.r(\d+)\.([0-9a-f]{{16}})\.json$")
@@ -269,11 +269,15 @@ class GroupFragment:
                 f"checksum {str(d.get('checksum'))[:40]!r}; this ckptlib reads format {GROUP_FORMAT} with "
                 f"{CHECKSUM!r}: install the ckptlib version that wrote it, or a newer one")
         world = _int(d["world"], "world", 1, MAX_WORLD)
+        ranks = d["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != world:  # counted before anything is built
+            raise ValueError(f"it declares {world} ranks but lists "
+                             f"{len(ranks) if isinstance(ranks, list) else 'no list of'} rank fragments")
         g = cls(_int(d["step"], "step", 0, 2**63), str(d["part"]), _int(d["generation"], "generation", 0, 2**63),
-                d.get("config_hash"), world, str(d["save_id"]), tuple(RankRef.from_json(r) for r in d["ranks"]),
+                d.get("config_hash"), world, str(d["save_id"]), tuple(RankRef.from_json(r) for r in ranks),
                 {_checksum(k, "blob table key"): Blob.from_json(b) for k, b in d["blobs"].items()},
                 _checksum(d["digest"], "digest"), _int(d["logical_bytes"], "logical_bytes", 0, 2**63),
-                _int(d["bytes_written"], "bytes_written", 0, 2**63), dict(d.get("stats", {})), dict(d.get("meta", {})))
+                _int(d["bytes_written"], "bytes_written", 0, 2**63), dict(d.get("stats", {})), _meta(d.get("meta", {})))
         g.check_consistent()
         return g
 
@@ -323,11 +327,12 @@ def group_digest(world: int, rank_digests: list[str]) -> str:
 class _AnyFragment:
     """``_parse`` target: a fragment or a group fragment, by its ``kind``."""
 
-    __name__ = "fragment"  # what _parse's errors call it
-
     @staticmethod
     def from_json(d: Any) -> AnyFragment:
         return parse_any_fragment(d)
+
+
+_AnyFragment.__name__ = "fragment"  # what _parse's errors call it (a class attribute would not rename it)
 
 
 def parse_any_fragment(d: Any) -> AnyFragment:

@@ -171,12 +171,17 @@ def put_rank_fragment(store: Store, frag: RankFragment) -> str:
 
 
 def read_rank_fragments(store: Store, pool: Executor, refs: list[tuple[str, str]]) -> list[RankFragment]:
-    """The rank fragments at these (key, checksum of its bytes), each checked against its checksum."""
+    """The rank fragments at these (key, checksum of its bytes), each checked against its checksum.
+    Bounded: each is read with the fragment cap (a larger object is refused unread: ObjectTooLarge),
+    and a batch at a time in rank order, so the first missing or wrong one stops the read whatever
+    world the group fragment declares."""
+    from ..manifest import MAX_FRAGMENT_BYTES
+
     def read(ref: tuple[str, str]) -> RankFragment:
         key, checksum = ref
         where = f"{store.url}/{key}"
         try:
-            data = store.get(key)
+            data = store.get(key, max_bytes=MAX_FRAGMENT_BYTES)
         except ObjectNotFound:
             raise CorruptCheckpoint(f"{where}, a rank's fragment of a committed part, is missing from the store "
                                     "(deleted?); restore another step") from None
@@ -184,7 +189,13 @@ def read_rank_fragments(store: Store, pool: Executor, refs: list[tuple[str, str]
             raise CorruptCheckpoint(f"{where} does not match the checksum its group names: replaced or damaged")
         return loads_rank_fragment(data, where)
 
-    return list(pool.map(read, refs))
+    out: list[RankFragment] = []
+    for i in range(0, len(refs), _READ_BATCH):
+        out += pool.map(read, refs[i:i + _READ_BATCH])
+    return out
+
+
+_READ_BATCH = 64  # rank fragments read at once (read_rank_fragments)
 
 
 # --- the collective save -----------------------------------------------------------------------------
