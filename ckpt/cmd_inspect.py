@@ -1,4 +1,4 @@
-"""Reading a run's checkpoints: ``ckpt ls | show | verify``. Nothing here writes to a store.
+"""Reading a run's checkpoints: ``ckpt ls | show | verify``. Nothing here writes checkpoints.
 
 Each command opens one run's store (a path, ``file://``, ``memory://`` or ``s3://`` URL; s3fs
 arguments from ``--storage-options``, ``CKPT_STORAGE_OPTIONS`` or the AWS_* variables, see
@@ -8,6 +8,10 @@ and exits 2; ``verify`` exits 1 when it finds damage (and prints one line per pr
 One damaged step stays one damaged step: ``ls`` lists the others and marks it (with its reason,
 one line; exit 0: a listing is not a check), ``show`` of it is one ``error:`` line, ``verify``
 reports it among the others (exit 1).
+
+Only ``verify`` writes, and only its findings (``ckptlib.damage``: the note of a step it found
+damaged, deleted when it finds the step intact): ``ls`` marks those steps DAMAGED, a restore of the
+latest skips them, and no save trusts the objects they name because they exist.
 """
 
 from __future__ import annotations
@@ -41,13 +45,16 @@ def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None, damaged: 
     """The rich table of ``ckpt ls`` (also printed by ``ckpt demo``): one row per step of ``steps``
     (default: every committed step). Each row reads the step's manifest and verdict, eight steps at
     a time (a remote store answers each read in a round trip). A step whose manifest cannot be
-    read is a row marked DAMAGED (UNREADABLE: of a format this ckptlib does not read); its reason
-    goes into ``damaged``."""
+    read, or that ``verify`` found damaged (``ckptlib.damage``), is a row marked DAMAGED in the kind
+    column (UNREADABLE: of a format this ckptlib does not read); its reason goes into ``damaged``."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rich.table import Table
 
     from ckptlib import CorruptCheckpoint, FormatVersionError, NoCheckpoint
+    from ckptlib.damage import flagged_steps
+
+    flagged = flagged_steps(ck.store)
 
     table = Table(title=f"checkpoints in {ck.url}", title_justify="left")
     for name, justify in (("step", "right"), ("kind", "left"), ("written", "right"), ("ratio", "right"),
@@ -66,7 +73,11 @@ def checkpoint_table(ck: Checkpointer, steps: list[int] | None = None, damaged: 
                 damaged[step] = one_line(getattr(e, "reason", e))
             word = "UNREADABLE" if isinstance(e, FormatVersionError) else "DAMAGED"
             return (str(step), word, "-", "-", "-", "-", verdict_word(ck.verdict(step)), "-")
-        return (str(step), m.kind, fmt_bytes(m.bytes_written), fmt_ratio(m.logical_bytes, m.bytes_written),
+        note = flagged.get(step)
+        if note is not None and damaged is not None:
+            damaged[step] = one_line(note.summary())
+        return (str(step), m.kind if note is None else "DAMAGED", fmt_bytes(m.bytes_written),
+                fmt_ratio(m.logical_bytes, m.bytes_written),
                 fmt_bytes(m.stored_bytes), m.digest[:12], verdict_word(ck.verdict(step)), short_lineage(m))
 
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-ls") as pool:
@@ -181,14 +192,17 @@ def short_lineage(m: Manifest) -> str:
     return "-" if lineage is None else f"{str(lineage.get('run', '')).rstrip('/').rsplit('/', 1)[-1]}@{lineage.get('step')}"
 
 
-def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[str]:
+def describe_manifest(m: Manifest, frags: dict, verdict: dict | None, tensors: int | None = None) -> list[str]:
     """The lines of ``ckpt show`` (plain text; the ``digest: <hex>`` line is exact); ``frags``: the
-    fragment of every part."""
+    fragment of every part; ``tensors``: how many (``count_tensors``; ``-`` when not given)."""
     stats = m.stats
     blobs = {b.key: b for f in frags.values() for b in f.blobs.values()}
     depth = max((b.depth for b in blobs.values()), default=0)
-    grouped = any(hasattr(f, "world") for f in frags.values())  # a group's part: its ranks' fragments list them
-    tensors = "-" if grouped else sum(len(f.leaves) for f in frags.values())
+    worlds = [f.world for f in frags.values() if hasattr(f, "world")]  # a group's part: saved by its ranks
+    if m.single:
+        layout = f"group of {worlds[0]} ranks (one collective save)" if worlds else "single writer"
+    else:
+        layout = f"multi-part ({len(m.parts)} parts" + (f", {len(worlds)} of them groups of ranks)" if worlds else ")")
     lines = [
         f"step: {m.step}",
         f"digest: {m.digest}",
@@ -196,8 +210,8 @@ def describe_manifest(m: Manifest, frags: dict, verdict: dict | None) -> list[st
         f"created: {m.created}",
         f"lineage: {describe_lineage(lineage_of(m))}",
         f"kind: {m.kind}",
-        f"layout: {'single writer' if m.single else f'multi-part ({len(m.parts)} parts)'}",
-        f"tensors: {tensors}",
+        f"layout: {layout}",
+        f"tensors: {'-' if tensors is None else tensors}",
         f"logical bytes: {m.logical_bytes} ({fmt_bytes(m.logical_bytes)})",
         f"bytes written: {m.bytes_written} ({fmt_bytes(m.bytes_written)}, "
         f"{fmt_ratio(m.logical_bytes, m.bytes_written)} smaller than the state)",
@@ -231,8 +245,26 @@ def show(url: UrlArg, step: StepOpt = None, storage_options: StorageOptionsOpt =
         frags = {name: ck.fragment(m.step, name) for name in m.parts}
         for f in frags.values():
             check_fragment(ck, f)
-        for line in describe_manifest(m, frags, ck.verdict(m.step)):
+        for line in describe_manifest(m, frags, ck.verdict(m.step), count_tensors(ck, frags)):
             typer.echo(line)
+
+
+def count_tensors(ck: Checkpointer, frags: dict) -> int:
+    """The tensors (leaves) of every part: a plain fragment's leaves; for a group's part, the
+    distinct leaf paths of its rank fragments (read and checked together: a damaged one raises)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptlib.distributed.restoring import load_group
+
+    count = 0
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-show") as pool:
+        for f in frags.values():
+            if not hasattr(f, "world"):
+                count += len(f.leaves)
+                continue
+            group = load_group(ck.store, pool, f)
+            count += len({leaf.spec.path for r in range(group.world) for leaf in group.layout(r).leaves})
+    return count
 
 
 def check_fragment(ck: Checkpointer, frag) -> None:

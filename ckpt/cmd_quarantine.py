@@ -3,6 +3,8 @@
 A damaged step blocks nothing once it is aside: listings, restores, resumes and garbage collection
 no longer see it, nothing is deleted, and GC keeps the objects it names until the quarantine is
 undone (``--undo``) or its folder removed by hand. An intact step is refused unless ``--force``.
+What the check found stays recorded (``ckptlib.damage``: ``damage/<step>.json``; with ``--force``,
+every object the step names): no later save trusts those objects because they exist.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-from . import commit, compaction
+from . import commit, compaction, damage
 from .bases import Base, DeltaBases, base_of, chain_origin, substep_chain
 from .chunking import auto_chunk_bytes
 from .compaction import Compactor
@@ -167,6 +167,8 @@ class Checkpointer:
         self._marked = False
         self._closed = False
         self._lock = threading.Lock()
+        # suspect objects (ckptlib.damage) this writer's saves found intact or wrote again, by note
+        self._confirmed: dict[tuple[int, str], set[str]] = {}
         self._collective = None
         if process_group is not None:
             from .distributed.collective import Collective
@@ -324,11 +326,19 @@ class Checkpointer:
         own_chain = base is not None or origin is None
         if base is None and origin:
             base = self._bases.get(origin)
+        # No object is trusted because it exists, not even one this writer saved (ckptlib.damage):
+        # one listing per save, beside the lease's writes; on a healthy run it finds nothing.
+        listing = self._pool.submit(damage.notes, self.store)
         with Lease(self.store, "save", base.step if base else None) as lease:
             self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
+            found = listing.result()
+            with self._lock:
+                suspects = damage.Suspects.of(found, self._confirmed) if found else None
+            if suspects is not None:
+                base = suspects.clean(base)
             try:
                 enc = encode_part(snap, base, self.store, self._pool, options, step=step, part=part,
-                                  lease=lease, retain=True, **kw)
+                                  lease=lease, retain=True, suspects=suspects, **kw)
                 missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], enc.reused)
                 if missing:
                     # A GC that held the lock as this save began swept objects it wrote or built on
@@ -337,7 +347,7 @@ class Checkpointer:
                     log.warning("a garbage collection beside this save of step %d swept %d objects it needs (e.g. "
                                 "%s): writing part '%s' again as keyframes", step, len(missing), missing[0], part)
                     enc = encode_part(snap, None, self.store, self._pool, options, step=step, part=part,
-                                      lease=lease, retain=True, **kw)
+                                      lease=lease, retain=True, suspects=suspects, **kw)
                     missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], {})
                     if missing:
                         raise StoreError(f"{len(missing)} objects of step {step} (e.g. {self.url}/{missing[0]}) "
@@ -346,6 +356,9 @@ class Checkpointer:
             except BaseException:
                 self._bases.forget_bytes(key)
                 raise
+        if found:
+            with self._lock:
+                damage.confirm(self._confirmed, found, enc.confirmed)
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
         # a sub-step chain's first base is the part's own: its buffers are never handed out as spares
         self._bases.adopt(key, enc.next_base, base, keep_spare and own_chain)  # type: ignore[arg-type]
@@ -415,17 +428,20 @@ class Checkpointer:
         return commit.committed_steps(self.store)
 
     def latest_step(self, *, healthy: bool = False) -> int | None:
-        """The newest committed step (``healthy``: the newest whose validation passed and whose
-        manifest reads: what a resume restores), or None. One listing of the manifests; ``healthy``
-        then reads verdicts from the newest step back until one passed (not every step's, as
-        ``healthy_steps`` does), and that step's manifest: a damaged one is skipped with a warning."""
+        """The newest committed step (``healthy``: the newest whose validation passed, that
+        ``verify`` did not find damaged, and whose manifest reads: what a resume restores), or None.
+        One listing of the manifests; ``healthy`` then lists the damage record, reads verdicts from
+        the newest step back until one passed (not every step's, as ``healthy_steps`` does), and that
+        step's manifest: a damaged one is skipped with a warning."""
         steps = self.steps()
         if not healthy:
             return steps[-1] if steps else None
-        return next((step for step in reversed(steps) if self._healthy(step) and self._readable(step)), None)
+        flagged = damage.flagged_steps(self.store)
+        return next((step for step in reversed(steps)
+                     if step not in flagged and self._healthy(step) and self._readable(step)), None)
 
     def manifest(self, step: int | None = None) -> Manifest:
-        return self._read_manifest(self._resolve(step, healthy=False))
+        return self._read_manifest(self._resolve(step, healthy=False, skip_flagged=False))
 
     def fragment(self, step: int, part: str) -> AnyFragment:
         """The fragment of one part of committed ``step`` (checked against its manifest): a
@@ -496,9 +512,19 @@ class Checkpointer:
 
     def verify(self, step: int | None = None) -> list[Problem]:
         """Decode every chunk of ``step`` and check every checksum, digest, the skeleton and the
-        parts the manifest commits; [] when it is intact."""
+        parts the manifest commits; [] when it is intact. What it found is recorded
+        (``damage.record_verify``): a damaged step is flagged and its damaged objects distrusted by
+        saves; an intact one's flag is cleared."""
+        checked, problems = self._inspect(step)
+        try:
+            damage.record_verify(self.store, checked, problems)
+        except StoreError as e:  # a read-only store still verifies; it just cannot remember
+            log.warning("verify of step %d could not record what it found in %s: %s", checked, self.url, e)
+        return problems
+
+    def _inspect(self, step: int | None) -> tuple[int, list[Problem]]:
         self._check_open()
-        m = self._read_manifest(self._resolve(step, healthy=False))
+        m = self._read_manifest(self._resolve(step, healthy=False, skip_flagged=False))
         problems = []
         for name in m.parts:
             try:
@@ -512,7 +538,7 @@ class Checkpointer:
                 problems += verify_group(frag, self.store, self._pool)
                 continue
             problems += inspect_part(frag, self.store, self._pool)[1]
-        return problems
+        return m.step, problems
 
     def export(self, step: int | None, path: str, *, part: str | None = None, force: bool = False,
                convert: bool = False, select: list[str] | None = None) -> Exported:
@@ -575,6 +601,9 @@ class Checkpointer:
         Every restore takes one, the newest step's too: a newer commit can make it droppable while it
         is read. A lease is written before the manifest is read, so a GC either sees it or has
         dropped the step already (NoCheckpoint; for the latest step, the newer latest is read)."""
+        if step is not None and (note := damage.flagged_steps(self.store).get(step)) is not None:
+            log.warning("restoring step %d of %s, which is marked damaged (%s): every object read is checked, "
+                        "and a damaged one fails the restore", step, self.url, note.summary())
         for attempt in range(3):
             resolved = self._resolve(step, healthy=healthy)
             lease = Lease(self.store, "read", resolved).try_acquire()
@@ -589,13 +618,27 @@ class Checkpointer:
                 raise
         raise AssertionError("unreachable")
 
-    def _resolve(self, step: int | None, *, healthy: bool) -> int:
+    def _resolve(self, step: int | None, *, healthy: bool, skip_flagged: bool = True) -> int:
+        """``step``, or the latest committed (``healthy``: validated) one. With ``skip_flagged``, the
+        latest skips the steps ``verify`` found damaged (``damage.flagged_steps``), in one log line."""
         if step is not None:
             return commit.check_step(step)
-        latest = self.latest_step(healthy=healthy)
+        flagged = damage.flagged_steps(self.store) if skip_flagged else {}
+        if not flagged:
+            latest = self.latest_step(healthy=healthy)
+        else:
+            committed = self.steps()
+            steps = [s for s in committed if s not in flagged]
+            latest = next((s for s in reversed(steps) if not healthy or (self._healthy(s) and self._readable(s))), None)
+            skipped = [s for s in committed if s in flagged and (latest is None or s > latest)]
+            if skipped:
+                log.warning("not restoring step(s) %s of %s: marked damaged (step %d: %s); taking "
+                            "step %s", ", ".join(map(str, skipped)), self.url, skipped[-1],
+                            flagged[skipped[-1]].summary(), latest)
         if latest is None:
             what = "healthy (committed and validated) checkpoint" if healthy else "committed checkpoint"
-            raise NoCheckpoint(f"no {what} in {self.url}")
+            also = f" that `ckpt verify` did not find damaged ({sorted(flagged)})" if flagged else ""
+            raise NoCheckpoint(f"no {what}{also} in {self.url}")
         return latest
 
     # --- health (validation verdicts) ------------------------------------------------------------

@@ -18,6 +18,10 @@ written (the commit point of the quarantine), then the verdict and the manifest 
 their places, the manifest last. ``release_step`` copies them back, then removes ``record.json``,
 then the copies. Whether a step is damaged is the caller's judgement (``ckpt quarantine`` refuses
 an intact step unless told otherwise).
+
+Before anything moves, a step with no damage note (``ckptlib.damage``: none when no verify found
+it damaged) gets one naming every object it names: a save then trusts none of them because they
+exist. A note stays after ``release_step``: a verify of the step put back clears it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from . import commit
+from . import commit, damage
 from .documents import Document, DocumentError
 from .errors import CheckpointError, NoCheckpoint, ObjectNotFound, ObjectTooLarge
 from .manifest import MAX_FRAGMENT_BYTES, MAX_MANIFEST_BYTES
@@ -74,6 +78,8 @@ def quarantine_step(store: Store, step: int, reason: str) -> QuarantineRecord:
             raise NoCheckpoint(f"step {step} of {store.url} is in quarantine already (since {existing.time}: "
                                f"{existing.reason}); `ckpt quarantine {store.url} --step {step} --undo` puts it back")
         raise NoCheckpoint(f"step {step} is not committed in {store.url}: nothing to quarantine")
+    # before it leaves: what it names stays distrusted by saves (unless a verify said which objects)
+    damage.record_unverified(store, step, _objects_named(store, key))
     _copy_aside(store, aside, key, step)
     moved_verdict = store.exists(verdict_key)
     if moved_verdict:
@@ -141,12 +147,17 @@ def quarantined_objects(store: Store) -> set[str]:
     caps; one larger than any ckptlib writes names nothing, logged)."""
     keys: set[str] = set()
     for name in store.list_dirs(QUARANTINE):
-        if not name.isdigit():
-            continue
-        named = _named(store, f"{QUARANTINE}/{name}/{commit.manifest_key(int(name))}", MAX_MANIFEST_BYTES)
-        keys |= named
-        for fragment in sorted(k for k in named if k.startswith("fragments/")):
-            keys |= _named(store, fragment, MAX_FRAGMENT_BYTES)
+        if name.isdigit():
+            keys |= _objects_named(store, f"{QUARANTINE}/{name}/{commit.manifest_key(int(name))}")
+    return keys
+
+
+def _objects_named(store: Store, manifest: str) -> set[str]:
+    """The objects the manifest under ``manifest`` names, and those its fragments name."""
+    named = _named(store, manifest, MAX_MANIFEST_BYTES)
+    keys = set(named)
+    for fragment in sorted(k for k in named if k.startswith("fragments/")):
+        keys |= _named(store, fragment, MAX_FRAGMENT_BYTES)
     return keys
 
 

@@ -11,8 +11,10 @@ Called by ``Checkpointer`` (the only caller). The phases are the code of ``encod
    returns. (``copy=True`` copies every leaf into host buffers.)
 2. Each unit is encoded (``ckptlib.encoding``: unchanged, delta or keyframe) and uploaded with
    ``put_if_absent`` under a content-derived key: a retry or a concurrent identical save rewrites
-   nothing and is safe. When one upload fails the others stop (nothing more is written) and that
-   error is raised.
+   nothing and is safe. An object that exists is trusted unless the damage record names it
+   (``suspects``, ``ckptlib.damage``): then its stored bytes are compared with the payload and
+   written over when they differ. When one upload fails the others stop (nothing more is written)
+   and that error is raised.
 3. Each leaf's digest and place (chunks, or an offset in a pack) and the blob table (every object
    the part needs, delta chains included) make the ``Fragment``. It writes no fragment and no
    manifest; publishing is ``commit``'s job.
@@ -37,7 +39,9 @@ import numpy as np
 from . import codecs
 from .bases import Base, BufferPool, Retainer, buffer_address, host_buffer
 from .chunking import Unit, plan_units
+from .damage import Suspects
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY, EncodedUnit, EncodeOptions, UnitHint, encode_unit
+from .errors import ObjectNotFound, ObjectTooLarge
 from .leases import Lease
 from .leaves import copy_into, raw_view
 from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
@@ -105,11 +109,13 @@ class Snapshot:
 class EncodedPart:
     """What ``encode_part`` made: the fragment (not yet published), with ``retain`` the next save's
     base (this fragment with its bytes), and the bytes of objects found stored already while a GC
-    ran (what ``Lease.before_publish`` must check still exist)."""
+    ran (what ``Lease.before_publish`` must check still exist), and the suspect objects it found
+    holding its bytes or wrote again (``confirmed``)."""
 
     fragment: Fragment
     next_base: Base | None
     reused: dict[str, bytes]
+    confirmed: set[str] = field(default_factory=set)
 
 
 # --- 1. snapshot -----------------------------------------------------------------------------------
@@ -299,9 +305,11 @@ def _balanced_groups(sizes: list[int], n: int, items: list[int]) -> list[list[in
 def encode_part(snap: Snapshot, base: Base | None, store: Store, pool: Executor, opts: WriteOptions, *,
                 step: int, part: str, generation: int = 0, config_hash: str | None = None,
                 meta: dict[str, Any] | None = None, lease: Lease | None = None,
-                retain: bool = False) -> EncodedPart:
-    """Encode and upload every unit of ``snap`` against ``base``; the fragment of ``part`` at ``step``."""
-    uploader = _Uploader(store, opts.limiter, lease)
+                retain: bool = False, suspects: Suspects | None = None) -> EncodedPart:
+    """Encode and upload every unit of ``snap`` against ``base``; the fragment of ``part`` at ``step``.
+    ``suspects``: stored objects not trusted because they exist (``base`` must not reference them:
+    ``Suspects.clean``)."""
+    uploader = _Uploader(store, opts.limiter, lease, suspects)
     units = _encode_units(snap, base, pool, opts, uploader, retain)  # 2. encode + upload
     if retain:
         _detach_partly_kept(snap, units)
@@ -320,7 +328,7 @@ def encode_part(snap: Snapshot, base: Base | None, store: Store, pool: Executor,
         next_base = Base(step, dict(table), {unit.ident: u.digest for unit, u in zip(snap.units, units)},
                          {u.digest: u.kept for u in units if u.kept is not None}, snap.chunk_bytes,
                          {unit.ident: u.hint for unit, u in zip(snap.units, units)})
-    return EncodedPart(fragment, next_base, uploader.reused)
+    return EncodedPart(fragment, next_base, uploader.reused, uploader.confirmed)
 
 
 # --- 2. encode and upload --------------------------------------------------------------------------
@@ -344,10 +352,11 @@ class _Uploader:
     While a GC runs beside the save (``lease.gc_seen``), the bytes of every object found stored
     already are kept: that GC may sweep it before the save publishes, and then it is written again."""
 
-    def __init__(self, store: Store, limiter: RateLimiter, lease: Lease | None):
-        self.store, self.limiter, self.lease = store, limiter, lease
+    def __init__(self, store: Store, limiter: RateLimiter, lease: Lease | None, suspects: Suspects | None = None):
+        self.store, self.limiter, self.lease, self.suspects = store, limiter, lease, suspects
         self.failed = threading.Event()
         self.reused: dict[str, bytes] = {}
+        self.confirmed: set[str] = set()  # suspects found holding the payload, or written again
         self._lock = threading.Lock()
 
     def check(self) -> None:
@@ -365,12 +374,27 @@ class _Uploader:
         # The payload itself, not a copy: a store reads it during the call only (Store.put_if_absent).
         # It may be a snapshot buffer, which goes back to the pool after the save: what is kept
         # beyond the call is copied.
-        if self.store.put_if_absent(blob.key, np.ascontiguousarray(payload).data):
+        suspect = self.suspects is not None and blob.key in self.suspects
+        written = self.store.put_if_absent(blob.key, np.ascontiguousarray(payload).data)
+        if not written and suspect and not self._holds(blob.key, payload):
+            self.store.put(blob.key, np.ascontiguousarray(payload).data)  # replaces the damaged object whole
+            written = True
+        if suspect:
+            with self._lock:
+                self.confirmed.add(blob.key)
+        if written:
             return blob.size
         if self.lease is not None and self.lease.gc_seen:
             with self._lock:
                 self.reused[blob.key] = payload.tobytes()
         return 0
+
+    def _holds(self, key: str, payload: np.ndarray) -> bool:
+        """Whether the store holds exactly ``payload`` under ``key`` (read with its size as the cap)."""
+        try:
+            return self.store.get(key, max_bytes=payload.nbytes) == payload.tobytes()
+        except (ObjectNotFound, ObjectTooLarge):
+            return False
 
 
 def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: WriteOptions, uploader: _Uploader,
