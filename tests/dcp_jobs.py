@@ -1,0 +1,84 @@
+"""The ranks of tests/test_dcp_backend.py's multi-rank jobs: FSDP2 (fully_shard, gloo on CPU) saved
+and loaded with ``torch.distributed.checkpoint`` through ``ckptlib.dcp``.
+
+Run as ``python tests/dcp_jobs.py <job> <rank> <world> <port> <url> <out dir>``, once per rank; each
+rank writes what the test checks to ``<out dir>/<job>.r<rank>.json``. Expected full states go
+through a plain ckptlib store (``<out dir>/ref``), not pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from distributed_jobs import fsdp, full, state, step
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from ckptlib import Checkpointer
+from ckptlib.dcp import StorageReader, StorageWriter
+from ckptlib.testing.compare import first_difference
+
+
+def fsdp_save(rank: int, url: str, out: Path) -> dict[str, Any]:
+    """Save after a training step (step 1), after a sparse edit of every parameter (step 2: a few
+    elements each, so a writer holding step 1's bytes writes small deltas) and after another
+    training step (step 3), all through one long-lived writer per rank; rank 0 keeps step 3's full
+    state in the reference store."""
+    m, opt = fsdp()
+    writer = StorageWriter(url, chunk_bytes=4096)
+    written = []
+    for s in (1, 2, 3):
+        if s == 2:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.to_local().view(-1)[:3] += 1.0
+        else:
+            step(m, opt, s, rank)
+        dcp.save(state(m, opt), storage_writer=writer, checkpoint_id=s)
+        if rank == 0:
+            assert writer.last_commit is not None
+            written.append(writer.last_commit.bytes_written)
+    want = full(m, opt)  # collective
+    if rank == 0:
+        Checkpointer(str(out / "ref")).save(3, want)
+    return {"bytes_written": written}
+
+
+def fsdp_load(rank: int, url: str, out: Path) -> dict[str, Any]:
+    """Load each of steps 3 (saved by 2 ranks) and 4 (by 1 process) into a fresh FSDP2 model and
+    optimizer; whether the full state matches the reference, bit for bit."""
+    want = Checkpointer(str(out / "ref")).restore(3)
+    diffs = {}
+    for s in (3, 4):
+        torch.manual_seed(100 + s)
+        m, opt = fsdp()
+        step(m, opt, 99, rank)  # other weights and initialised moments, all to be overwritten
+        into = state(m, opt)
+        dcp.load(into, storage_reader=StorageReader(url, step=s))
+        set_state_dict(m, opt, model_state_dict=into["model"], optim_state_dict=into["optim"])
+        diffs[str(s)] = first_difference(want, full(m, opt))
+    return {"diffs": diffs}
+
+
+JOBS = {f.__name__: f for f in (fsdp_save, fsdp_load)}
+
+
+def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = JOBS[job](rank, url, Path(out))
+        (Path(out) / f"{job}.r{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
