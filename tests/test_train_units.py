@@ -10,8 +10,8 @@ import torch
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat, read_heartbeats
+from tests.runs import TINY, run_rounds
 from trainrun.chaos import ChaosCrash, for_attempt, parse_chaos
-from trainrun.cut import cut_round
 from trainrun.documents import Cut
 from trainrun.errors import RunRefused
 from trainrun.layout import COORDINATOR
@@ -20,30 +20,6 @@ from trainrun.resume import where_to_start
 from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec, describe_changes
 from trainrun.step_zero import write_step_zero
-
-TINY = dict(workload="tinylm", workload_extra={"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536},
-            shards=2, steps_per_round=3)
-
-
-def run_rounds(url: str, spec: RunSpec, rounds: int, every: int = 1, start: int | None = None) -> dict[int, str]:
-    """Train ``rounds`` rounds with plain function calls; returns {committed step: digest}."""
-    digests = {}
-    if start is None:
-        with Checkpointer(url) as ck:
-            digests[0] = write_step_zero(ck, spec).digest
-        start = 0
-    cut = Cut.of_step(start)
-    for r in range(start + 1, rounds + 1):
-        for i in range(spec.shards):
-            with Checkpointer(url) as ck:
-                assert train_shard_round(ck, spec, i, r, cut, heartbeat_every_s=0.05).status == "finished"
-        with Checkpointer(url) as ck:
-            result = cut_round(ck, spec, r, cut, publish=r % every == 0 or r == rounds, commit_timeout_s=30)
-        if result.committed:
-            digests[r] = result.digest
-        cut = result.next_cut()
-    return digests
-
 
 # --- chaos ------------------------------------------------------------------------------------------
 

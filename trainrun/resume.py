@@ -19,6 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from ckptlib import Checkpointer
+from ckptlib.errors import CheckpointError
+from ckptlib.quarantine import quarantine_step
 from ckptlib.tree import unflatten
 
 from .errors import RunRefused
@@ -104,6 +106,12 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
         return RunPlan(from_step, committed, latest, f"starting from committed step {from_step}"
                        + ("" if validated else " (not validated: validated again as the run goes)"), config=config)
     healthy, checked = _healthy_after_validating(ck, steps, validate)
+    healthy, damaged = _restorable(ck, healthy)
+    if damaged:  # quarantined: no longer committed
+        steps = ck.steps()
+        if not steps:
+            return RunPlan(None, 0, None, f"starting from scratch: {_damaged_note(damaged)}", config=config)
+        committed, latest = len(steps), steps[-1]
     old_ranks = old.get("ranks_per_shard", 1)
     old_par = old.get("parallelism", "ddp")
     same_par = old_par == spec.parallelism
@@ -128,7 +136,7 @@ def _plan(ck: Checkpointer, spec: RunSpec, *, resume: bool, run_id: str, from_st
         return RunPlan(healthy, committed, latest, f"resuming from healthy step {healthy} with {spec.shards} shards "
                        f"instead of {old['shards']} (resharded: a new trajectory from step {healthy})",
                        reshard=Reshard(healthy, (old["shards"], spec.shards)), config=config)
-    note = _pending_note(ck, steps, healthy, checked, validate)
+    note = _pending_note(ck, steps, healthy, checked, validate) + (f"; {_damaged_note(damaged)}" if damaged else "")
     if healthy is None:
         return RunPlan(None, committed, latest, "no validated checkpoint yet: starting from scratch (committed "
                        f"steps are recomputed identically){note}", config=config)
@@ -176,6 +184,34 @@ def _healthy_after_validating(ck: Checkpointer, steps: list[int], validate: Vali
         if validate(step):
             return step, checked
     return healthy, checked
+
+
+def _restorable(ck: Checkpointer, healthy: int | None) -> tuple[int | None, dict[int, str]]:
+    """The newest healthy step from ``healthy`` back whose every object decodes to its checksum
+    (``Checkpointer.verify``: one read of the step, what the shards would read), and the steps found
+    damaged on the way, each quarantined with the first problem as its reason (the quarantine's log
+    line names it: one line a step; a resume falls back past them instead of failing in every shard)."""
+    damaged: dict[int, str] = {}
+    while healthy is not None:
+        problems = ck.verify(healthy)  # also records them: saves distrust its damaged objects
+        if not problems:
+            break
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        # the quarantine's own log line names the step and this reason: the one line a user reads
+        reason = f"a resume found it damaged: {problems[0]}{more}; the run resumes from the healthy step before it"
+        try:
+            quarantine_step(ck.store, healthy, reason[:1000])
+        except CheckpointError as e:
+            raise RunRefused(f"{ck.url}: step {healthy} is damaged ({problems[0]}) and could not be quarantined "
+                             f"({e}); fix the store's permissions, or `ckpt quarantine {ck.url} --step {healthy}`, then "
+                             "resume again") from None
+        damaged[healthy] = str(problems[0])
+        healthy = ck.latest_step(healthy=True)
+    return healthy, damaged
+
+
+def _damaged_note(damaged: dict[int, str]) -> str:
+    return "; ".join(f"step {s} was damaged ({why}) and is quarantined" for s, why in damaged.items())
 
 
 def _pending_note(ck: Checkpointer, steps: list[int], healthy: int | None, checked: list[int],
