@@ -70,6 +70,10 @@ class TrainOptions:
     credentials_block: Annotated[Optional[str], _opt("--credentials-block", metavar="NAME", panel=WHERE,
                                                      help="A Prefect Secret block holding the s3fs options "
                                                           "(instead of --storage-options).")] = None
+    store_block: Annotated[Optional[str], _opt("--store-block", metavar="NAME", panel=WHERE,
+                                               help="A Prefect Checkpoint Store block: the store's URL and its "
+                                                    "s3fs options in one (instead of --store and credentials; "
+                                                    "needs PREFECT_API_URL).")] = None
     chaos: Annotated[Optional[list[str]], _opt("--chaos", metavar="FAULT", panel=FAILURES,
                                                help="Inject a fault KIND:shard=I,round=R, optionally with ,step=K "
                                                     "and ,attempt=A; KIND: crash, hang, zombie, stall, kill or stop "
@@ -113,6 +117,11 @@ class TrainOptions:
         from trainrun.credentials import StorageOptions
 
         given = {field: getattr(self, name) for name, field in CLI_FIELDS.items()}
+        if self.store_block:  # the block holds the store: TrainParams takes its URL
+            if self.store != "./runs":
+                raise typer.BadParameter(f"--store {self.store} and --store-block {self.store_block} both name the "
+                                         "store: give one (the block holds its URL)", param_hint="--store-block")
+            del given["store"]
         return TrainParams(**{**given, "run_id": run_id, "workload_extra": workload_extra, "chaos": list(self.chaos or []),
                               "storage_options": StorageOptions(storage_options) if storage_options else None,
                               "validate_checkpoints": not self.no_validate, "local_tier": not self.no_local_tier})
@@ -134,7 +143,8 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
               "shard_checkpoint_every": "shard_checkpoint_every",
-              "storage_options": "storage_options", "credentials_block": "credentials_block"}
+              "storage_options": "storage_options", "credentials_block": "credentials_block",
+              "store_block": "store_block"}
 
 
 def options_command(body: Callable[[TrainOptions, frozenset[str]], None]) -> Callable[..., None]:

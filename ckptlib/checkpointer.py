@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
-from . import commit, compaction, damage
+from . import commit, compaction, damage, stateful
 from .bases import Base, DeltaBases, base_of, chain_origin, substep_chain
 from .chunking import auto_chunk_bytes
 from .compaction import Compactor
@@ -187,11 +187,15 @@ class Checkpointer:
         """Encode, upload and commit ``state`` as ``step``; returns when it is durable.
 
         CPU tensors are encoded in place from their own memory (no copy of the state), so the state
-        must not change until this returns; use ``save_async`` to go on training meanwhile."""
+        must not change until this returns; use ``save_async`` to go on training meanwhile.
+
+        A Stateful object (anything with ``state_dict()``) at any position of ``state`` is saved as
+        its ``state_dict()``; a value in it the format refuses is refused with its path."""
         commit.check_step(step)
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
+        state, _ = stateful.expand(state)
         if self._collective is not None:
             return self._group_persist(self._group_begin(step, state, meta, copy=False), t0, blocked=None)
         snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False,
@@ -206,6 +210,7 @@ class Checkpointer:
         self._check_open()
         t0 = time.perf_counter()
         self._drain()
+        state, _ = stateful.expand(state)
         if self._collective is not None:
             pending = self._group_begin(step, state, meta, copy=True)
             blocked = time.perf_counter() - t0
@@ -477,7 +482,22 @@ class Checkpointer:
         own state, DTensor shards filled in place from the saved pieces whatever the layout at save
         time, and ``rank`` defaults to the caller's own (rank 0's values for a rank the checkpoint
         has no counterpart for, unless they differ per rank: then it is refused).
+
+        Stateful objects (anything with ``state_dict()``: a model, an optimizer, a scheduler; docs/
+        integrations.md) in ``into``, at any position, are filled through their ``state_dict()`` and,
+        once every restored value is checked, given it through ``load_state_dict()`` (an object
+        without one: TypeError, before anything is read). Without ``into`` the state comes back as
+        plain state dicts, as their ``state_dict()`` gave them.
         """
+        into, found = stateful.expand(into, loading=True) if into is not None else (None, [])
+        found = stateful.check_selected(found, select)
+        out = self._restore(step, healthy, part, device, into, select, keep_base, rank)
+        stateful.load(found, out)
+        return out
+
+    def _restore(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
+                 select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
+        """``restore`` of a plain state (no Stateful objects in ``into``)."""
         self._check_open()
         self._drain()
         if self._collective is not None:

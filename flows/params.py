@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from trainrun.credentials import StorageOptions, StoreAccess, check_url
@@ -77,6 +77,9 @@ class TrainParams(RunSettings, RunSpec):
                                           "options of an s3:// store as JSON (endpoint_url, key, secret, ...). "
                                           "Empty: the environment of the processes that run the tasks "
                                           "(AWS_ACCESS_KEY_ID, ...).")
+    store_block: str | None = Field(None, description="Name of a Checkpoint Store block (the store's URL and its "
+                                    "s3fs options in one block, read where the run runs). Set: it replaces store and "
+                                    "credentials_block (leave credentials_block empty).")
     # Not in the form (SkipJsonSchema): a secret is typed into a Secret block, never into a run's parameters.
     storage_options: SkipJsonSchema[StorageOptions | None] = Field(
         None, description="s3fs options, from Python only (masked in every record); prefer credentials_block.")
@@ -115,6 +118,30 @@ class TrainParams(RunSettings, RunSpec):
         if not v.strip():
             raise ValueError("store must not be empty: a local directory, file:///abs/path or s3://bucket/prefix")
         return check_url(v.strip())
+
+    @field_validator("store_block")
+    @classmethod
+    def _check_store_block(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or "/" in v):
+            raise ValueError(f"store_block {v!r} is not a block name: give the name of a Checkpoint Store block "
+                             "(e.g. prod-store), without its type")
+        return v.strip() if v else None
+
+    @model_validator(mode="after")
+    def _store_from_block(self) -> TrainParams:
+        """``store_block``: ``store`` becomes the block's URL (read from Prefect here: not a secret) and
+        ``credentials_block`` its slug ``checkpoint-store/NAME``, so every task, shard pool and
+        watchdog that reaches the store by ``credentials_block`` reads the block's options itself."""
+        if not self.store_block:
+            return self
+        ref = f"checkpoint-store/{self.store_block}"
+        if self.storage_options is not None or self.credentials_block not in (None, ref):
+            raise ValueError(f"store_block {self.store_block!r} holds the store's credentials: leave "
+                             "credentials_block and storage_options empty (or drop store_block)")
+        from tasks.store_block import load_store  # Prefect, only when a block is named
+
+        self.store, self.credentials_block = load_store(self.store_block).url, ref
+        return self
 
     # --- derived -------------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ Storage credentials (s3fs options: ``endpoint_url``, ``key``, ``secret``, ...) c
    flow parameter: Prefect's encoder dumps a bare pydantic ``Secret``'s value (inside a model it
    is masked).
 2. ``StoreAccess.block``: the name of a Prefect ``Secret`` block whose value is the options (a JSON
-   object), loaded where the store is opened (``tasks/access.py``; this package never imports Prefect).
+   object), or the slug ``checkpoint-store/NAME`` of a ``CheckpointStore`` block (``store_block``: the
+   store's URL and its options in one block, ``tasks/store_block.py``), loaded where the store is
+   opened (``tasks/access.py``; this package never imports Prefect).
 3. The environment: ``CKPT_STORAGE_OPTIONS`` (a JSON object, or ``@path`` of a JSON file), else
    s3fs's own ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``.
 
@@ -30,7 +32,8 @@ import pydantic
 
 STORAGE_OPTIONS_ENV = "CKPT_STORAGE_OPTIONS"
 HOW = ("the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL), --storage-options "
-       f"@file.json, {STORAGE_OPTIONS_ENV}, or a Prefect Secret block (credentials_block)")
+       f"@file.json, {STORAGE_OPTIONS_ENV}, a Prefect Secret block (credentials_block), or a Checkpoint Store "
+       "block holding the URL and the options (store_block)")
 
 
 class StorageOptions(pydantic.Secret[dict[str, Any]]):
