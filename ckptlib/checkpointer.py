@@ -455,7 +455,7 @@ class Checkpointer:
 
     def restore(self, step: int | None = None, *, healthy: bool = False, part: str | None = None,
                 device: Any = "cpu", into: Any = None, select: list[str] | None = None,
-                keep_base: bool = False, rank: int | None = None) -> Any:
+                keep_base: bool = False, rank: int | None = None, fallback: bool = False) -> Any:
         """The state of ``step`` (None = the latest committed; ``healthy=True``: the latest that
         passed validation), bit-exact and checked against the manifest's digests. Tensors land on
         ``device`` (CPU by default).
@@ -488,12 +488,48 @@ class Checkpointer:
         once every restored value is checked, given it through ``load_state_dict()`` (an object
         without one: TypeError, before anything is read). Without ``into`` the state comes back as
         plain state dicts, as their ``state_dict()`` gave them.
+
+        ``fallback=True`` (the latest step only; off by default): a latest step that turns out
+        damaged (``CorruptCheckpoint``, a missing object) is quarantined, with the error as its
+        reason in the quarantine's one log line, and the step before it is restored instead, and so
+        on; ``NoCheckpoint`` when none restores. A single writer's restore only.
         """
         into, found = stateful.expand(into, loading=True) if into is not None else (None, [])
         found = stateful.check_selected(found, select)
-        out = self._restore(step, healthy, part, device, into, select, keep_base, rank)
+        if fallback:
+            out = self._restore_falling_back(step, healthy, part, device, into, select, keep_base, rank)
+        else:
+            out = self._restore(step, healthy, part, device, into, select, keep_base, rank)
         stateful.load(found, out)
         return out
+
+    def _restore_falling_back(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
+                              select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
+        """``restore(fallback=True)``: the newest step that restores, quarantining the damaged
+        ones newer than it (a step that cannot be quarantined, on a read-only store, is skipped)."""
+        from .quarantine import quarantine_step
+
+        if step is not None or self._collective is not None:
+            raise ValueError("restore(fallback=True) restores the latest step of a single writer's checkpoint: "
+                             "give no step, and no process_group")
+        skipped: set[int] = set()
+        while True:
+            flagged = damage.flagged_steps(self.store)
+            latest = next((s for s in reversed(self.steps()) if s not in skipped and s not in flagged
+                           and (not healthy or (self._healthy(s) and self._readable(s)))), None)
+            if latest is None:
+                raise NoCheckpoint(f"no {'healthy ' if healthy else ''}committed step of {self.url} restores"
+                                   + (f" (damaged: {sorted(skipped)})" if skipped else ""))
+            try:
+                return self._restore(latest, False, part, device, into, select, keep_base, rank)
+            except (CorruptCheckpoint, ObjectNotFound) as e:
+                skipped.add(latest)
+                reason = f"restore(fallback=True) found it damaged: {' '.join(str(e).split())}"[:1000]
+                try:
+                    quarantine_step(self.store, latest, reason)
+                except (StoreError, CheckpointError) as q:
+                    log.warning("step %d of %s is damaged (%s) and could not be quarantined (%s): restoring the "
+                                "step before it", latest, self.url, e, q)
 
     def _restore(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
                  select: list[str] | None, keep_base: bool, rank: int | None) -> Any:

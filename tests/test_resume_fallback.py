@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ckptlib import Checkpointer
 from ckptlib.quarantine import quarantined, read_record
 from tests.runs import TINY, run_rounds
@@ -60,3 +62,29 @@ def test_an_intact_resume_reads_what_it_resumes_from_once_and_quarantines_nothin
         _validated(ck)
         plan = where_to_start(ck, spec, resume=True)
         assert plan.start_step == 2 and "damaged" not in plan.note and quarantined(ck.store) == {}
+
+
+def test_restore_with_fallback_quarantines_a_damaged_latest_step_and_restores_the_one_before(tmp_path, caplog):
+    import pytest
+
+    from ckptlib.errors import CorruptCheckpoint
+
+    url = str(tmp_path / "lib")
+    states = {s: {"w": torch.arange(20000, dtype=torch.float32) * s, "step": s} for s in (1, 2, 3)}
+    with Checkpointer(url, chunk_bytes=16384) as ck:
+        for s, state in states.items():
+            ck.save(s, state)
+        key = _flip_an_object_only(ck, 3)
+    with Checkpointer(url) as ck:
+        with pytest.raises(CorruptCheckpoint):
+            ck.restore()  # off by default: the damage is the caller's to see
+        into = {"w": torch.zeros(20000), "step": 0}
+        with caplog.at_level(logging.WARNING):
+            out = ck.restore(into=into, fallback=True)
+        assert out["step"] == 2 and torch.equal(into["w"], states[2]["w"])
+        lines = [r.getMessage() for r in caplog.records if "step 3" in r.getMessage()]
+        assert len(lines) == 1 and "restore(fallback=True) found it damaged" in lines[0] and key in lines[0], lines
+        assert ck.steps() == [1, 2] and sorted(quarantined(ck.store)) == [3]
+        assert ck.restore(fallback=True)["step"] == 2  # nothing else to skip
+        with pytest.raises(ValueError, match="latest step"):
+            ck.restore(2, fallback=True)
