@@ -10,7 +10,9 @@ or from a shell (``PREFECT_API_URL`` as exported by ``. .stack/env``)::
     python -m deployments.client run train-run/train --set params.rounds=2 --set params.shards=1 --wait
 
 Plain HTTP (``httpx``, a Prefect dependency), so a caller needs no Prefect settings or profile:
-what it talks to is the URL it passes.
+what it talks to is the URL it passes, with the credentials it passes (``auth``, ``user:password``:
+a server started with ``PREFECT_SERVER_API_AUTH_STRING``, as the stack's is, refuses every call
+without them). ``auth`` defaults to ``PREFECT_API_AUTH_STRING``, what Prefect's own client sends.
 
 Why ``run_deployment`` merges: the server merges a run's parameters into the deployment's at the
 top level only, so ``prefect deployment run train-run/train --param params='{"rounds": 2}'`` would
@@ -21,6 +23,8 @@ into the deployment's parameters first (``merge=False`` sends them as they are).
 
 from __future__ import annotations
 
+import base64
+import os
 import random
 import time
 from typing import Any
@@ -37,9 +41,13 @@ RETRY_STATUS = {429, 503}
 
 
 class PrefectAPI:
-    def __init__(self, api_url: str, timeout: float = 30.0, retries: int = 5, backoff_s: float = 1.0):
+    def __init__(self, api_url: str, timeout: float = 30.0, retries: int = 5, backoff_s: float = 1.0,
+                 auth: str | None = None):
         self.api_url = api_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.api_url, timeout=timeout)
+        auth = auth if auth is not None else os.environ.get("PREFECT_API_AUTH_STRING")
+        # Prefect's basic auth: the whole "user:password" string is the server's secret (never logged here)
+        headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+        self._http = httpx.Client(base_url=self.api_url, timeout=timeout, headers=headers)
         self.retries, self.backoff_s = retries, backoff_s
 
     def _call(self, method: str, path: str, json: Any = None) -> Any:
@@ -48,6 +56,11 @@ class PrefectAPI:
             if r.status_code not in RETRY_STATUS or attempt == self.retries:
                 break
             time.sleep(self._delay(attempt, r.headers.get("Retry-After")))
+        if r.status_code == 401:
+            raise RuntimeError(f"{method} {self.api_url}{path} -> 401: the Prefect API refused "
+                               + ("these credentials" if "Authorization" in self._http.headers else "a call without "
+                                  "credentials") + ": set PREFECT_API_AUTH_STRING to the server's user:password "
+                               "(`set -a; . .stack/env; set +a` does for the local stack) or pass auth=")
         if r.status_code >= 400:
             tried = f" (after {self.retries} retries)" if r.status_code in RETRY_STATUS and self.retries else ""
             raise RuntimeError(f"{method} {self.api_url}{path} -> {r.status_code}{tried}: {r.text[:500]}")
@@ -200,7 +213,6 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import os
 
     ap = argparse.ArgumentParser(prog="python -m deployments.client",
                                  description="Start a deployment's run with some parameters changed.")
@@ -218,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.api_url:
         raise SystemExit("error: no Prefect API: export PREFECT_API_URL (`. .stack/env`) or pass --api-url")
     with PrefectAPI(a.api_url) as api:
-        fr = api.run_deployment(a.deployment, _parse_sets(a.sets), name=a.name)
+        try:
+            fr = api.run_deployment(a.deployment, _parse_sets(a.sets), name=a.name)
+        except RuntimeError as e:  # the API's refusal, said once (401: which credentials to set)
+            raise SystemExit(f"error: {e}") from None
         ui = os.environ.get("PREFECT_UI_URL") or a.api_url.rsplit("/api", 1)[0]
         print(f"flow run {fr['name']} ({fr['id']}) scheduled: {ui}/runs/flow-run/{fr['id']}", flush=True)
         if not a.wait:

@@ -29,7 +29,9 @@ starts from the stack's store. Parameters are typed (pydantic) with descriptions
 a form; the training run's whole ``TrainParams`` is the default, because the server merges run
 parameters into deployment parameters only at the top level.
 
-Where Prefect is: ``PREFECT_API_URL`` if set, else the stack's (``stack.json``). The code is taken
+Where Prefect is: ``PREFECT_API_URL`` if set, else the stack's (``stack.json``); its credentials
+(``user:password``, Prefect's basic auth): ``PREFECT_API_AUTH_STRING`` if set, else the stack's when
+the API is the stack's (the stack's server refuses every call without them). The code is taken
 from this checkout (``flow.from_source(<repo dir>, entrypoint)``; the worker's pull step changes
 into that directory), so workers on other machines need the same checkout at the same path, with
 the project installed (``pip install -e .``), or pass ``--source`` with a git URL.
@@ -119,7 +121,8 @@ def stack_info(stack_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def configure(stack_dir: str | os.PathLike) -> dict[str, Any]:
-    """Point this process at the Prefect API (before prefect is imported); return the stack's info."""
+    """Point this process at the Prefect API and its credentials (before prefect is imported); return
+    the stack's info."""
     info = stack_info(stack_dir) or {}
     if not os.environ.get("PREFECT_API_URL"):
         if not info:
@@ -127,6 +130,9 @@ def configure(stack_dir: str | os.PathLike) -> dict[str, Any]:
                 f"error: no Prefect API to deploy to: start the local stack (`make stack`, {stack_dir}/stack.json) "
                 "or export PREFECT_API_URL=http://HOST:4200/api")
         os.environ["PREFECT_API_URL"] = info["api_url"]
+    auth = info.get("env", {}).get("PREFECT_API_AUTH_STRING")
+    if auth and os.environ["PREFECT_API_URL"].rstrip("/") == info["api_url"]:
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", auth)  # the stack's API: its credentials
     os.environ.setdefault("DO_NOT_TRACK", "1")
     return info
 
@@ -276,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     store = a.store or os.environ.get("CKPT_STORE") or info.get("store") or DEFAULT_STORE
     schedules_active = False if a.schedules_inactive else None
     api_url = os.environ["PREFECT_API_URL"]
-    if not _answers(api_url):
-        print(f"error: the Prefect API at {api_url} does not answer: start the stack (`make stack`) or set "
-              "PREFECT_API_URL to a running server", file=sys.stderr)
+    refused = _refusal(api_url)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
         return 1
     print(f"Registering deployments on work pool {pool!r} of {os.environ['PREFECT_API_URL']} "
           f"(code: {a.source}; default store: {store})", flush=True)
@@ -337,18 +343,32 @@ def _watchdog_extras(dep_id: str, store: str, a: argparse.Namespace) -> int:
     return 0
 
 
-def _answers(api_url: str) -> bool:
+def _refusal(api_url: str) -> str | None:
+    """Why the API at ``api_url`` will not take our calls (it does not answer, or refuses our
+    credentials), or None when it will."""
+    import base64
+    import urllib.error
     import urllib.request
 
     headers = {}
     if os.environ.get("PREFECT_API_KEY"):  # Prefect Cloud
         headers["Authorization"] = f"Bearer {os.environ['PREFECT_API_KEY']}"
-    try:
-        with urllib.request.urlopen(urllib.request.Request(f"{api_url.rstrip('/')}/health", headers=headers),
-                                    timeout=10) as r:
-            return r.status == 200
+    elif os.environ.get("PREFECT_API_AUTH_STRING"):  # a server with basic auth (the stack's)
+        token = base64.b64encode(os.environ["PREFECT_API_AUTH_STRING"].encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    try:  # not /health: it answers without credentials
+        with urllib.request.urlopen(urllib.request.Request(f"{api_url.rstrip('/')}/admin/version", headers=headers),
+                                    timeout=10):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            return (f"the Prefect API at {api_url} refused " + ("these credentials" if headers else "a call without "
+                    "credentials") + ": set PREFECT_API_AUTH_STRING to its user:password (`set -a; . .stack/env; "
+                    "set +a` does for the local stack; --stack-dir finds the stack's by itself)")
+        return None  # it answered (Prefect Cloud has no /admin): what else is wrong, Prefect's client says
     except OSError:
-        return False
+        return (f"the Prefect API at {api_url} does not answer: start the stack (`make stack`) or set "
+                "PREFECT_API_URL to a running server")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ whichever worker of the pool is free picks it up. ``--limit 1`` makes a worker r
 time (one per GPU or per core set: start one worker per slot).
 
 What every worker machine needs: this project installed and the same checkout path as where the
-deployment was registered (``--source``, as ``deployments/deploy.py``), ``PREFECT_API_URL``, and
+deployment was registered (``--source``, as ``deployments/deploy.py``), ``PREFECT_API_URL`` (and
+``PREFECT_API_AUTH_STRING`` for a server that wants credentials, as the local stack's), and
 the store's credentials in its environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/
 ``AWS_ENDPOINT_URL`` or ``CKPT_STORAGE_OPTIONS``), or a Prefect Secret block the run names
 (``--credentials-block``): flow parameters never carry credentials.

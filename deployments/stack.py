@@ -8,8 +8,8 @@
 
 * ``up`` starts, on loopback and in the background, each service as its own process (own session,
   so a Ctrl-C in the terminal does not reach them), and returns only when every one answers:
-  the Prefect API (``GET /api/health``), S3 (a signed ListBuckets), the worker (ONLINE in its pool
-  through the API). It creates the bucket (``checkpoints``) and the process work pool
+  the Prefect API (``GET /api/health``), S3 (a signed ListBuckets), the worker (a heartbeat in its
+  pool, through the API). It creates the bucket (``checkpoints``) and the process work pool
   (``local-pool``), writes ``<dir>/stack.json`` (everything below, machine-readable) and
   ``<dir>/env`` (``. .stack/env`` exports what a client needs), and prints where everything is.
   If any service fails to start, ``up`` stops what it started, prints the log tail, exits 1.
@@ -23,16 +23,24 @@
 * Telemetry is off everywhere (``PREFECT_SERVER_ANALYTICS_ENABLED=false``, ``DO_NOT_TRACK=1``,
   weed ``-master.telemetry=false``). Inherited ``PREFECT_*`` and ``AWS_*`` variables of the calling
   shell are not passed to the services: the stack is self-contained.
-* The worker (and every flow run it starts) sees ``PREFECT_API_URL`` and the S3 variables
-  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), so flows reach the bucket
-  with plain ``s3://checkpoints/...`` URLs.
+* The worker (and every flow run it starts) sees ``PREFECT_API_URL``, ``PREFECT_API_AUTH_STRING`` and
+  the S3 variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), so flows
+  reach the API and the bucket (plain ``s3://checkpoints/...`` URLs) with no credentials in parameters.
+* The API takes the stack's credentials only: the server runs with ``PREFECT_SERVER_API_AUTH_STRING``
+  (Prefect's basic auth, ``ckpt:<random>``), and answers 401 to every call without it but ``GET
+  /api/health`` and ``/api/ready``; clients send ``PREFECT_API_AUTH_STRING`` (in ``env``); the UI
+  shows a login form. A stack made before it had credentials runs on without them.
+* The worker runs under a supervisor (``deployments/supervisor.py``, service ``supervisor``) that
+  starts it again whenever it dies, after 1 s, doubling up to 60 s for one that keeps dying; each
+  start and death is a line of ``supervisor.log``. ``worker.pid`` is the worker's own pid (the
+  supervisor writes it at each start). ``down`` stops the supervisor first, so it starts nothing more.
 * Every process of the stack carries ``CKPT_STACK_ID=<uuid of this stack>`` in its environment,
   and so does everything they start (flow-run processes run in sessions of their own). ``down``
   stops the services (pid files ``<dir>/*.pid``; a pid is trusted only if its process carries the
   marker, so a recycled pid is never signalled), then every remaining process with the marker:
   SIGTERM, ``--grace`` seconds, SIGKILL. It exits 0 only when no process of the stack is left.
   Data (database, bucket) stays for the next ``up``; ``--purge`` deletes ``<dir>``.
-* Logs, all in ``<dir>/logs/``: ``prefect-server.log``, ``worker.log``, ``seaweedfs.log``.
+* Logs, all in ``<dir>/logs/``: ``prefect-server.log``, ``worker.log``, ``supervisor.log``, ``seaweedfs.log``.
 * Reports over HTTP: the stack's own report server (``deployments/report_server.py``, service
   ``reports``, ``--reports-port``, default 8888, on the stack's host) serves the validation reports,
   and nothing else, read-only, as ``http://127.0.0.1:8888/buckets/<bucket>/<key>``
@@ -43,11 +51,13 @@
   stack's doors to the bucket. SeaweedFS's other ports (master, volume server, filer
   (``--filer-port``, default free), every gRPC port) answer only a peer holding the certificate of
   a CA made at each start (``SeaweedFS.start(locked=True)``, ``docs/security.md``).
-* Secrets: the S3 admin and read-only identities are random per stack (made by the first ``up``);
+* Secrets: the S3 admin and read-only identities and the API's password are random per stack (made by
+  the ``up`` that starts it);
   every file holding one (``stack.json``, ``env``, ``seaweedfs/s3.json``, ``seaweedfs/security.toml``,
   ``seaweedfs/tls/key.pem``, ``prefect/database-url``) is 0600 and the stack's folder and its
   subfolders are 0700. No secret is ever printed (terminals and CI logs keep what they show): ``up``
-  prints the path of ``env`` and the command that loads it, ``status --json`` masks the secrets.
+  prints the path of ``env`` and the command that loads it, ``status --json`` masks the secrets, and
+  none is in a command line (``ps`` shows those to every user): services get them in their environment.
 
 Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
 ``distributed``), so ``down`` also works from a bare ``python3``.
@@ -82,9 +92,18 @@ DEFAULT_BUCKET = "checkpoints"
 DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
 MARKER = "CKPT_STACK_ID"
-SERVICES = ("worker", "reports", "server", "seaweedfs")  # stop order
+AUTH_VAR = "PREFECT_API_AUTH_STRING"  # the API's credentials, user:password, as Prefect's clients read them
+# Stop order. The supervisor first: once it is gone, nothing starts the worker again.
+SERVICES = ("supervisor", "worker", "reports", "server", "seaweedfs")
 # The report server binds its port before SeaweedFS picks its own internal ports, so they cannot take it.
+# "worker" is started as its supervisor, which starts the worker and starts it again whenever it dies.
 START_ORDER = ("server", "reports", "seaweedfs", "worker")
+RESTART_BACKOFF_S = (1.0, 60.0)  # the supervisor's first and longest delay before it starts the worker again
+
+
+def _process_of(service: str) -> str:
+    """The process the stack starts for ``service``: the supervisor for the worker."""
+    return "supervisor" if service == "worker" else service
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -116,12 +135,34 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:  # a busy server is slow
+def _http(method: str, url: str, body: Any = None, timeout: float = 30.0,  # a busy server is slow
+          auth: str | None = None) -> Any:
+    """JSON over HTTP; ``auth`` (``user:password``) goes as Prefect's basic auth."""
+    import base64
+
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         raw = resp.read()
     return json.loads(raw) if raw else None
+
+
+class _Api:
+    """The stack's Prefect API as this module calls it: its URL and the stack's credentials (None for a
+    stack made before it had any)."""
+
+    def __init__(self, info: dict[str, Any]):
+        self.url = info["api_url"]
+        self._auth = info.get("env", {}).get(AUTH_VAR)
+
+    def __repr__(self) -> str:  # never the credentials, in a traceback either
+        return f"_Api({self.url!r})"
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
+        return _http(method, self.url + path, body, timeout, auth=self._auth)
 
 
 def database_url(env: dict[str, str] | None = None, sqlite_path: Path | None = None) -> str:
@@ -277,6 +318,11 @@ class Stack:
     def pid_path(self, service: str) -> Path:
         return self.dir / f"{service}.pid"
 
+    def _lives(self, service: str, stack_id: str) -> bool:
+        """The process in ``service``'s pid file lives and is this stack's."""
+        pid = self.pid(service)
+        return bool(pid) and _owned(pid, stack_id)
+
     def pid(self, service: str) -> int | None:
         try:
             return int(self.pid_path(service).read_text().strip())
@@ -287,7 +333,7 @@ class Stack:
         """Per service: pid, whether its process lives (``running``), whether it answers (``answers``:
         only a live process can); plus the URLs from stack.json. For the worker, ``api_status`` is what
         the API says (a killed worker stays ONLINE there until its heartbeats expire, about 90 s):
-        ``answers`` needs both a live process and ONLINE."""
+        ``answers`` needs both a live process and ONLINE. The supervisor answers when it lives."""
         info = self.info()
         if info is None:
             return {"dir": str(self.dir), "running": False, "services": {}}
@@ -301,7 +347,8 @@ class Stack:
             info["host"], info["s3_port"])
         services["reports"]["answers"] = services["reports"]["running"] and _reports_answer(
             info["host"], info.get("reports_port") or 0)
-        api_status = _worker_status(info["api_url"], info["pool"], info["worker_name"]) \
+        services["supervisor"]["answers"] = services["supervisor"]["running"]
+        api_status = _worker_status(_Api(info), info["pool"], info["worker_name"]) \
             if services["server"]["answers"] else None
         services["worker"]["api_status"] = api_status
         services["worker"]["answers"] = services["worker"]["running"] and api_status == "ONLINE"
@@ -357,6 +404,7 @@ class Stack:
         s3_endpoint = f"http://{host}:{s3_port}"
         client_env = {  # what a client (a shell, the worker, a flow run) needs; written to <dir>/env
             "PREFECT_API_URL": api_url,
+            AUTH_VAR: f"ckpt:{secrets.token_urlsafe(24)}",  # the server takes no call without it
             "PREFECT_UI_URL": ui_url,
             "AWS_ENDPOINT_URL": s3_endpoint,
             "AWS_ACCESS_KEY_ID": admin[0],
@@ -411,17 +459,20 @@ class Stack:
         if info is None:
             raise RuntimeError(f"no stack in {self.dir}: start one with `make stack`")
         for service in restart:
-            pid = self.pid(service)
-            if pid and _owned(pid, info["stack_id"]):
-                _log(f"stopping {service} (pid {pid})")
-                # SIGKILL on purpose for the worker: a worker that shuts down gracefully cancels the
-                # flow runs it started; killed, it leaves them running (they talk to the API themselves).
-                _terminate([pid], 0.0 if service == "worker" else 10.0)
-        dead = [s for s in START_ORDER if s in restart or not _owned(self.pid(s) or 0, info["stack_id"])]
+            for name in ("supervisor", "worker") if service == "worker" else (service,):
+                pid = self.pid(name)
+                if pid and _owned(pid, info["stack_id"]):
+                    _log(f"stopping {name} (pid {pid})")
+                    # SIGKILL on purpose for the worker: a worker that shuts down gracefully cancels the
+                    # flow runs it started; killed, it leaves them running (they talk to the API themselves).
+                    # Its supervisor first (killed, it does not pass the signal on), or it would start it again.
+                    _terminate([pid], 0.0 if service == "worker" else 10.0)
+        # a worker lives as long as its supervisor does: one that died is the supervisor's to start again
+        dead = [s for s in START_ORDER if s in restart or not self._lives(_process_of(s), info["stack_id"])]
         if not dead:
             return {**current, "restarted": []}
         for service in dead:
-            _log(f"starting {service} (its process is not running)")
+            _log(f"starting {service} (its {'supervisor' if service == 'worker' else 'process'} is not running)")
             self._start(service, info, timeout)
         self._write_info(info)
         return {**self.status(), "restarted": dead}
@@ -456,6 +507,8 @@ class Stack:
             env = {**self._base_env(info), "PREFECT_SERVER_API_HOST": host,
                    "PREFECT_SERVER_API_PORT": str(info["api_port"]),
                    "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url, "PREFECT_UI_API_URL": info["api_url"]}
+            if info["env"].get(AUTH_VAR):  # every call but /health and /ready needs it; the UI asks for it
+                env["PREFECT_SERVER_API_AUTH_STRING"] = env[AUTH_VAR] = info["env"][AUTH_VAR]
             self._spawn("server", [*prefect_cli(), "server", "start", "--host", host, "--port",
                                    str(info["api_port"])], env, self.logs / "prefect-server.log")
             if wait:
@@ -493,26 +546,41 @@ class Stack:
             self._wait("report server", lambda: _reports_answer(host, info["reports_port"]), timeout, "reports",
                        self.logs / "reports.log")
         elif service == "worker":
-            api_url, pool = info["api_url"], info["pool"]
-            env = {**self._base_env(info), **info["env"]}
-            if not _pool_exists(api_url, pool):
-                out = subprocess.run([*prefect_cli(), "work-pool", "create", pool, "--type", "process"],
-                                     env=env, capture_output=True, text=True, timeout=120)
-                if out.returncode != 0 and not _pool_exists(api_url, pool):
-                    raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
-            detach_flow_runs(api_url, pool)
-            cmd = [*prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
-                   "--name", info["worker_name"], "--install-policy", "never"]
-            if info.get("worker_limit"):
-                cmd += ["--limit", str(info["worker_limit"])]
-            env["PREFECT_WORKER_QUERY_SECONDS"] = str(info.get("poll_seconds") or 5.0)
-            since = time.time()
-            self._spawn("worker", cmd, env, self.logs / "worker.log", cwd=Path.cwd())
-            # its own heartbeat: the API still lists a worker killed a minute ago under the same name as ONLINE
-            self._wait("worker", lambda: _worker_beat_since(api_url, pool, info["worker_name"], since),
-                       timeout, "worker", self.logs / "worker.log")
+            self._start_worker(info, timeout)
         else:
             raise ValueError(f"unknown service {service!r}: one of {list(START_ORDER)}")
+
+    def _start_worker(self, info: dict[str, Any], timeout: float) -> None:
+        """The work pool (made if missing) and its worker, under a supervisor that starts it again
+        whenever it dies (``deployments/supervisor.py``); wait until the worker polls the pool."""
+        api, pool = _Api(info), info["pool"]
+        env = {**self._base_env(info), **info["env"]}
+        if not _pool_exists(api, pool):
+            out = subprocess.run([*prefect_cli(), "work-pool", "create", pool, "--type", "process"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            if out.returncode != 0 and not _pool_exists(api, pool):
+                raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
+        detach_flow_runs(api, pool)
+        orphan = self.pid("worker")  # a worker whose supervisor died: the new supervisor starts its own
+        if orphan and _owned(orphan, info["stack_id"]):
+            _terminate([orphan], 0.0)  # SIGKILL: its flow runs go on (see repair)
+        cmd = [*prefect_cli(), "worker", "start", "--pool", pool, "--type", "process",
+               "--name", info["worker_name"], "--install-policy", "never"]
+        if info.get("worker_limit"):
+            cmd += ["--limit", str(info["worker_limit"])]
+        env["PREFECT_WORKER_QUERY_SECONDS"] = str(info.get("poll_seconds") or 5.0)
+        first, longest = RESTART_BACKOFF_S
+        # Run as a script (standard library only), so it works from whatever directory the worker runs in.
+        supervisor = [sys.executable, str(Path(__file__).with_name("supervisor.py")), "--name", "worker",
+                      "--pid-file", str(self.pid_path("worker")), "--log", str(self.logs / "supervisor.log"),
+                      "--output", str(self.logs / "worker.log"), "--backoff", str(first),
+                      "--max-backoff", str(longest), "--", *cmd]
+        since = time.time()
+        self.pid_path("worker").unlink(missing_ok=True)
+        self._spawn("supervisor", supervisor, env, self.logs / "supervisor.log", cwd=Path.cwd())
+        # its own heartbeat: the API still lists a worker killed a minute ago under the same name as ONLINE
+        self._wait("worker", lambda: _worker_beat_since(api, pool, info["worker_name"], since),
+                   timeout, "supervisor", self.logs / "worker.log")
 
     def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path,
                cwd: Path | None = None) -> None:
@@ -555,7 +623,9 @@ class Stack:
         left: list[int] = []
         if info is not None:
             sid = info["stack_id"]
-            for service in SERVICES:  # worker first (no new runs), then its runs, the server, S3
+            # the supervisor first (nothing starts the worker again), the worker (no new runs), its runs,
+            # the server, S3
+            for service in SERVICES:
                 pid = self.pid(service)
                 if pid and _owned(pid, sid):
                     if not quiet:
@@ -622,9 +692,9 @@ def _reports_answer(host: str, port: int) -> bool:
         conn.close()
 
 
-def _pool_exists(api_url: str, pool: str) -> bool:
+def _pool_exists(api: _Api, pool: str) -> bool:
     try:
-        _http("GET", f"{api_url}/work_pools/{pool}")
+        api.call("GET", f"/work_pools/{pool}")
         return True
     except urllib.error.HTTPError as e:
         if e.code == 404:
@@ -636,43 +706,43 @@ def worker_name(pool: str) -> str:
     return f"{pool}-worker"
 
 
-def _worker_record(api_url: str, pool: str, name: str) -> dict[str, Any] | None:
+def _worker_record(api: _Api, pool: str, name: str) -> dict[str, Any] | None:
     try:
-        workers = _http("POST", f"{api_url}/work_pools/{pool}/workers/filter", {})
+        workers = api.call("POST", f"/work_pools/{pool}/workers/filter", {})
     except (OSError, ValueError, urllib.error.URLError):
         return None
     return next((w for w in workers or [] if w.get("name") == name), None)
 
 
-def _worker_status(api_url: str, pool: str, name: str) -> str | None:
+def _worker_status(api: _Api, pool: str, name: str) -> str | None:
     """What the API says of the worker: ONLINE, OFFLINE, or None (unknown to it, or no API)."""
-    record = _worker_record(api_url, pool, name)
+    record = _worker_record(api, pool, name)
     return record.get("status") if record else None
 
 
-def _worker_beat_since(api_url: str, pool: str, name: str, since: float) -> bool:
+def _worker_beat_since(api: _Api, pool: str, name: str, since: float) -> bool:
     """The worker is ONLINE with a heartbeat sent after ``since`` (wall time)."""
     from datetime import datetime
 
-    record = _worker_record(api_url, pool, name)
+    record = _worker_record(api, pool, name)
     beat = (record or {}).get("last_heartbeat_time")
     if not beat or record.get("status") != "ONLINE":
         return False
     return datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() >= since - 1.0
 
 
-def detach_flow_runs(api_url: str, pool: str) -> None:
+def detach_flow_runs(api: _Api, pool: str) -> None:
     """Make flow runs of ``pool`` independent of the worker that starts them: the default of the process
     pool's ``stream_output`` job variable becomes false. With output streamed (Prefect's default) a
     flow-run process writes into a pipe the worker reads; once the worker dies, its next write raises
     BrokenPipeError and the run crashes. Without, its output goes nowhere (its logs still reach the
     API: the UI and ``prefect flow-run logs`` show them) and it outlives the worker."""
-    template = _http("GET", f"{api_url}/work_pools/{pool}")["base_job_template"]
+    template = api.call("GET", f"/work_pools/{pool}")["base_job_template"]
     prop = template.get("variables", {}).get("properties", {}).get("stream_output")
     if prop is None or prop.get("default") is False:
         return
     prop["default"] = False
-    _http("PATCH", f"{api_url}/work_pools/{pool}", {"base_job_template": template})
+    api.call("PATCH", f"/work_pools/{pool}", {"base_job_template": template})
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -692,11 +762,12 @@ def s3_reader() -> tuple[str, str]:
 # --------------------------------------------------------------------------- CLI
 
 def masked_secrets(info: dict[str, Any]) -> dict[str, Any]:
-    """``info`` (as in stack.json) fit to print: each S3 secret replaced by where it is."""
+    """``info`` (as in stack.json) fit to print: each secret (S3's, the API's password) replaced by where it is."""
     where = f"*** (in {info.get('env_file')})"
     env = {**info.get("env", {})}
-    if "AWS_SECRET_ACCESS_KEY" in env:
-        env["AWS_SECRET_ACCESS_KEY"] = where
+    for secret in ("AWS_SECRET_ACCESS_KEY", AUTH_VAR):
+        if secret in env:
+            env[secret] = where
     out = {**info, "env": env}
     if info.get("reader"):
         out["reader"] = [info["reader"][0], f"*** (in {info.get('dir')}/stack.json)"]
@@ -714,16 +785,18 @@ Local stack is up ({rel}):
   S3 endpoint    {info['s3_endpoint']}   bucket: {info['bucket']}   store root: {info['store']}
   Reports (HTTP) {info['s3_http_base']}/{info['store'][len('s3://'):]}/<run>/reports/<step>/index.html  (read-only)
   Work pool      {info['pool']} (process), worker {info['worker_name']}
-  Logs           {info['logs']}/  (prefect-server.log, worker.log, seaweedfs.log, reports.log)
+  Logs           {info['logs']}/  (prefect-server.log, worker.log, supervisor.log, seaweedfs.log, reports.log)
   Settings       {info['env_file']}
 
 Use it from a shell: load the settings and credentials (the file is yours only, 0600; the S3
-secret is in it and is never printed):
+secret and the API's password are in it and are never printed):
   set -a; . {os.path.join(rel, 'env')}; set +a
-It sets PREFECT_API_URL={env['PREFECT_API_URL']}, AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']},
-AWS_ACCESS_KEY_ID={env['AWS_ACCESS_KEY_ID']}, AWS_SECRET_ACCESS_KEY and CKPT_STORE={env['CKPT_STORE']}.
+It sets PREFECT_API_URL={env['PREFECT_API_URL']}, PREFECT_API_AUTH_STRING (the API takes no call
+without it), AWS_ENDPOINT_URL={env['AWS_ENDPOINT_URL']}, AWS_ACCESS_KEY_ID={env['AWS_ACCESS_KEY_ID']},
+AWS_SECRET_ACCESS_KEY and CKPT_STORE={env['CKPT_STORE']}.
 
-Next: `make deploy` registers the deployments; open {info['ui_url']} to run them.
+Next: `make deploy` registers the deployments; open {info['ui_url']} to run them (the UI asks for
+a login: the value of PREFECT_API_AUTH_STRING in {os.path.join(rel, 'env')}).
 Stop: `make stack-down`.""")
 
 

@@ -1,10 +1,12 @@
 """End to end through the local stack, as an operator meets it: ``deployments.stack up`` (on
 PostgreSQL), ``deployments.deploy``, training runs executed by the worker, checkpoints in the
-bucket, artifacts and report links in Prefect, the worker killed mid-run (the run completes; one
-command restarts the worker), a hang healed by the long-lived watchdog (the fenced task run says
-so), a dead flow-run process resumed by the watchdog, Retry of a failed run resuming it, the keeper
-starting a killed watchdog again, notifications to a webhook, a re-validation whose report index
-plot and table agree, gc as a deployment, ``deployments.stack down`` leaving nothing behind.
+bucket, artifacts and report links in Prefect, an API that refuses every call without the stack's
+credentials, a killed worker started again by the stack's supervisor with no command typed, the
+worker and its supervisor killed mid-run (the run completes; one command restarts them), a hang
+healed by the long-lived watchdog (the fenced task run says so), a dead flow-run process resumed by
+the watchdog, Retry of a failed run resuming it, the keeper starting a killed watchdog again,
+notifications to a webhook, a re-validation whose report index plot and table agree, gc as a
+deployment, ``deployments.stack down`` leaving nothing behind (and starting no worker again).
 
 Everything is real and on loopback: a Prefect server on a PostgreSQL cluster this module starts
 (Debian's ``postgresql``: ``initdb``/``pg_ctl`` as the ``postgres`` user when run as root; SQLite,
@@ -317,7 +319,7 @@ def test_up_answers_and_tells_where_everything_is(stack):
         assert (Path(stack["logs"]) / name).exists()
     assert "checkpoints" in [b["Name"] for b in s3_client(stack).list_buckets()["Buckets"]]
     # Flow runs of the pool do not pipe their output to the worker (they must outlive it).
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         pool = api._call("GET", f"/work_pools/{stack['pool']}")
         assert pool["base_job_template"]["variables"]["properties"]["stream_output"]["default"] is False
     # A second `up` of a running stack is a no-op.
@@ -337,11 +339,13 @@ def test_up_answers_and_tells_where_everything_is(stack):
 
 
 def test_every_file_holding_a_secret_is_this_users_only(stack):
-    """The S3 secrets are the stack's own (random, not the source code's), and every file holding
-    one is 0600 in a 0700 folder (before: .stack/env, stack.json and seaweedfs/s3.json were 0644)."""
+    """The S3 secrets and the API's password are the stack's own (random, not the source code's), and
+    every file holding one is 0600 in a 0700 folder (before: .stack/env, stack.json and
+    seaweedfs/s3.json were 0644); no log holds one."""
     from deployments.local_services import ADMIN_SECRET, READER_SECRET
 
-    secrets = [stack["env"]["AWS_SECRET_ACCESS_KEY"].encode(), stack["reader"][1].encode()]
+    secrets = [stack["env"]["AWS_SECRET_ACCESS_KEY"].encode(), stack["reader"][1].encode(),
+               stack["env"]["PREFECT_API_AUTH_STRING"].split(":", 1)[1].encode()]  # the API's password
     assert ADMIN_SECRET.encode() not in secrets and READER_SECRET.encode() not in secrets
     holding = []
     root = Path(stack["dir"])
@@ -357,7 +361,7 @@ def test_every_file_holding_a_secret_is_this_users_only(stack):
                 assert folder.stat().st_mode & 0o777 == 0o700, (folder, oct(folder.stat().st_mode))
     assert {"env", "stack.json", "seaweedfs/s3.json"} <= set(holding), holding
     logs = [h for h in holding if h.startswith("logs/") or h.endswith(".log")]
-    assert not logs, f"a log holds an S3 secret: {logs}"  # (the output of `up` is checked by the test above)
+    assert not logs, f"a log holds a secret: {logs}"  # (the output of `up` is checked by the test above)
     assert (root / "seaweedfs" / "tls" / "key.pem").stat().st_mode & 0o777 == 0o600
     assert (root / "seaweedfs" / "security.toml").stat().st_mode & 0o777 == 0o600
 
@@ -381,7 +385,7 @@ def test_deploy_registers_typed_deployments(stack, webhook):
     res = deploy_cli(Path(stack["dir"]), "--watchdog-timeout", str(WATCHDOG["timeout_s"]), "--watchdog-poll",
                      str(WATCHDOG["poll_s"]), "--keeper-within", str(KEEPER_WITHIN_S), "--webhook", webhook.url)
     assert res.returncode == 0, res.stdout + res.stderr
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         deps = {d["name"]: d for d in api.deployments()}
         assert {"train", "validate", "gc", "watchdog"} <= set(deps), res.stdout
         train = api.deployment("train-run/train")
@@ -416,9 +420,96 @@ def test_deploy_registers_typed_deployments(stack, webhook):
     assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
 
 
+def test_the_api_answers_only_the_stacks_credentials(stack):
+    """Every call of the Prefect API without the stack's credentials is refused (401: before, any local
+    process could): reading the deployments, running gc-store (which deletes checkpoints), registering
+    a flow and a deployment (whose code the worker would run); a wrong password or another scheme too.
+    With them each works. What stays open: the API's health and readiness probes and the UI's own
+    settings (which tell the UI to ask for a login); the credentials are never printed."""
+    import base64
+
+    import httpx
+
+    auth = stack["env"].get("PREFECT_API_AUTH_STRING") or ""
+    user, _, password = auth.partition(":")
+    assert user and len(password) >= 24, "the stack has no credentials of its own"
+    with _api(stack) as api:
+        gc = api.deployment("gc-store/gc")
+    later = {"state": {"type": "SCHEDULED", "state_details": {"scheduled_time": "2100-01-01T00:00:00Z"}}}
+    calls = [("GET", "/admin/version", None), ("POST", "/deployments/filter", {}),
+             ("POST", f"/deployments/{gc['id']}/create_flow_run", later),
+             ("POST", "/flows/", {"name": "planted"}),
+             ("POST", "/deployments/", {"name": "planted", "flow_id": gc["flow_id"], "entrypoint": "x:planted",
+                                        "work_pool_name": stack["pool"]})]
+    basic = base64.b64encode(auth.encode()).decode()
+    refused = [{}, {"Authorization": "Basic " + base64.b64encode(f"{user}:wrong".encode()).decode()},
+               {"Authorization": "Bearer " + password}, {"Authorization": "Basic " + basic[:-4]}]
+    with httpx.Client(base_url=stack["api_url"], timeout=30) as http:
+        for headers in refused:
+            for method, path, body in calls:
+                r = http.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (method, path, headers.keys(), r.status_code, r.text[:200])
+        assert http.get("/health").json() is True and http.get("/ready").status_code == 200
+        ok = {"Authorization": "Basic " + basic}
+        created = {}
+        for method, path, body in calls:
+            r = http.request(method, path, json=body, headers=ok)
+            assert r.status_code in (200, 201), (method, path, r.status_code, r.text[:300])
+            created[path] = r.json()
+        run = created[f"/deployments/{gc['id']}/create_flow_run"]
+        assert run["deployment_id"] == gc["id"] and run["state_type"] == "SCHEDULED"
+        for path in (f"/flow_runs/{run['id']}", f"/deployments/{created['/deployments/']['id']}",
+                     f"/flows/{created['/flows/']['id']}"):  # nothing of this test stays behind
+            assert http.delete(path, headers=ok).status_code == 204, path
+    with urllib.request.urlopen(f"{stack['ui_url']}/ui-settings", timeout=10) as r:
+        assert json.load(r)["auth"] == "BASIC"  # the UI shows its login form
+    st = stack_cli("status", "--dir", stack["dir"], "--json")
+    for shown in (stack["up_output"], st.stdout + st.stderr):
+        assert password not in shown and basic not in shown
+    assert json.loads(st.stdout)["env"]["PREFECT_API_AUTH_STRING"].startswith("***")
+    # our clients, without the credentials or with wrong ones: one error naming what to set
+    env = {**_clean_env(), "PREFECT_API_URL": stack["api_url"]}
+    env.pop("PREFECT_API_AUTH_STRING", None)
+    for cmd, extra in ((["deployments.client", "run", "gc-store/gc"], {}),
+                       (["deployments.deploy", "--only", "gc"], {"PREFECT_API_AUTH_STRING": f"{user}:wrong"})):
+        res = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, env={**env, **extra}, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "refused" in res.stderr and "set PREFECT_API_AUTH_STRING" in res.stderr, res.stderr
+
+
+def test_a_killed_worker_is_started_again_by_the_stack(stack):
+    """kill -9 of the worker and no command typed: the stack's supervisor starts another within seconds,
+    which polls the pool (a heartbeat after the kill, in the API) and picks up a flow run created after
+    the kill (before: it stayed Late until someone ran `make stack`). The restart is in the supervisor's
+    log."""
+    st = Stack(stack["dir"])
+    old = st.pid("worker")
+    assert old and _running(old)
+    os.kill(old, signal.SIGKILL)
+    t_kill, t0 = time.time(), time.monotonic()
+    with _api(stack) as api:
+        fr = api.run_deployment("gc-store/gc", {"store": f"{stack['store']}/no-such-run", "dry_run": True},
+                                name=f"test-after-kill-{uuid.uuid4().hex[:6]}")
+        while not _beat_after(api, stack, t_kill):
+            assert time.monotonic() - t0 < 60, f"no worker polls the pool 60 s after the kill\n{logs_tail(stack)}"
+            time.sleep(0.5)
+        polling_s = time.monotonic() - t0
+        new = st.pid("worker")
+        assert new != old and _running(new), (old, new)
+        fr = api.wait(fr["id"], timeout=240)
+        picked_s = time.monotonic() - t0
+        assert fr["state_type"] == "COMPLETED", f"{fr['state_name']}: {fr['state']['message']}\n{logs_tail(stack)}"
+    log = (Path(stack["logs"]) / "supervisor.log").read_text()
+    assert f"worker (pid {old}) exited: killed by SIGKILL" in log and f"started worker (pid {new})" in log, log
+    assert polling_s < 30, f"a worker polled again only {polling_s:.1f} s after the kill"
+    print(f"worker killed: another one polled the pool {polling_s:.1f} s after the kill; a run created after "
+          f"the kill completed {picked_s:.1f} s after it")
+
+
 def test_training_run_on_the_worker(stack):
     run_id = f"e2e-{uuid.uuid4().hex[:8]}"
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         dep = api.deployment("train-run/train")
         params = {**dep["parameters"]["params"], **SMALL, "run_id": run_id}
         t0 = time.monotonic()
@@ -473,6 +564,50 @@ def test_training_run_on_the_worker(stack):
     stack["digest"] = digest(stack, run_id)
 
 
+def test_the_supervisor_starts_its_command_again_with_backoff_and_stops_cleanly(tmp_path):
+    """deployments/supervisor.py alone (what runs the stack's worker): kill -9 of its command -> started
+    again after the first delay; a command that dies at once waits twice as long each time, up to the
+    longest delay; SIGTERM -> the command gets it, nothing is started again, the supervisor exits 0."""
+    pid_file, log = tmp_path / "cmd.pid", tmp_path / "supervisor.log"
+    cmd = ["sh", "-c", f"test -e {tmp_path}/die && exit 3; exec sleep 60"]
+    sup = subprocess.Popen([sys.executable, str(REPO / "deployments" / "supervisor.py"), "--name", "sleeper",
+                            "--pid-file", str(pid_file), "--log", str(log), "--output", str(tmp_path / "out.log"),
+                            "--backoff", "0.2", "--max-backoff", "0.8", "--stable", "30", "--", *cmd])
+
+    def next_pid(old: int | None) -> int:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(pid_file.read_text())
+                if pid != old and _running(pid):
+                    return pid
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.05)
+
+    try:
+        first = next_pid(None)
+        os.kill(first, signal.SIGKILL)
+        t0 = time.monotonic()
+        second = next_pid(first)
+        again_s = time.monotonic() - t0
+        (tmp_path / "die").touch()
+        os.kill(second, signal.SIGKILL)
+        time.sleep(3)  # 0.4 + 0.8 + 0.8 + ...: exits at once, each after a longer delay
+        (tmp_path / "die").unlink()
+        third = next_pid(second)
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=15) == 0
+    finally:
+        sup.kill()
+    assert not _running(third) and not pid_file.exists()
+    text = log.read_text()
+    delays = [float(d) for d in re.findall(r"starting it again in ([0-9.]+) s", text)]
+    assert delays[:4] == [0.2, 0.4, 0.8, 0.8] and "exit code 3" in text, text
+    assert f"sleeper (pid {first}) exited: killed by SIGKILL" in text and text.rstrip().endswith(
+        f"sleeper (pid {third}) stopped: killed by SIGTERM"), text  # nothing started after the stop
+    assert again_s < 2, f"started again {again_s:.1f} s after the kill (first delay 0.2 s)"
+
+
 def test_the_report_server_is_up_only_when_it_answers_on_its_port(tmp_path):
     """Another process holding the report server's port (CI saw a browser get SeaweedFS's gRPC bytes
     there: weed had picked the port after the stack had) fails the start, named, instead of making a
@@ -516,9 +651,10 @@ def test_the_report_server_serves_reports_read_only_and_nothing_else(stack):
         assert _status(method, f"{base}/manifests/1.json", b"{}") == 405, method
         assert _status(method, f"{base}/reports/index.html", b"x") == 405, method
     filer = f"http://127.0.0.1:{stack['filer_port']}/buckets/checkpoints/runs/{run_id}"
+    # HTTPS only: Go answers 400 to plain HTTP it recognises (GET, PUT, POST) and hangs up on the rest (DELETE)
     for method, body in (("GET", None), ("PUT", b"{}"), ("POST", b"{}"), ("DELETE", None)):
-        assert _status(method, f"{filer}/manifests/1.json", body) == 400, method
-    assert _status("PUT", f"{filer}/manifests/99.json", b"{}") == 400
+        assert _plain_refused(method, f"{filer}/manifests/1.json", body), method
+    assert _plain_refused("PUT", f"{filer}/manifests/99.json", b"{}")
     s3 = s3_client(stack)
     assert s3.get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/1.json")["Body"].read() == before
     assert not keys_under(s3, "checkpoints", f"runs/{run_id}/manifests/99.json")
@@ -546,7 +682,7 @@ def test_prefect_cli_runs_the_documented_parameters_and_a_diverging_run_fails(st
     assert not (REPO / "runs" / run_id).exists()
     keys = keys_under(s3_client(stack), "checkpoints", f"runs/{run_id}/manifests/")
     assert f"runs/{run_id}/manifests/1.json" in keys, keys  # the deployment's store: the bucket
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         fr = next(r for r in api.flow_runs(api.deployment("train-run/train")["id"]) if r["name"] == f"train-{run_id}")
         assert fr["state_type"] == "FAILED", fr["state"]
         message = fr["state"]["message"]
@@ -565,30 +701,34 @@ def test_prefect_cli_runs_the_documented_parameters_and_a_diverging_run_fails(st
 
 
 def test_a_killed_worker_takes_no_run_with_it_and_one_command_restarts_it(stack):
-    """kill -9 of the worker while a run it started trains: the run completes with the clean digest;
-    `stack status` says the worker is dead (though the API still lists it ONLINE); `stack up` starts
-    the worker alone again, leaving the server, S3 and the run alone."""
+    """kill -9 of the worker and of its supervisor (so nothing starts it again) while a run the worker
+    started trains: the run completes with the clean digest; `stack status` says the worker is dead
+    (though the API still lists it ONLINE); `stack up` starts the worker (under a supervisor) alone
+    again, leaving the server, S3 and the run alone."""
     clean = _need(stack, "digest")
     run_id = f"workerkill-{uuid.uuid4().hex[:8]}"
     st = Stack(stack["dir"])
-    server_pid, worker_pid = st.pid("server"), st.pid("worker")
-    with PrefectAPI(stack["api_url"]) as api:
+    server_pid, worker_pid, supervisor_pid = st.pid("server"), st.pid("worker"), st.pid("supervisor")
+    with _api(stack) as api:
         fr = api.run_deployment("train-run/train", {"params": {**SMALL, "rounds": FINAL + 1, "run_id": run_id}},
                                 name=f"test-{run_id}")
         _wait_state(api, fr["id"], "RUNNING", 180)
         _wait_key(stack, f"runs/{run_id}/heartbeats/coordinator.json")  # it trains
+        os.kill(supervisor_pid, signal.SIGKILL)
         os.kill(worker_pid, signal.SIGKILL)
         t_kill = time.monotonic()
         status = json.loads(stack_cli("status", "--dir", stack["dir"], "--json").stdout)
         assert not status["running"] and not status["services"]["worker"]["running"]
+        assert not status["services"]["supervisor"]["running"]
         assert status["services"]["worker"]["api_status"] == "ONLINE"  # what the API still believes
         text = stack_cli("status", "--dir", stack["dir"]).stdout
         assert "worker" in text and "DEAD" in text and "make stack" in text, text
         up = stack_cli("up", "--dir", stack["dir"])
         assert up.returncode == 0, up.stdout + up.stderr
-        assert "started again worker" in up.stdout, up.stdout
+        assert "started again worker;" in up.stdout, up.stdout  # the worker alone
         restarted_s = time.monotonic() - t_kill
         assert st.pid("server") == server_pid and st.pid("worker") != worker_pid
+        assert st.pid("supervisor") != supervisor_pid
         status = json.loads(stack_cli("status", "--dir", stack["dir"], "--json").stdout)
         assert status["running"], status["services"]
         fr = api.wait(fr["id"], timeout=300)
@@ -604,7 +744,7 @@ def test_hang_drill_through_the_stack(stack):
     says what happened and links the watchdog's flow run."""
     clean = _need(stack, "digest")
     run_id = f"drill-{uuid.uuid4().hex[:8]}"
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         t0 = time.monotonic()
         fr = api.run_deployment("train-run/train", {"params": {**SMALL, "run_id": run_id,
                                                                "chaos": ["hang:shard=0,round=1"]}},
@@ -642,7 +782,7 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
 
     clean = _need(stack, "digest")
     run_id = f"dead-{uuid.uuid4().hex[:8]}"
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         # more rounds than the clean run (rounds are not part of the trajectory): still training when killed
         fr = api.run_deployment("train-run/train", {"params": {**SMALL, "rounds": FINAL + 2, "run_id": run_id}},
                                 name=f"test-{run_id}")
@@ -701,7 +841,7 @@ def test_retry_of_a_failed_run_resumes_it(stack):
     does: AwaitingRetry) runs the same flow run again, which resumes instead of refusing the run id."""
     clean = _need(stack, "digest")
     run_id = f"retry-{uuid.uuid4().hex[:8]}"
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         fr = api.run_deployment("train-run/train", {"params": {
             **SMALL, "run_id": run_id, "shard_retries": 0, "chaos": ["crash:shard=0,round=2"]}}, name=f"test-{run_id}")
         fr = api.wait(fr["id"], timeout=300)
@@ -722,12 +862,12 @@ def test_the_keeper_starts_a_killed_watchdog_again(stack):
     """kill -9 of the long-lived watchdog's process: no sign of life for the keeper's window -> its flow
     run is marked Crashed and another watchdog runs."""
     _need(stack, "watchdog_run")
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         old = _live_watchdog(stack, api)
     pid = _flow_run_pid(stack, old)
     os.killpg(os.getpgid(pid), signal.SIGKILL)
     t_kill = time.monotonic()
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         _wait_state(api, old, "CRASHED", 120)
         crashed_s = time.monotonic() - t_kill
         new = _wait_state(api, _only_live_watchdog(api, exclude=old)["id"], "RUNNING", 120)
@@ -745,7 +885,7 @@ def test_failed_revalidation_notifies_and_its_index_agrees(stack, webhook):
     run_id = _need(stack, "run_id")
     index = f"{stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/index.html"
     assert _red_pixels(_get_bytes(index.replace("index.html", "run.png"))) == 0
-    with PrefectAPI(stack["api_url"]) as api:
+    with _api(stack) as api:
         fr = api.run_deployment("validate-checkpoint/validate", {
             "run_url": f"{stack['store']}/{run_id}", "step": 1, "thresholds": {"max_norm": 1e-9}})
         fr = api.wait(fr["id"], timeout=300)
@@ -756,7 +896,7 @@ def test_failed_revalidation_notifies_and_its_index_agrees(stack, webhook):
     html = _get(index)
     assert re.search(r"<td>1</td><td class='fail'>failed</td>", html), html
     assert _red_pixels(_get_bytes(index.replace("index.html", "run.png"))) > 0  # the plot shows it red too
-    with PrefectAPI(stack["api_url"]) as api:  # the gave-up notification (its event as the watchdog sends it)
+    with _api(stack) as api:  # the gave-up notification (its event as the watchdog sends it)
         api.emit_event("ckpt.watchdog.gave-up", {"prefect.resource.id": "ckpt.shard.r.shard-0"},
                        payload={"run": "r", "part": "shard-0", "reason": 'reruns of round 2 "died" 3 times'})
     what = webhook.wait_for("ckpt-notify-watchdog-gave-up")["what"]
@@ -779,11 +919,14 @@ def test_gc_deployment_through_the_cli(stack):
 
 def test_down_leaves_nothing_running(stack):
     info = Stack(stack["dir"]).info()
-    pids = [Stack(stack["dir"]).pid(s) for s in ("server", "seaweedfs", "worker")]
+    pids = [Stack(stack["dir"]).pid(s) for s in ("server", "seaweedfs", "supervisor", "worker")]
     assert all(pids) and stack_processes(info["stack_id"])
+    supervisor_log = Path(stack["logs"]) / "supervisor.log"
+    starts = supervisor_log.read_text().count("started worker")
     res = stack_cli("down", "--dir", stack["dir"])
     assert res.returncode == 0, res.stdout + res.stderr
     assert "no process of it is left" in res.stdout
+    assert supervisor_log.read_text().count("started worker") == starts  # no restart during down
     assert stack_processes(info["stack_id"]) == []
     assert not [p for p in pids if _running(p)]
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
@@ -814,6 +957,21 @@ def test_make_stack_and_deploy_reuse_a_venv_that_runs_the_project(tmp_path):
 
 # --------------------------------------------------------------------------- helpers
 
+def _api(stack: dict) -> PrefectAPI:
+    """A client of the stack's API, with the stack's credentials."""
+    return PrefectAPI(stack["api_url"], auth=stack["env"].get("PREFECT_API_AUTH_STRING"))
+
+
+def _beat_after(api: PrefectAPI, stack: dict, since: float) -> bool:
+    """The stack's worker is ONLINE with a heartbeat sent after ``since`` (wall time)."""
+    from datetime import datetime
+
+    workers = api._call("POST", f"/work_pools/{stack['pool']}/workers/filter", {})
+    record = next((w for w in workers if w["name"] == stack["worker_name"]), {})
+    beat = record.get("last_heartbeat_time")
+    return record.get("status") == "ONLINE" and bool(beat) and \
+        datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() > since
+
 def _need(stack: dict, key: str):
     if key not in stack:
         pytest.skip(f"needs {key} from an earlier test of this module")
@@ -832,6 +990,16 @@ def _status(method: str, url: str, body: bytes | None = None) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def _plain_refused(method: str, url: str, body: bytes | None = None) -> bool:
+    """Whether a plain-HTTP request to an HTTPS-only port is refused: 400, or a hang-up with no answer."""
+    import http.client
+
+    try:
+        return _status(method, url, body) == 400
+    except (http.client.RemoteDisconnected, ConnectionResetError):
+        return True
 
 
 def _reader(stack: dict):

@@ -1,7 +1,9 @@
 """The Prefect UI in a real browser: headless Chromium (Debian's ``chromium``, driven by Playwright)
 against a local stack (Prefect server + SeaweedFS + process worker, as ``make stack`` starts it).
 
-What a user does, click by click: open the UI (3.9 serves the V2 UI at ``/v2``), go to Deployments,
+What a user does, click by click: open the UI (3.9 serves the V2 UI at ``/v2``), log in (the stack's
+API takes no call without its credentials, so the UI shows its login form: a wrong password is
+refused, the stack's ``PREFECT_API_AUTH_STRING`` lets the user in), go to Deployments,
 open ``train``, Run > Custom run, check the typed form (descriptions, the store defaulting to the
 stack's bucket), set a small run, submit, follow "View run", wait until the run page says
 Completed, open its Artifacts tab, find the validation artifact and open it (verdict "passed").
@@ -131,9 +133,11 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
     run_id = f"ui-{uuid.uuid4().hex[:8]}"
     run_name = f"ui-test-{run_id}"
     try:
-        # 1. The UI's front door redirects to the V2 app; Deployments lists the training deployment.
+        # 1. The UI's front door redirects to the V2 app, which asks for a login; once in, Deployments
+        # lists the training deployment.
         page.goto(ui_stack["ui_url"] + "/")
         page.wait_for_url(re.compile(r".*/v2/.*"))
+        _log_in(page, ui_stack, expect, wrong_first=True)
         page.get_by_role("link", name="Deployments", exact=True).first.click()
         train_link = page.get_by_role("link", name="train", exact=True)
         expect(train_link).to_be_visible()
@@ -180,7 +184,7 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         final = page.get_by_text(re.compile(r"^(Completed|Failed|Crashed|Cancelled)$")).first
         final.wait_for(timeout=RUN_TIMEOUT_MS)
         if final.inner_text() != "Completed":
-            with PrefectAPI(ui_stack["api_url"]) as api:
+            with _api(ui_stack) as api:
                 fr = api.flow_run(flow_run_id)
             log = (Path(ui_stack["logs"]) / "worker.log").read_text(errors="replace")[-4000:]
             pytest.fail(f"the UI shows the run {final.inner_text()}: {fr['state']['message']}\n{log}")
@@ -237,12 +241,12 @@ def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page
         try:
             shot(page, "failure")
             (OUT / "failure.txt").write_text(page.url + "\n\n" + page.inner_text("body"))
-        except Exception:
+        except Exception:  # noqa: BLE001 - a page too broken to shoot: the original error matters
             pass
         raise
 
     # The same run through the API: the UI did start it, on the stack's pool, and it wrote to S3.
-    with PrefectAPI(ui_stack["api_url"]) as api:
+    with _api(ui_stack) as api:
         fr = api.flow_run(flow_run_id)
         assert shown_name.match(fr["name"]) and fr["state_type"] == "COMPLETED"
         assert fr["parameters"]["params"]["run_id"] == run_id and fr["parameters"]["params"]["rounds"] == 1
@@ -258,13 +262,15 @@ def test_a_fenced_shard_shows_on_the_training_run(ui_stack, page):
     sync_api = _need_browser()
     expect = sync_api.expect
     run_id = f"ui-hang-{uuid.uuid4().hex[:8]}"
-    with PrefectAPI(ui_stack["api_url"]) as api:
+    with _api(ui_stack) as api:
         fr = api.run_deployment("train-run/train", {"params": {"shards": 1, "rounds": 1, "steps_per_round": 2,
                                                                "run_id": run_id, "chaos": ["hang:shard=0,round=1"]}})
         fr = api.wait(fr["id"], timeout=RUN_TIMEOUT_MS / 1000)
         assert fr["state_type"] == "COMPLETED", fr["state"]
     try:
         page.goto(f"{ui_stack['ui_url']}/v2/runs/flow-run/{fr['id']}")
+        _log_in(page, ui_stack, expect)  # then the UI goes on to the page asked for
+        page.wait_for_url(re.compile(rf".*/runs/flow-run/{fr['id']}.*"))
         expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
         page.wait_for_load_state("networkidle")
         shot(page, "09-fenced-run-graph")
@@ -283,6 +289,25 @@ def test_a_fenced_shard_shows_on_the_training_run(ui_stack, page):
         shot(page, "failure")
         (OUT / "failure.txt").write_text(page.url + "\n\n" + page.inner_text("body"))
         raise
+
+
+def _api(ui_stack: dict) -> PrefectAPI:
+    return PrefectAPI(ui_stack["api_url"], auth=ui_stack["env"]["PREFECT_API_AUTH_STRING"])
+
+
+def _log_in(page, ui_stack, expect, wrong_first: bool = False) -> None:
+    """Log in through the UI's login form (Prefect's, shown because the server has an auth string):
+    ``wrong_first`` tries a wrong password first, which the form refuses."""
+    password = page.get_by_placeholder("admin:pass")
+    expect(password).to_be_visible()
+    shot(page, "00-login")
+    if wrong_first:
+        password.fill("ckpt:wrong")
+        page.get_by_role("button", name="Login", exact=True).click()
+        expect(page.get_by_text("Invalid credentials")).to_be_visible()
+    password.fill(ui_stack["env"]["PREFECT_API_AUTH_STRING"])
+    page.get_by_role("button", name="Login", exact=True).click()
+    expect(password).to_have_count(0)
 
 
 def _submit(page, sync_api) -> None:
