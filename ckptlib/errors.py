@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
-    """Base class: anything ckptlib refuses or cannot do."""
+    """Base class: anything ckptlib refuses or cannot do.
+
+    An error crosses ranks (``ckptlib.distributed.wire``) as its class name, its message and its
+    ``fields()``: JSON values that ``rebuild`` turns back into the same class with the same fields."""
+
+    def fields(self) -> dict[str, Any]:
+        """The constructor's arguments beyond the message (JSON values)."""
+        return {}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict[str, Any]) -> CheckpointError:
+        """The error ``fields()`` described, saying ``message``; TypeError/KeyError for fields that do not fit."""
+        return cls(message)
 
 
 class StoreError(CheckpointError):
@@ -32,6 +46,15 @@ class Damaged(CorruptCheckpoint):
     def __reduce__(self) -> tuple:  # pickles (across processes, e.g. a task's error) with its fields
         return type(self), (self.key, self.reason)
 
+    def fields(self) -> dict[str, Any]:
+        return {"key": self.key, "reason": self.reason}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict[str, Any]) -> Damaged:
+        e = cls(_typed(fields, "key", str, None), _typed(fields, "reason", str))
+        e.args = (message,)
+        return e
+
 
 class DamagedStep(CorruptCheckpoint):
     """A committed step whose manifest (or a fragment it names) cannot be read: ``step``, and
@@ -43,6 +66,13 @@ class DamagedStep(CorruptCheckpoint):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.args[0], self.step, self.reason)
+
+    def fields(self) -> dict[str, Any]:
+        return {"step": self.step, "reason": self.reason}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict[str, Any]) -> DamagedStep:
+        return cls(message, _typed(fields, "step", int), _typed(fields, "reason", str))
 
 
 class ObjectTooLarge(CorruptCheckpoint):
@@ -57,6 +87,15 @@ class ObjectTooLarge(CorruptCheckpoint):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.where, self.size, self.cap)
+
+    def fields(self) -> dict[str, Any]:
+        return {"where": self.where, "size": self.size, "cap": self.cap}
+
+    @classmethod
+    def rebuild(cls, message: str, fields: dict[str, Any]) -> ObjectTooLarge:
+        e = cls(_typed(fields, "where", str), _typed(fields, "size", int, None), _typed(fields, "cap", int))
+        e.args = (message,)
+        return e
 
 
 class FormatVersionError(CheckpointError):
@@ -77,3 +116,11 @@ class FencedError(CheckpointError):
 
 class NoCheckpoint(CheckpointError, LookupError):
     """No committed (or healthy) checkpoint matches the request."""
+
+
+def _typed(fields: dict[str, Any], name: str, *kinds: type | None) -> Any:
+    """``fields[name]``, checked to be one of ``kinds`` (None: null); KeyError/TypeError otherwise."""
+    value = fields[name]
+    if not any(value is None if k is None else isinstance(value, k) and not isinstance(value, bool) for k in kinds):
+        raise TypeError(f"field {name!r} is {type(value).__name__}, not {' or '.join(k.__name__ if k else 'null' for k in kinds)}")
+    return value

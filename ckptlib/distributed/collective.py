@@ -1,71 +1,40 @@
 """The channel between the ranks of a collective ``Checkpointer``: a gloo process group of its own.
 
 The group is created when the Checkpointer is (every rank of ``process_group`` constructs one), with
-the ranks of ``process_group``, and it carries only the checkpointer's own messages: small Python
-objects (plans, reports, outcomes), never tensors. So a background save never runs a collective on
+the ranks of ``process_group``, and it carries only the checkpointer's own messages: plans, reports
+and outcomes as JSON (``wire``: a closed set of types, never pickle), each a uint8 tensor after its
+length, which every rank checks against ``MAX_MESSAGE_BYTES`` before it allocates. So a background save never runs a collective on
 the training loop's group (which would interleave with the training collectives and deadlock),
 and an NCCL job needs no GPU for it. Per save: one ``all_gather`` in the foreground (the plan), one
-``gather`` and one ``broadcast`` once the rank fragments are written (the leader's commit and its
+``gather`` (an ``all_gather``) and one ``broadcast`` once the rank fragments are written (the leader's commit and its
 outcome); per restore: one ``broadcast`` (the step) and two ``all_gather`` (the checks, the outcome).
 At most one save or restore uses it at a time (a Checkpointer drains its save in flight first).
 
 Every exchange carries errors as values: a rank that fails sends its error instead of its part,
 and every rank raises it (the same class, naming the rank), so the ranks never disagree about an
 outcome. A rank that dies or hangs fails the exchange (gloo notices a closed connection at once,
-a hang after ``timeout_s``): ``GroupFailed`` on the other ranks, and nothing is committed.
+a hang after ``timeout_s``): ``GroupFailed`` on the other ranks, and nothing is committed. So does
+a message that is not the checkpointer's (a length out of bounds, bytes ``wire`` refuses).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .. import errors
 from ..errors import CheckpointError
+from .wire import MAX_MESSAGE_BYTES, BadMessage, Outcome, RemoteError, decode, encode
 
 __all__ = ["Collective", "GroupFailed", "Outcome", "RemoteError"]
 
 
+_FOREIGN = ("a process that is not a rank of this job joined its group, or its ranks run different ckptlib "
+            "versions. Nothing of this call was committed; keep the group's rendezvous private (docs/security.md) "
+            "and restart the job with one ckptlib version on every rank")
+
+
 class GroupFailed(CheckpointError):
     """A rank of the checkpoint's process group died, hung or left during a collective call."""
-
-
-@dataclass(frozen=True)
-class RemoteError:
-    """An error one rank met, as it travels to the others: its class name, message and rank."""
-
-    rank: int
-    kind: str
-    message: str
-
-    @classmethod
-    def of(cls, rank: int, e: BaseException) -> RemoteError:
-        return cls(rank, type(e).__name__, str(e))
-
-    def exception(self) -> BaseException:
-        """The error to raise on every rank: the same ckptlib error class when it is one, else
-        CheckpointError; ValueError/TypeError (a state that does not match) stay what they are."""
-        text = f"rank {self.rank}: {self.message}"
-        cls = getattr(errors, self.kind, None)
-        if isinstance(cls, type) and issubclass(cls, CheckpointError) and cls is not errors.Damaged:
-            return cls(text)
-        if self.kind in ("ValueError", "TypeError", "KeyError"):
-            return {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}[self.kind](text)
-        return CheckpointError(f"{text} ({self.kind})")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What one exchange gives every rank: a value, or the error of the first rank that failed."""
-
-    value: Any = None
-    error: RemoteError | None = None
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error.exception()
-        return self.value
 
 
 class Collective:
@@ -125,28 +94,52 @@ class Collective:
                 "restart the job, whose new group can save and restore again") from e
 
     def all_gather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order: the lengths (int64), checked, then the bytes, padded."""
+        import torch
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world
-
-        self._call(what, lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
+        data = encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self._call(what, lambda: dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group))
+        lengths = [self._length(int(s.item()), r, what) for r, s in enumerate(sizes)]
+        mine = torch.zeros(max(lengths), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(self.world)]
+        self._call(what, lambda: dist.all_gather(out, mine, group=self.group))
+        return [self._decode(t[:n], r, what) for r, (t, n) in enumerate(zip(out, lengths, strict=True))]
 
     def gather(self, obj: Any, what: str) -> list[Any] | None:
-        """Every rank's ``obj`` on the leader (None elsewhere)."""
-        import torch.distributed as dist
-
-        out: list[Any] | None = [None] * self.world if self.leader else None
-        self._call(what, lambda: dist.gather_object(obj, out, dst=self.ranks[0], group=self.group))
-        return out
+        """Every rank's ``obj`` on the leader (None elsewhere). An ``all_gather``: the messages are
+        small (a fragment's key and checksum, or an error), and gloo's gather needs equal sizes too."""
+        found = self.all_gather(obj, what)
+        return found if self.leader else None
 
     def broadcast(self, obj: Any, what: str) -> Any:
-        """The leader's ``obj`` on every rank."""
+        """The leader's ``obj`` on every rank: its length (int64), checked, then its bytes."""
+        import torch
         import torch.distributed as dist
 
-        box = [obj if self.leader else None]
-        self._call(what, lambda: dist.broadcast_object_list(box, src=self.ranks[0], group=self.group))
-        return box[0]
+        data = encode(obj) if self.leader else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._call(what, lambda: dist.broadcast(size, src=self.ranks[0], group=self.group))
+        n = self._length(int(size.item()), 0, what)
+        box = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else torch.empty(n, dtype=torch.uint8)
+        self._call(what, lambda: dist.broadcast(box, src=self.ranks[0], group=self.group))
+        return self._decode(box, 0, what)
+
+    def _length(self, n: int, rank: int, what: str) -> int:
+        """A message's length as a rank announced it, checked before anything of that size is allocated."""
+        if not 0 < n <= MAX_MESSAGE_BYTES:
+            raise GroupFailed(f"rank {rank} of the checkpoint's process group announced a message of {n} bytes while "
+                              f"{what} (a message is 1 to {MAX_MESSAGE_BYTES} bytes): {_FOREIGN}")
+        return n
+
+    def _decode(self, t: Any, rank: int, what: str) -> Any:
+        try:
+            return decode(t.numpy().tobytes())
+        except BadMessage as e:
+            raise GroupFailed(f"rank {rank} of the checkpoint's process group sent a message that is not one of the "
+                              f"checkpointer's while {what} ({e}): {_FOREIGN}") from None
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank the first error any rank met (``error``: this rank's, or None)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import UnsupportedState
 
@@ -49,6 +50,27 @@ class Summary:
     skeleton: str
     fixed_bytes: int
     candidates: tuple[Candidate, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """As it travels between ranks (``ckptlib.distributed.wire``)."""
+        return {"rank": self.rank, "save_id": self.save_id, "skeleton": self.skeleton, "fixed_bytes": self.fixed_bytes,
+                "candidates": [[c.key, c.spec, c.nbytes, c.digest, c.must_match] for c in self.candidates]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Summary:
+        """A summary another rank sent; TypeError/KeyError/ValueError when it is not one."""
+        candidates = []
+        for key, spec, nbytes, digest, must_match in d["candidates"]:
+            candidates.append(Candidate(_of(key, str), _of(spec, str), _of(nbytes, int), _of(digest, str),
+                                        _of(must_match, bool)))
+        return cls(_of(d["rank"], int), _of(d["save_id"], str), _of(d["skeleton"], str), _of(d["fixed_bytes"], int),
+                   tuple(candidates))
+
+
+def _of(v: Any, kind: type) -> Any:
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise TypeError(f"{type(v).__name__} where {kind.__name__} was expected")
+    return v
 
 
 @dataclass(frozen=True)
