@@ -73,6 +73,9 @@ def train(o: TrainOptions, given: frozenset[str]) -> None:
     import gc
 
     gc.freeze()
+    if summary.get("cancelled"):  # a state, not an error: the line says what was kept and how to continue
+        typer.echo(summary["cancelled"], err=True)
+        raise typer.Exit(1)
     if failure is not None:
         fail(failure, 1)
     if summary["failed_validation"]:
@@ -169,6 +172,7 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
     from rich.console import Console
     from rich.live import Live
 
+    from flows.cancel import RunCancelled
     from flows.train import RunFailed, train_run
     from trainrun.errors import RunRefused
     from trainrun.layout import run_url
@@ -197,7 +201,7 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
                 if guard is not None:
                     guard.stop()
             t_flow_end = time.perf_counter()
-    except RunFailed as e:  # it ran, and a step failed validation: the summary, then the line
+    except (RunFailed, RunCancelled) as e:  # it ran; a step failed validation, or it was cancelled: the summary, the line
         summary, failure = e.summary, str(e)
         t_flow_end = time.perf_counter()
     except RunRefused as e:
@@ -217,6 +221,12 @@ def _run_flow(api: PrefectAPI, params: TrainParams, so: dict[str, Any] | None,
     return summary, failure, guard, (t_flow_call, t_flow_end)
 
 
+def _ending(s: dict) -> str:
+    if s.get("cancelled"):
+        return "[yellow]ended CANCELLED[/]"
+    return "[red]ended FAILED[/]" if s.get("failure") else "done"
+
+
 def _print_summary(console, s: dict, params) -> None:
     sec = s["seconds"]
     total = sec["cli_total"]
@@ -224,7 +234,7 @@ def _print_summary(console, s: dict, params) -> None:
     ratio = s["full_copy_bytes"] / max(s["bytes_written"], 1)
     committed = s["committed"]
     lines = [
-        f"[bold]run {s['run_id']}[/] {'[red]ended FAILED[/]' if s.get('failure') else 'done'} in {total:.1f} s "
+        f"[bold]run {s['run_id']}[/] {_ending(s)} in {total:.1f} s "
         f"(flow {flow:.1f} s)" + (f" — {s['note']}" if s["resumed"] else ""),
         f"  rounds done     {s['rounds_done']} this session (step {s['start_step']} -> {s['final_step']} of {s['rounds']})",
         f"  final loss      {loss_text(s['final_loss'])} (eval {loss_text(s['final_eval_loss'])})",
@@ -256,6 +266,8 @@ def _print_summary(console, s: dict, params) -> None:
         p = s["predecessor"]
         lines.append(f"  continues       flow run {p.get('name') or p.get('flow_run_id')} "
                      f"({'it died' if p.get('status') == 'running' else 'it ended ' + str(p.get('status'))})")
+    if s.get("cancelled"):
+        lines.append(f"  cancelled       {s['cancelled']}")
     for line in lines:
         console.print(line, highlight=False, soft_wrap=True)
     # plain print: the one line scripts and tests parse

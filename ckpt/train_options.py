@@ -76,8 +76,8 @@ class TrainOptions:
                                                     "needs PREFECT_API_URL).")] = None
     chaos: Annotated[Optional[list[str]], _opt("--chaos", metavar="FAULT", panel=FAILURES,
                                                help="Inject a fault KIND:shard=I,round=R, optionally with ,step=K "
-                                                    "and ,attempt=A; KIND: crash, hang, zombie, stall, kill or stop "
-                                                    "(repeatable; kill and stop need --task-runner dask; see "
+                                                    "and ,attempt=A; KIND: crash, hang, zombie, stall, kill, stop or "
+                                                    "preempt (repeatable; kill and stop need --task-runner dask; see "
                                                     "docs/watchdog.md).")] = None
     outer_lr: Annotated[float, _opt("--outer-lr", panel=TRAJECTORY, help="Outer learning rate (1 = averaging).")] = 1.0
     outer_momentum: Annotated[float, _opt("--outer-momentum", panel=TRAJECTORY,
@@ -104,6 +104,10 @@ class TrainOptions:
                                                      "failed shard continues from there (docs/training.md).")] = "auto"
     no_local_tier: Annotated[bool, _opt("--no-local-tier", panel=FAILURES, help="Keep shard checkpoints in the "
                                         "store only, not also in this host's /dev/shm.")] = False
+    preempt_grace: Annotated[float, _opt("--preempt-grace", metavar="S", panel=FAILURES,
+                                         help="On SIGTERM (a preemption) or a cancel, each shard checkpoints "
+                                              "where it is and stops; the process ends at the latest S seconds "
+                                              "after the signal.")] = 30.0
     no_watchdog: Annotated[bool, _opt("--no-watchdog", panel=FAILURES, help="Run no watchdog beside the run (leave "
                                       "hung or dead shards to `ckpt watchdog` or the watchdog deployment).")] = False
     watchdog_timeout: Annotated[float, _opt("--watchdog-timeout", metavar="S", min=0.1, panel=FAILURES,
@@ -142,7 +146,7 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "ranks_per_shard": "ranks_per_shard", "parallelism": "parallelism", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
-              "shard_checkpoint_every": "shard_checkpoint_every",
+              "shard_checkpoint_every": "shard_checkpoint_every", "preempt_grace": "preempt_grace_s",
               "storage_options": "storage_options", "credentials_block": "credentials_block",
               "store_block": "store_block"}
 

@@ -3,6 +3,9 @@
 Every session of a run beats ``heartbeats/coordinator.json`` with its Prefect flow run id
 (``CoordinatorInfo``). Before a new session writes its own beat, the one there is its
 predecessor's: a dead process's (still ``running``, silent), a failed one's or a finished one's.
+How it ended is its flow run's final state in Prefect's API where that can be read (``Cancelled``,
+``Crashed``, ``Completed``, ``Failed``: the beat cannot tell a cancel or a crash from a failure), else
+the beat's status.
 Whoever started the new session (``ckpt train --resume``, the watchdog's resume of a dead
 deployment run, Retry of the same flow run, a resume from the form), the new flow run says so: a
 log line, the tags ``resumed`` and ``resumes:<id prefix>`` on its flow run, and a line in its
@@ -27,7 +30,9 @@ class Predecessor:
     """The session before this one: its flow run, how its coordinator last beat, and when."""
 
     flow_run_id: str | None
-    status: str  # running (it died: nobody ended it) | finished | failed | fenced
+    # the beat's: running (it died: nobody ended it) | finished | failed | fenced; or the flow run's final
+    # state from the API: completed | failed | cancelled | crashed
+    status: str
     last_beat: float
     error: str | None = None
     name: str | None = None
@@ -61,8 +66,9 @@ def find_predecessor(store: Store, own_flow_run_id: str | None) -> Predecessor |
 
 
 def announce(pred: Predecessor, own_flow_run_id: str | None, logger: Any) -> Predecessor:
-    """Name the predecessor (its flow run's name from the API), log it and tag this flow run; best effort."""
-    name = None
+    """Name the predecessor and say how it ended (its flow run's name and final state from the API),
+    log it and tag this flow run; best effort."""
+    name, status, error = None, pred.status, pred.error
     if pred.flow_run_id or own_flow_run_id:
         try:
             from uuid import UUID
@@ -71,13 +77,16 @@ def announce(pred: Predecessor, own_flow_run_id: str | None, logger: Any) -> Pre
 
             with get_client(sync_client=True) as client:
                 if pred.flow_run_id:
-                    name = client.read_flow_run(UUID(pred.flow_run_id)).name
+                    run = client.read_flow_run(UUID(pred.flow_run_id))
+                    name = run.name
+                    if run.state is not None and run.state.is_final():  # the truth; the beat is its guess
+                        status, error = run.state.type.value.lower(), run.state.message or pred.error
                 if own_flow_run_id:
                     own = client.read_flow_run(UUID(own_flow_run_id))
                     tags = ["resumed"] + ([f"resumes:{pred.flow_run_id[:8]}"] if pred.flow_run_id else [])
                     client.update_flow_run(own.id, tags=sorted({*own.tags, *tags}))
         except Exception as e:  # noqa: BLE001 - the UI's picture; the run goes on without it
             logger.warning("could not name or tag the predecessor flow run %s: %s", pred.flow_run_id, e)
-    pred = Predecessor(pred.flow_run_id, pred.status, pred.last_beat, pred.error, name)
+    pred = Predecessor(pred.flow_run_id, status, pred.last_beat, error, name)
     logger.info("this session continues %s", pred.describe())
     return pred

@@ -2,7 +2,9 @@
 
 * ``threads``: the flow's own ThreadPoolTaskRunner (one process; shards are threads).
 * ``dask``: a temporary local Dask cluster of processes (``prefect_dask.DaskTaskRunner``), one worker
-  process per shard (at least 2), one thread each; it lives as long as the flow run.
+  process per shard (at least 2), one thread each; it lives as long as the flow run. In every
+  worker (either Dask kind) a SIGTERM is a preemption: its shard checkpoints where it is, then the
+  worker ends and Dask runs the task again elsewhere, from that checkpoint (``preemptible_workers``).
 * ``dask://HOST:PORT``: an existing scheduler (``dask scheduler`` + ``dask worker`` on many
   machines, ``deployments/dask_cluster.py``). Every worker must import this project (and the
   workload's module) and reach the store, so use an s3:// store there. A worker that dies mid-task
@@ -40,8 +42,9 @@ POOL_PREFIX = "pool:"
 
 
 @contextmanager
-def shard_runner(spec: str, shards: int) -> Iterator[Any]:
-    """A started task runner for shard tasks, or None for the flow's own (threads)."""
+def shard_runner(spec: str, shards: int, preempt_grace_s: float = 30.0) -> Iterator[Any]:
+    """A started task runner for shard tasks, or None for the flow's own (threads). Dask's worker
+    processes make a SIGTERM a preemption (``trainrun.preemption``, within ``preempt_grace_s``)."""
     if spec == "threads":
         yield None
         return
@@ -62,7 +65,26 @@ def shard_runner(spec: str, shards: int) -> Iterator[Any]:
     else:
         raise ValueError(f"unknown task runner {spec!r}: use threads, dask, dask://HOST:PORT or pool:FLOW/DEPLOYMENT")
     with runner:
+        runner.client.register_plugin(preemptible_workers(preempt_grace_s))
         yield runner
+
+
+def preemptible_workers(grace_s: float) -> Any:
+    """A Dask worker plugin: every worker process (those the nanny starts later too) installs the
+    preemption handler (``trainrun.preemption``) when it joins. Its ``setup`` runs on the worker's
+    event loop, the process's main thread: the one thread where Python lets it take SIGTERM."""
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class Preemptible(WorkerPlugin):
+        name = "ckpt-preemption"
+
+        def setup(self, worker: Any) -> None:
+            from trainrun import preemption
+
+            if not preemption.install(grace_s):
+                log.warning("dask worker %s: SIGTERM stays fatal (its plugins run off the main thread)", worker)
+
+    return Preemptible()
 
 
 def submit(runner: Any, task: Any, **parameters: Any) -> Any:

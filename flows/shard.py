@@ -47,8 +47,17 @@ def train_shard_flow(run_url: str, spec: RunSpec, shard: int, round_no: int, cut
                      local_tier: bool = _DEFAULTS.local_tier) -> dict:
     """Train shard ``shard`` for round ``round_no`` from ``cut`` (``trainrun.documents.Cut`` as JSON) and
     write its fragment; the task's own retries (``retries``) handle loud failures."""
+    from trainrun import preemption
+
     task = train_shard.with_options(retries=retries, retry_delay_seconds=retry_delay_s)
-    return task(run_url=run_url, spec=spec, shard=shard, round_no=round_no, cut=Cut.from_dict(cut),
-                access=StoreAccess(block=credentials_block), keyframe_every=keyframe_every, chaos=chaos,
-                heartbeat_every_s=heartbeat_every_s, heartbeat_events=heartbeat_events, attempt_offset=attempt_offset,
-                shard_checkpoint_every=shard_checkpoint_every, local_tier=local_tier)
+    # the runner cancels (or a worker shuts down) with SIGTERM: the shard checkpoints where it is first,
+    # then Prefect's handler ends this flow run (Cancelled, or Crashed: started again, from the checkpoint)
+    preemption.install(_DEFAULTS.preempt_grace_s)
+    try:
+        return task(run_url=run_url, spec=spec, shard=shard, round_no=round_no, cut=Cut.from_dict(cut),
+                    access=StoreAccess(block=credentials_block), keyframe_every=keyframe_every, chaos=chaos,
+                    heartbeat_every_s=heartbeat_every_s, heartbeat_events=heartbeat_events,
+                    attempt_offset=attempt_offset,
+                    shard_checkpoint_every=shard_checkpoint_every, local_tier=local_tier)
+    finally:
+        preemption.uninstall()

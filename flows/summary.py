@@ -57,6 +57,7 @@ class Ledger:
                          "torch": torch.__version__}
         self.predecessor: dict[str, Any] | None = None  # the session this one continues (flows/predecessor.py)
         self.stopped_after: int | None = None  # the last round trained when a failed validation stopped the run
+        self.cancelled: str | None = None  # a cancel (or a preemption) stopped the run: what it committed, where
 
     def set_params(self, params: Any) -> None:
         """The parameters as the run trains with them (a resume's trajectory is the run's own)."""
@@ -96,6 +97,19 @@ class Ledger:
             return
         self.dead_session = {p: b for p, b in beats.items() if shard_index(p) is not None and b.round > start
                              and b.time < self.wall0}
+
+    def stop_requested(self, last_round: int, checkpoints: list[int | None], why: str) -> None:
+        """A cancel or a preemption (``why``) stopped the run after round ``last_round``; its shards
+        checkpointed round ``last_round + 1`` at ``checkpoints`` (per shard; empty: between rounds)."""
+        self.stopped_after = last_round
+        committed = [c.step for c in self.cuts]
+        what = f"committed steps {committed[0]}..{committed[-1]}" if committed else "committed nothing"
+        where = ", ".join(f"shard-{i} at step {k}" if k is not None else f"shard-{i} from the cut"
+                          for i, k in enumerate(checkpoints))
+        how = "cancelled" if why == "cancel" else f"preempted ({why})"
+        self.cancelled = (f"{how} after round {last_round}: this session {what}"
+                          + (f"; round {last_round + 1} checkpointed ({where})" if checkpoints else "")
+                          + f"; continue with: ckpt train --resume --run-id {self.run_id} --store {self.params.store}")
 
     def rounds_done(self) -> None:
         self.mark("rounds_done")
@@ -231,7 +245,7 @@ class Ledger:
             "checkpoints": checkpoints, "rounds_log": self.rounds, "committed": [c["step"] for c in checkpoints],
             "validated": sorted(s for s, v in verdicts.items() if v.passed),
             "failed_validation": sorted(s for s, v in verdicts.items() if not v.passed),
-            "failure": self.failure(verdicts), "stopped_after_round": self.stopped_after,
+            "failure": self.failure(verdicts), "stopped_after_round": self.stopped_after, "cancelled": self.cancelled,
             "lineage": self.run_meta.get("lineage") or self._stored_lineage(), "predecessor": self.predecessor,
             "bytes_written": bytes_written, "full_copy_bytes": sum(c["logical_bytes"] for c in checkpoints),
             "reports": f"{self.url}/reports/<step>/", "validations": f"{self.url}/validations/<step>.json",

@@ -38,7 +38,7 @@ from dataclasses import replace
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import Failed
+from prefect.states import Cancelled, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from ckptlib.commit import live_generation, live_generations
@@ -49,14 +49,17 @@ from tasks.access import storage_options
 from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
 from tasks.validate import ValidationFailed, validate_step
+from trainrun import preemption
 from trainrun.beats import CoordinatorBeat
 from trainrun.credentials import StoreAccess
 from trainrun.documents import CoordinatorInfo, Cut
+from trainrun.errors import Preempted
 from trainrun.layout import new_run_id, run_url, shard_part
 from trainrun.results import RunPlan, ShardResult
 from trainrun.resume import given_fields
 from trainrun.watchdog.judge import superseded
 
+from .cancel import CancelWatch, RunCancelled
 from .params import TrainParams
 from .predecessor import announce, find_predecessor
 from .runners import shard_runner, submit, validation_runner
@@ -103,6 +106,9 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
     settings, access = params.settings(), params.access()
     store = Store.from_url(url, storage_options(access))
     own = str(flow_run.id) if flow_run.id else None
+    preemption.reset()  # a session of its own, even in a process that outlived a cancelled one
+    preemption.install(settings.preempt_grace_s)  # SIGTERM: the shards checkpoint first, then Prefect's handler
+    watch = CancelWatch(own).start() if own else None  # a cancel of an in-process run reaches it only so
     pred = find_predecessor(store, own)
     ledger = Ledger(params, run_id, url)
     resume, from_step = _start_point(params, run_id, url, access, ledger)
@@ -125,12 +131,19 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
         beat.finish("failed", error=f"{type(e).__name__}: {e}")
         raise
     finally:
+        if watch is not None:
+            watch.stop()
+        preemption.uninstall()
         if spec.ranks_per_shard > 1:  # the shards' groups were kept warm from round to round
             from trainrun.rank_group import end_groups
 
             end_groups(url)
     summary = ledger.summary(verdicts)
     failure = summary["failure"]
+    if summary["cancelled"]:  # a cancel (or a preemption that left the process running): a state, not an error
+        beat.finish("failed", error=summary["cancelled"])
+        publish_artifacts(summary)
+        return Cancelled(message=summary["cancelled"], data=RunCancelled(summary["cancelled"], summary))
     beat.finish("failed" if failure else "finished", error=failure)
     publish_artifacts(summary)
     if failure:
@@ -146,7 +159,7 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
     shard_task = train_shard.with_options(retries=settings.shard_retries, retry_delay_seconds=settings.retry_delay_s)
     common = {"spec": spec, "access": access, "keyframe_every": settings.keyframe_every}
     with validation_runner(params.validation_runner) as vrunner, \
-            shard_runner(settings.task_runner, spec.shards) as srunner:
+            shard_runner(settings.task_runner, spec.shards, settings.preempt_grace_s) as srunner:
         validations = Validations(vrunner, url, access, params)
         start = plan.start_step
         if start is None:
@@ -157,6 +170,9 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
         cut = Cut.of_step(start)
         ledger.start_rounds(plan, start)
         for r in range(start + 1, settings.rounds + 1):
+            if (why := preemption.requested()) is not None:  # asked between rounds: none started
+                ledger.stop_requested(r - 1, [], why)
+                break
             if (bad := validations.first_failure()) is not None:
                 get_run_logger().warning("step %d failed validation (%s): no more rounds (%d of %d done)", bad.step,
                                          ", ".join(bad.failed), r - 1, settings.rounds)
@@ -171,12 +187,21 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
                               heartbeat_events=settings.heartbeat_events,
                               shard_checkpoint_every=settings.shard_checkpoint_every, local_tier=settings.local_tier)
                        for i in range(spec.shards)]
-            shards, replaced_at = _wait_for_shards(futures, store, r, generations)
+            try:
+                shards, replaced_at = _wait_for_shards(futures, store, r, generations)
+            except Exception:
+                if (why := preemption.requested()) is None:
+                    raise
+                # the shards were asked to stop: each checkpoints where it is; no cut of this round
+                preemption.wait_stopped(settings.preempt_grace_s)
+                ledger.stop_requested(r - 1, stopped_at(store, r, spec.shards), why)
+                break
             t1 = time.perf_counter()
             beat.update(phase="cut")
-            result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
-                                    publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
-                                    commit_timeout_s=settings.commit_timeout_s, **common)
+            with preemption.training():  # a SIGTERM now waits (within its grace) for the commit
+                result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
+                                        publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
+                                        commit_timeout_s=settings.commit_timeout_s, **common)
             ledger.add_round(r, shards, result, t0, t1, time.perf_counter(), replaced_at=replaced_at)
             if result.committed:
                 validations.submit(r)
@@ -184,6 +209,15 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
         ledger.rounds_done()
         beat.update(phase="validations")
         return validations.wait_all()
+
+
+def stopped_at(store: Store, round_no: int, shards: int) -> list[int | None]:
+    """Each shard's newest checkpoint step of round ``round_no`` (its live generation's), None: none."""
+    from trainrun.resume_point import newest_of
+
+    live = live_generations(store)
+    refs = [newest_of(store, shard_part(i), round_no, live.get(shard_part(i), 0)) for i in range(shards)]
+    return [ref.round_step if ref is not None else None for ref in refs]
 
 
 def _named(run_id: str) -> str:
@@ -329,6 +363,10 @@ def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generation
 def _settle(future: Any, store: Store, round_no: int, part: str, generation: int, shard: int) -> ShardResult:
     try:
         res: ShardResult = future.result()
+        if isinstance(res, dict) and res.get("status") == "preempted":  # tasks.shard: it checkpointed and stopped
+            raise Preempted(f"{part} round {round_no} stopped at step {res.get('round_step')} ({res.get('reason')})",
+                            part=part, round_no=round_no, round_step=int(res.get("round_step") or 0),
+                            reason=str(res.get("reason")))
     except Exception as e:  # noqa: BLE001
         if live_generation(store, part) > generation:  # fenced meanwhile: the live generation owns the shard
             return ShardResult(shard=shard, round=round_no, part=part, status="replaced", generation=generation,

@@ -8,7 +8,11 @@ within its round and its newest shard checkpoint, updated with the heartbeats), 
 shard checkpoints on this host, and, optionally, heartbeats as Prefect events. An attempt that finds itself fenced ends in a ``Cancelled`` state named
 ``Fenced`` (its data: ``status: "fenced"``) whose message says who fenced it, why, and which rerun
 took over, with a markdown artifact linking the watchdog's flow run: the training run's graph shows
-what happened to the shard instead of a green Completed task.
+what happened to the shard instead of a green Completed task. An attempt stopped by a preemption or a
+cancel (``trainrun.preemption``: its state checkpointed) ends ``Completed`` named ``Preempted`` (data:
+``status: "preempted"``, the step its checkpoint holds; Prefect would log any other final state as an
+ERROR); on a SIGTERM it first waits for its process to end, so that the task counts as lost with it
+and is rerun.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Completed, State
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
@@ -26,6 +30,7 @@ from ckptlib.heartbeat import Beat
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
+from trainrun.errors import Preempted
 from trainrun.layout import run_name, shard_part
 from trainrun.results import ShardResult
 from trainrun.spec import RunSettings, RunSpec
@@ -119,6 +124,15 @@ def fenced_state(ck: Checkpointer, shard: int, round_no: int, attempt: int, erro
                            "attempt": attempt, "live_generation": live, "error": str(error)})
 
 
+def wait_for_the_end() -> None:
+    """A preempted process ends once its last loop stopped (``trainrun.preemption``): the task
+    reports nothing meanwhile, so that whoever runs it (Dask, a runner, ``ckpt train --resume``)
+    treats it as lost with its process and runs it again, from its checkpoint."""
+    from trainrun import preemption
+
+    time.sleep(preemption.grace_s() + 5.0)
+
+
 def event_forwarder(run_url: str, part: str, every_s: float = EVENT_EVERY_S) -> Callable[[Beat], None]:
     """Heartbeats as Prefect events (resource ``ckpt.shard.<run>.<part>``): the first beat and then
     at most one ``ckpt.shard.heartbeat`` every ``every_s`` seconds; every final status at once. A
@@ -191,6 +205,14 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
         state = fenced_state(ck, shard, round_no, attempt, e)
         logger.warning("%s round %d: %s", part, round_no, state.message)
         return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
+    except Preempted as e:
+        logger.warning("%s", e)
+        if e.reason != "cancel":  # a SIGTERM: the process ends in a moment; its task is rerun elsewhere
+            wait_for_the_end()
+        # Completed, named: Prefect logs every other final state of a task run as an ERROR, and a stop is none
+        return Completed(name="Preempted", message=str(e),  # type: ignore[return-value]
+                         data={"shard": shard, "round": round_no, "part": part, "status": "preempted",
+                               "attempt": attempt, "round_step": e.round_step, "reason": e.reason})
     finally:
         ck.close()
     written, full = result.bytes_written or 0, result.logical_bytes or 0

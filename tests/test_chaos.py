@@ -27,7 +27,7 @@ def test_new_kinds_parse_with_the_crash_syntax():
     k = parse_chaos("kill:shard=1,round=2,attempt=2")
     assert (k.kind, k.shard, k.round, k.attempt) == ("kill", 1, 2, 2)
     assert str(parse_chaos("stall:shard=0,round=1")) == "stall:shard=0,round=1"
-    with pytest.raises(ValueError, match="known kinds: crash, hang, kill, stall, stop, zombie"):
+    with pytest.raises(ValueError, match="known kinds: crash, hang, kill, preempt, stall, stop, zombie"):
         parse_chaos("freeze:shard=0,round=1")
     specs = ["hang:shard=0,round=2", "zombie:shard=1,round=3", "kill:shard=1,round=2"]
     assert [str(c) for c in for_attempt(specs, 1, 2, 1)] == ["kill:shard=1,round=2"]

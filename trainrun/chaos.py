@@ -10,6 +10,8 @@
     stop:shard=1,round=2           shard 1's process freezes (SIGSTOP; needs --task-runner dask) until
                                    it has been fenced, then wakes and finds its fence
     stall:shard=0,round=2          shard 0 keeps beating, but its step no longer advances
+    preempt:shard=1,round=2        shard 1's process gets SIGTERM (a preemption): its shards checkpoint
+                                   at the step they are at and stop; with threads that is the whole run
     kill:shard=1,round=2,rank=1    rank 1 of shard 1's group (--ranks-per-shard > 1) dies at once: only
                                    that rank's process (so any task runner will do)
 
@@ -36,6 +38,11 @@ The kinds and who recovers (``docs/watchdog.md``):
 ``kill``    ``SIGKILL`` of the shard's own process: with ``--task-runner dask`` a Dask worker dies
             (the nanny starts a new one); with threads it would kill the whole run, so the CLI
             refuses that combination (``check_runner``).
+``preempt`` ``SIGTERM`` of the shard's own process, as a spot instance, a Kubernetes eviction or a
+            worker shut down sends it (``trainrun.preemption``): every shard loop of the process
+            checkpoints at the step it is at and stops (``Preempted``) within the grace; a rerun
+            continues from there and recomputes nothing. With threads the process is the whole run
+            (it ends; ``ckpt train --resume`` continues it).
 ``stop``    ``SIGSTOP`` of the shard's own process: a frozen host or paused VM. Dask notices nothing
             before its worker TTL (minutes); the watchdog sees the beats stop, fences and reruns
             the shard. A helper process started just before the stop sends ``SIGCONT`` once the
@@ -89,6 +96,8 @@ KINDS: dict[str, str] = {
     "kill": "the shard's process dies at once, SIGKILL (needs a process-based task runner: dask)",
     "stall": "the shard keeps beating but makes no progress (the watchdog sees the same step, fences and "
              "reruns it)",
+    "preempt": "the shard's process gets SIGTERM (a preemption): its shards checkpoint where they are and stop; "
+               "a rerun recomputes nothing (with threads: the whole run, continue it with --resume)",
     "stop": "the shard's process freezes (SIGSTOP) until the watchdog has fenced it, then wakes (SIGCONT) "
             "and ends itself at its next beat (needs dask)",
 }
@@ -227,7 +236,9 @@ def strike(chaos: Chaos, *, part: str, round_step: int, heartbeat: Heartbeat | N
         log.warning("chaos %s: %s kills its own process %d now (SIGKILL)", chaos, part, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # pragma: no cover - the signal is delivered before this returns
-    if chaos.kind == "stop":
+    if chaos.kind == "preempt":
+        _preempt(chaos, part)
+    elif chaos.kind == "stop":
         _freeze(chaos, checkpointer, part, generation)
     elif chaos.kind == "hang":
         _hang(chaos, store, part, generation)
@@ -266,6 +277,21 @@ def _wait_for_fence(chaos: Chaos, store: Store, part: str, generation: int, what
             raise ChaosCrash(f"chaos {chaos}: {part} {what} for {MAX_WAIT_S:.0f} s and nobody fenced it: is a "
                              "watchdog running? (ckpt watchdog URL, or ckpt train without --no-watchdog)")
         time.sleep(0.5)
+
+
+def _preempt(chaos: Chaos, part: str) -> None:
+    """SIGTERM to this process; returns once its handler has asked the loops to stop (the loop then
+    checkpoints at this very step), or raises when nothing handled it within a few seconds."""
+    from . import preemption
+
+    log.warning("chaos %s: %s sends SIGTERM to its own process %d (a preemption)", chaos, part, os.getpid())
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 10.0
+    while preemption.requested() is None:  # the handler runs on the main thread, soon
+        if time.monotonic() > deadline:
+            raise ChaosCrash(f"chaos {chaos}: {part}'s process {os.getpid()} got SIGTERM and no preemption "
+                             "handler asked its loops to stop (trainrun.preemption.install in its main thread)")
+        time.sleep(0.01)
 
 
 def _hang(chaos: Chaos, store: Store, part: str, generation: int) -> None:

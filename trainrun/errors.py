@@ -30,3 +30,14 @@ class RankGroupFailed(CheckpointError, RuntimeError):
 class RankGroupRefused(CheckpointError, ValueError):
     """A rank of a shard's group refused its work (a workload or batch that cannot be split over the
     ranks): a retry would fail the same way; the message names the fix."""
+
+
+class Preempted(CheckpointError, RuntimeError):
+    """A shard attempt stopped on purpose: its process got SIGTERM (a preemption) or its run was
+    cancelled. Its state is in a shard checkpoint at ``round_step``: a rerun, here or elsewhere,
+    continues from there and recomputes nothing."""
+
+    def __init__(self, message: str, *, part: str = "", round_no: int = 0, round_step: int = 0, reason: str = ""):
+        super().__init__(message)
+        self.part, self.round_no, self.round_step, self.reason = part, round_no, round_step, reason
+

@@ -18,7 +18,8 @@ of the shard's own part), its attempt and host.
   state's size after its first step. And never more than ``AUTO_MAX_STEPS`` steps apart (waiting
   for the write in flight if need be), so that a failure recomputes at most that many steps
   whatever the machine's load (a slow write under load stretches the time rule). Never at the
-  round's last step (the round's fragment is written then). A group's ranks must write each one at
+  round's last step (the round's fragment is written then). And at once, at the step it is at,
+  when the process is asked to stop (a SIGTERM, a cancel: ``trainrun.preemption``). A group's ranks must write each one at
   the same step (it is a collective write), and each judges time by its own clock, so they agree
   on the step instead: at the attempt's second step and at each checkpoint, every rank proposes the
   steps the time rule gives at its own pace and cost, and one ``all_reduce(MAX)`` makes the
@@ -178,6 +179,11 @@ class ShardCheckpoints:
         self.newest: int | None = None
         self._inflight: tuple[Future, int, float, float] | None = None  # future, round step, began, blocked
         self._done_at: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Shard checkpoints are on (a cadence of 0 turns them off, a preemption's too)."""
+        return self.cadence.every != 0
 
     def due(self, round_step: int, wl: Workload) -> bool:
         busy = self._inflight is not None and not self._inflight[0].done()

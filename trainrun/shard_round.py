@@ -45,7 +45,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -54,8 +54,10 @@ from ckptlib import Checkpointer, FencedError, commit
 from ckptlib.distributed.documents import AnyFragment
 from ckptlib.heartbeat import Beat, Heartbeat, read_heartbeat
 
+from . import preemption
 from .chaos import Chaos, strike
 from .documents import Cut, ShardInfo
+from .errors import Preempted
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier
 from .metrics import finite_metrics
@@ -152,43 +154,45 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
     apply_threads(spec)
     a = ShardAttempt(ck, spec, shard, round_no, cut, ck.live_generation(shard_part(shard)), attempt, chaos)
     failure = recognise_failure(a)  # before this attempt's first beat replaces the earlier attempt's last
-    hb = start_heartbeat(a, every_s=heartbeat_every_s, on_beat=on_beat)
-    loss = float("nan")
-    saver: ShardCheckpoints | None = None
-    try:
-        start, signature = start_round(a, checkpoint_every, local_tier)
-        clock.lap("load")
-        wl = build_workload_from(a, start.state)
-        rng = ShardRNG(spec.seed, shard, round_no)
-        if start.rng is not None:
-            rng.set_state(start.rng)
-        saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier, start.round_step)
-        del start.state
-        # loaded and built: say so now (its round step), so that a watchdog times the steps from here
-        # (before this beat it allows the start timeout: loading is slow in a fresh process)
-        hb.rebase(int(wl.data_position) - start.round_step)
-        hb.beat(step=int(wl.data_position), force=True)
-        training_at = time.time()
-        clock.lap("build")
-        if failure is not None:
-            write_recovery(ck.store, failure.recovery(
-                part=a.part, round_no=round_no, generation=a.generation, attempt=attempt, started_at=started_at,
-                training_at=training_at, resumed_at_step=start.round_step, source=start.source,
-                checkpoint=start.checkpoint.key if start.checkpoint else None))
-        loss = train_steps(a, wl, hb, start, rng, saver)
-        saver.finish()
-        clock.lap("train")
-        if start.round_step:
-            with clock.timing("load_base"):
-                base_from_cut(a)
-        frag = write_round_fragment(a, wl, loss, clock, start, saver)
-        clock.lap("write")
-    except BaseException as e:
-        if saver is not None:
-            saver.abandon()
-        hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
-        raise
-    hb.finish("finished", loss=loss)
+    # a SIGTERM waits (within its grace) until this attempt has checkpointed and said where it stopped
+    with preemption.training():
+        hb = start_heartbeat(a, every_s=heartbeat_every_s, on_beat=on_beat)
+        loss = float("nan")
+        saver: ShardCheckpoints | None = None
+        try:
+            start, signature = start_round(a, checkpoint_every, local_tier)
+            clock.lap("load")
+            wl = build_workload_from(a, start.state)
+            rng = ShardRNG(spec.seed, shard, round_no)
+            if start.rng is not None:
+                rng.set_state(start.rng)
+            saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier, start.round_step)
+            del start.state
+            # loaded and built: say so now (its round step), so that a watchdog times the steps from here
+            # (before this beat it allows the start timeout: loading is slow in a fresh process)
+            hb.rebase(int(wl.data_position) - start.round_step)
+            hb.beat(step=int(wl.data_position), force=True)
+            training_at = time.time()
+            clock.lap("build")
+            if failure is not None:
+                write_recovery(ck.store, failure.recovery(
+                    part=a.part, round_no=round_no, generation=a.generation, attempt=attempt, started_at=started_at,
+                    training_at=training_at, resumed_at_step=start.round_step, source=start.source,
+                    checkpoint=start.checkpoint.key if start.checkpoint else None))
+            loss = train_steps(a, wl, hb, start, rng, saver)
+            saver.finish()
+            clock.lap("train")
+            if start.round_step:
+                with clock.timing("load_base"):
+                    base_from_cut(a)
+            frag = write_round_fragment(a, wl, loss, clock, start, saver)
+            clock.lap("write")
+        except BaseException as e:
+            if saver is not None:
+                saver.abandon()
+            hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
+            raise
+        hb.finish("finished", loss=loss)
     if local_tier is not None:
         local_tier.drop(a.part)  # the next round starts from the cut
     return ShardResult(shard=shard, round=round_no, part=a.part, status="finished", generation=a.generation,
@@ -277,6 +281,8 @@ def train_steps(a: ShardAttempt, wl: Workload, hb: Heartbeat, start: Start, rng:
     strikes = {c.strike_step(a.spec.steps_per_round): c for c in a.chaos}
     losses = list(start.losses)
     for k in range(start.round_step + 1, a.spec.steps_per_round + 1):
+        if (why := preemption.requested()) is not None:  # between steps: the state is whole
+            stop_preempted(a, wl, rng, saver, losses, k - 1, start.round_step, why)
         losses.append(float(wl.train_step()))
         if k in strikes:
             strike(strikes[k], part=a.part, round_step=k, heartbeat=hb, checkpointer=a.ck, generation=a.generation)
@@ -285,6 +291,20 @@ def train_steps(a: ShardAttempt, wl: Workload, hb: Heartbeat, start: Start, rng:
             saver.take(k, wl, rng, losses)
             hb.meta["checkpoint_step"] = saver.newest
     return math.fsum(losses) / len(losses)
+
+
+def stop_preempted(a: ShardAttempt, wl: Workload, rng: ShardRNG, saver: ShardCheckpoints, losses: list[float],
+                   round_step: int, started_at: int, why: str) -> NoReturn:
+    """The process is asked to stop (``trainrun.preemption``): checkpoint the state after
+    ``round_step`` steps (unless the attempt's newest checkpoint, or its start, already holds it),
+    wait for the write, and raise Preempted: a rerun continues from exactly here."""
+    if saver.enabled and round_step > started_at and saver.newest != round_step:
+        saver.take(round_step, wl, rng, losses)
+    saver.finish()  # stored (or FencedError: a newer generation owns the shard)
+    kept = saver.newest if saver.newest is not None else started_at
+    raise Preempted(f"{a.part} round {a.round_no} stopped at step {round_step} ({why}): its state is in a shard "
+                    f"checkpoint at step {kept}; a rerun (ckpt train --resume, a retry, another worker) continues "
+                    "from there", part=a.part, round_no=a.round_no, round_step=kept, reason=why)
 
 
 def write_round_fragment(a: ShardAttempt, wl: Workload, loss: float, clock: Stopwatch, start: Start,

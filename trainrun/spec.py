@@ -148,6 +148,9 @@ class RunSettings(BaseModel):
     local_tier: bool = Field(True, description="Also keep each shard's newest checkpoint on its host, in a private "
                              "folder ($XDG_RUNTIME_DIR, else /dev/shm; trainrun.local_tier), "
                              "where a rerun on the same host reads it at memory speed (the store stays the fallback).")
+    preempt_grace_s: float = Field(30.0, gt=0, description="On SIGTERM (a preemption) or a cancel, each shard "
+                                   "checkpoints at the step it is at and stops; the process then ends, at the "
+                                   "latest this many seconds after the signal (Kubernetes gives 30).")
 
     @field_validator("task_runner")
     @classmethod
