@@ -43,7 +43,8 @@ def watchdog(
     no_rerun: Annotated[bool, typer.Option("--no-rerun", help="Only fence and report; rerun nothing here.")] = False,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Do not start dead deployment runs again.")] = False,
     start_timeout: Annotated[Optional[float], typer.Option("--start-timeout", metavar="S",
-                                                           help="How long a task may take to start beating "
+                                                           help="How long a task may take to start beating, and each "
+                                                                "start phase of a rank group at least its floor "
                                                                 "(default max(2 x timeout, timeout + 30)).")] = None,
     allow_workload: Annotated[Optional[list[str]], typer.Option(
         "--allow-workload", metavar="module:factory",

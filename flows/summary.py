@@ -57,6 +57,7 @@ class Ledger:
                          "torch": torch.__version__}
         self.predecessor: dict[str, Any] | None = None  # the session this one continues (flows/predecessor.py)
         self.stopped_after: int | None = None  # the last round trained when a failed validation stopped the run
+        self.fences_counted: set[tuple[str, int]] = set()  # (part, generation): a recovery row counted
         self.cancelled: str | None = None  # a cancel (or a preemption) stopped the run: what it committed, where
 
     def set_params(self, params: Any) -> None:
@@ -155,12 +156,16 @@ class Ledger:
 
     def _add_recoveries(self, r: int) -> None:
         """The rows of round ``r``: those its attempts wrote, and the dead session's ``run-died`` rows."""
-        from trainrun.recovery import read_recoveries
+        from trainrun.recovery import fence_recoveries, read_recoveries
 
         try:
             for rec in read_recoveries(self.store, r):
                 if rec.failed_at is None or rec.failed_at >= self.wall0 - 1.0:  # this session's
                     self.recoveries[(rec.round, rec.part, rec.generation, rec.attempt)] = rec
+                    self.fences_counted.add((rec.part, rec.generation))
+            # every fence is a recovery: one whose rerun found nothing to recognise counts from its fence
+            for rec in fence_recoveries(self.store, r, self.fences_counted, since=self.wall0 - 1.0):
+                self.recoveries[(rec.round, rec.part, rec.generation, "fence")] = rec
         except Exception as e:  # noqa: BLE001 - a report must never fail the run
             log.warning("recoveries of round %d not read: %s", r, e)
         for part, beat in self.dead_session.items():
@@ -350,13 +355,15 @@ def publish_artifacts(summary: dict[str, Any]) -> None:
 
 
 def recoveries_text(summary: dict[str, Any]) -> str:
-    """One line: how many recoveries, the steps they recomputed, their times to detect and train again."""
+    """One line: how many recoveries (one per failed attempt recovered: each fence, each retried crash,
+    each shard of a dead session), the steps they recomputed, their times to detect and train again."""
     rows = summary.get("recoveries") or []
     if not rows:
         return "recoveries: none"
     steps = sum(r["steps_recomputed"] for r in rows)
     worst = max((r["detect_s"] or 0.0) + (r["back_to_training_s"] or 0.0) for r in rows)
-    return (f"recoveries: {len(rows)} ({', '.join(sorted({r['kind'] for r in rows}))}), {steps} steps recomputed, "
+    kinds = ", ".join(f"{k} {sum(r['kind'] == k for r in rows)}" for k in sorted({r["kind"] for r in rows}))
+    return (f"recoveries: {len(rows)}, one per failed attempt ({kinds}), {steps} steps recomputed, "
             f"at most {worst:.1f} s from a failure to training again")
 
 

@@ -44,11 +44,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from ckptlib.commit import live_generation, live_generations
 from ckptlib.errors import CheckpointError
 from ckptlib.store import Store
-from ckptlib.validate import Verdict, error_verdict
+from ckptlib.validate import Verdict
 from tasks.access import storage_options
 from tasks.checkpoint import branch_run, checkpoint_cut, initial_cut, plan_run
 from tasks.shard import train_shard
-from tasks.validate import ValidationFailed, validate_step
 from trainrun import preemption
 from trainrun.beats import CoordinatorBeat
 from trainrun.credentials import StoreAccess
@@ -64,6 +63,7 @@ from .params import TrainParams
 from .predecessor import announce, find_predecessor
 from .runners import shard_runner, submit, validation_runner
 from .summary import Ledger, publish_artifacts
+from .validations import Validations
 
 
 def _flow_run_name() -> str:
@@ -279,49 +279,6 @@ def _start_point(params: TrainParams, run_id: str, url: str, access: StoreAccess
     branched = branch_run(run_url(params.store, src.run_id), src.step, url, access)
     ledger.run_meta["lineage"] = branched["lineage"]
     return True, branched["step"]
-
-
-class Validations:
-    """Validation of committed steps, submitted to ``runner``; ``first_failure`` looks at those that
-    have ended without waiting, ``wait_all`` waits for the rest."""
-
-    def __init__(self, runner: Any, url: str, access: StoreAccess, params: TrainParams):
-        self.runner, self.url, self.access = runner, url, access
-        self.enabled, self.thresholds = params.validate_checkpoints, params.thresholds.to_dict()
-        self.futures: dict[int, Any] = {}
-        self.verdicts: dict[int, Verdict] = {}
-
-    def submit(self, step: int) -> None:
-        if self.enabled:
-            self.futures[step] = submit(self.runner, validate_step, run_url=self.url, step=step, access=self.access,
-                                        thresholds=self.thresholds)
-
-    def first_failure(self) -> Verdict | None:
-        """The earliest failed verdict among the validations that have ended (none is waited for)."""
-        for step, fut in self.futures.items():
-            if step not in self.verdicts and _ended(fut):
-                self.verdicts[step] = self._verdict(step, fut)
-        failed = [v for v in self.verdicts.values() if not v.passed]
-        return min(failed, key=lambda v: v.step) if failed else None
-
-    def wait_all(self) -> dict[int, Verdict]:
-        for step, fut in self.futures.items():
-            if step not in self.verdicts:
-                self.verdicts[step] = self._verdict(step, fut)
-        return dict(sorted(self.verdicts.items()))
-
-    def _verdict(self, step: int, fut: Any) -> Verdict:
-        try:
-            return fut.result()
-        except ValidationFailed as e:  # the task run is Failed; its verdict is the exception's
-            return e.verdict
-        except Exception as e:  # noqa: BLE001 - the store stayed unreachable, or the validator crashed: not healthy
-            return error_verdict(step, self.url, e)
-
-
-def _ended(fut: Any) -> bool:
-    wrapped = getattr(fut, "wrapped_future", None)
-    return bool(wrapped.done()) if wrapped is not None else bool(fut.state.is_final())
 
 
 def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generations: list[int], *,

@@ -106,7 +106,9 @@ def watchdog(
         until_done: Also stop once every watched run has finished.
         rerun: Rerun dead shards here (a train-shard task run). Off: only fence and report.
         resume: Start a dead run (coordinator silent) again when it came from a deployment.
-        start_timeout_s: How long a task may take to start beating (default max(2 x timeout, timeout + 30)).
+        start_timeout_s: How long a task may take to start beating (default max(2 x timeout, timeout + 30)); each
+            start phase of a rank group (spawn, rendezvous, load, build) is timed from its own beat, at least its
+            measured floor (docs/watchdog.md).
         credentials_block: Name of a Prefect Secret block holding the s3fs options of an s3:// store as JSON.
             Empty: the environment of the process that runs this flow (AWS_ACCESS_KEY_ID, ...).
         spec: The watched run's own spec (with run_id): reruns use it, never the store's.

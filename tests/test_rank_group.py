@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -291,12 +290,10 @@ def test_a_group_whose_rendezvous_fails_says_why(tmp_path, monkeypatch):
 
     s = spec()
     ck = step_zero(str(tmp_path / "r"), s)
-    with socket.socket() as taken:  # another process holds the attempt's port
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        monkeypatch.setattr(rank_group, "free_port", lambda: taken.getsockname()[1])
-        with pytest.raises(RankGroupFailed, match=r"rendezvous failed: rank 0 of 2 could not join"):
-            train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), group_timeout_s=20)
+    # the group's rendezvous (its FileStore) cannot be made: its folder is gone
+    monkeypatch.setattr(rank_group, "rendezvous_path", lambda workdir: workdir / "gone" / "rendezvous")
+    with pytest.raises(RankGroupFailed, match=r"rendezvous failed: rank \d of 2 could not join .*No such file"):
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), group_timeout_s=20)
 
 
 @pytest.mark.slow
@@ -326,14 +323,14 @@ def test_the_watchdog_finds_a_group_silent_when_one_of_its_ranks_is(tmp_path):
         store.put(key, json.dumps(doc).encode())
 
     meta = {"spec": {"shards": 2, "ranks_per_shard": 2}, "phase": "shards", "phase_time": now - 5, "cut": {"step": 1}}
-    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, meta=meta)
+    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, meta=meta, started=now - 100)
     for part in ("shard-0", "shard-1"):
         beat(f"heartbeats/{part}.json", now - 0.2, part, 0)
     beat("heartbeats/ranks/shard-0/1.json", now - 0.3, "shard-0", 1)
     beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1)  # silent
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
     assert [p.state for p in v.shards] == ["running", "silent"]
-    assert v.shards[1].reason.startswith("rank 1 of the group has not beaten for 9.0 s")
+    assert v.shards[1].reason.startswith("no heartbeat for 9.0 s (timeout 4 s): rank 1 of shard-1")
     assert v.shards[1].failure_time == now - 9
     # a rank beat of an earlier attempt does not count against the live one
     beat("heartbeats/ranks/shard-1/1.json", now - 9, "shard-1", 1, attempt=0)
@@ -415,7 +412,7 @@ def test_a_rank_still_loading_is_judged_by_the_start_timeout_though_rank_0_train
         store.put(key, json.dumps(doc).encode())
 
     meta = {"spec": {"shards": 1, "ranks_per_shard": 2}, "phase": "shards", "phase_time": now - 5, "cut": {"step": 0}}
-    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, None, meta=meta)
+    beat("heartbeats/coordinator.json", now - 0.5, "coordinator", None, None, meta=meta, started=now - 100)
     beat("heartbeats/shard-0.json", now - 0.2, "shard-0", 0, 0)
     beat("heartbeats/ranks/shard-0/1.json", now - 9, "shard-0", 1, None)  # loading for 9 s
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
@@ -423,4 +420,4 @@ def test_a_rank_still_loading_is_judged_by_the_start_timeout_though_rank_0_train
     beat("heartbeats/ranks/shard-0/1.json", now - 41, "shard-0", 1, None)  # past the start timeout
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now)
     assert [p.state for p in v.shards] == ["silent"]
-    assert v.shards[0].reason.startswith("rank 1 of the group has not beaten for 41.0 s (start timeout 40 s)")
+    assert v.shards[0].reason.startswith("no heartbeat for 41.0 s (start timeout 40 s): rank 1 of shard-0")

@@ -103,14 +103,14 @@ def test_the_rules_silent_stalled_replaced_lost_missing_and_stale_beats(tmp_path
     coord_meta = {"spec": {"shards": 3}, "phase": "shards", "phase_time": now - 50, "cut": {"step": 1}}
     _beat(store, "coordinator", t=now - 0.5, round=2, step=2, started=now - 100, meta=coord_meta)
     _beat(store, "shard-0", t=now - 5, round=2)  # silent
-    _beat(store, "shard-1", t=now - 0.2, round=2)  # fresh
+    _beat(store, "shard-1", t=now - 0.2, round=2, started=now - 60)  # fresh
     _beat(store, "shard-2", t=now - 30, round=1, status="finished")  # has not started round 2 for 50 s
     memory = Memory()
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now, memory=memory)
     assert v.state == "running" and [p.state for p in v.shards] == ["silent", "running", "missing"]
     assert v.shards[0].failure_time == now - 5 and "no heartbeat for 5.0 s" in v.shards[0].reason
     # shard-1 keeps beating at the same step: stalled once that lasted longer than the timeout
-    _beat(store, "shard-1", t=now + 4.5, round=2)
+    _beat(store, "shard-1", t=now + 4.5, round=2, started=now - 60)  # the same attempt
     _beat(store, "coordinator", t=now + 4.5, round=2, step=2, started=now - 100, meta=coord_meta)
     v = assess_run(store, "u", timeout_s=4, start_timeout_s=40, now=now + 4.6, memory=memory)
     assert v.shards[1].state == "stalled" and v.shards[1].failure_time == now - 0.2

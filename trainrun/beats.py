@@ -18,15 +18,18 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ckptlib import commit
 from ckptlib.errors import FencedError
-from ckptlib.heartbeat import Heartbeat
+from ckptlib.heartbeat import Beat, Heartbeat
 from ckptlib.store import Store
 
-from .documents import CoordinatorInfo, Cut, Phase
+from .documents import CoordinatorInfo, Cut, Phase, ShardInfo
 from .layout import COORDINATOR
+
+if TYPE_CHECKING:
+    from .spec import RunSpec
 
 log = logging.getLogger("trainrun.beats")
 
@@ -87,3 +90,40 @@ class CoordinatorBeat:
         with self._lock:
             self._set(replace(self.info, phase="done", phase_time=time.time()))
             self.hb.finish(status, error=error)
+
+
+# --- a group's start, phase by phase ------------------------------------------------------------------
+
+# What a fresh group of rank processes does before its first step, in order; each phase begins with
+# a "starting" beat (``meta["starting"]``, no round step yet), so a watchdog times each phase on its
+# own and a start that progresses is never taken for a dead one (``watchdog.judge``):
+#   spawn       the supervisor starts the rank processes (python, torch imported, the job read)
+#   rendezvous  a rank joins the group's gloo rendezvous
+#   load        the group reads its start (the cut or a shard checkpoint)
+#   build       the group builds its workload (DDP's first broadcast)
+START_PHASES = ("spawn", "rendezvous", "load", "build")
+
+
+def starting(hb: Heartbeat, phase: str) -> None:
+    """Beat that ``hb``'s attempt enters start phase ``phase`` (a beat without a round step: it is
+    still loading). Raises FencedError when fenced, as every beat does."""
+    if phase not in START_PHASES:
+        raise ValueError(f"unknown start phase {phase!r}: one of {START_PHASES}")
+    hb.meta["starting"] = phase
+    hb.start()
+
+
+def start_meta(cut: Cut, spec: RunSpec) -> dict[str, Any]:
+    """A group rank's beat meta: what a watchdog needs to rerun the round (``ShardInfo``), the group's size."""
+    return {**ShardInfo(cut=cut, config_hash=spec.config_hash()).to_dict(), "ranks": spec.ranks_per_shard}
+
+
+def started(hb: Heartbeat) -> None:
+    """The attempt's start is over: its next beats carry round steps, not a start phase."""
+    hb.meta.pop("starting", None)
+
+
+def start_phase(beat: Beat) -> str | None:
+    """The start phase ``beat`` says its attempt is in (None: not starting, or a phase unknown here)."""
+    phase = beat.meta.get("starting") if beat.round_step is None else None
+    return phase if phase in START_PHASES else None

@@ -3,7 +3,7 @@
 The shard task calls ``train_shard_group`` instead of ``train_shard_round``. Per round::
 
     group = the shard's warm group of its previous round, if alive   # else a fresh one:
-            port  = a free loopback port                             #   a rendezvous of its own
+            store = a FileStore in its own 0700 folder                #   a private rendezvous
             ranks = R processes `python -m trainrun.rank_round`      #   (trainrun.rank_round)
     each rank its job on stdin (a JSON line)
     watch them: every 0.2 s their exits and done files; every beat period the shard's fence and rank 0's beat
@@ -14,6 +14,11 @@ ranks' processes, torch imported, the rendezvous made, so a round no longer pays
 (decision 53). It is ended by ``end_groups`` (the train flow, when its rounds end), at this
 process's exit, or by its ranks themselves after ``IDLE_S`` without a job. A failed attempt's group
 is never kept: a retry starts a fresh group.
+
+The group talks only to its own ranks: its rendezvous is a ``torch.distributed.FileStore`` in the
+group's folder (``tempfile``: mode 0700, this user's alone; no listening socket, no port a stranger
+may take or write to), and every rank binds gloo to the loopback interface
+(``trainrun.rank_round.LOOPBACK``): no socket of the group listens off 127.0.0.1 (docs/security.md).
 
 The group is the unit of failure: when one rank exits with an error (killed, crashed, could not
 join the rendezvous), or the shard's generation is fenced (a watchdog declared the group dead:
@@ -38,7 +43,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,13 +55,15 @@ from pathlib import Path
 from typing import Any
 
 from ckptlib import Checkpointer, FencedError
-from ckptlib.heartbeat import Beat, heartbeat_key, read_heartbeat
+from ckptlib.heartbeat import Beat, Heartbeat, heartbeat_key, read_heartbeat
 
+from .beats import start_meta, starting
 from .documents import Cut
 from .errors import RankGroupFailed, RankGroupRefused
 from .layout import shard_part
 from .local_tier import LocalTier
 from .rank_round import EXIT_FENCED, RankJob
+from .recovery import Failure
 from .results import ShardResult
 from .resume_point import resume_point
 from .shard_checkpoint import Every
@@ -73,12 +79,9 @@ IDLE_S = 300.0  # a warm group waits this long for its shard's next round, then 
 REFUSALS = ("ValueError", "TypeError", "RankGroupRefused", "ImportError", "ModuleNotFoundError")
 
 
-def free_port() -> int:
-    """A loopback port free now (the OS's choice); the attempt's rendezvous. Another process may take
-    it before rank 0 binds it: then the rendezvous fails, named as such, and a retry picks another."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_path(workdir: Path) -> Path:
+    """The group's FileStore: in its folder, which ``tempfile`` made mode 0700 (this user's alone)."""
+    return workdir / "rendezvous"
 
 
 @dataclass
@@ -148,11 +151,10 @@ def end_ranks(ranks: Sequence[Rank]) -> None:
 
 @dataclass
 class Group:
-    """A live group of rank processes: its rendezvous, its working directory (stderr, results), the
-    jobs it was sent. Between rounds it waits, warm, in ``_WARM``."""
+    """A live group of rank processes: its working directory (0700: its rendezvous, stderr, results),
+    the jobs it was sent. Between rounds it waits, warm, in ``_WARM``."""
 
     key: tuple[Any, ...]
-    port: int
     workdir: tempfile.TemporaryDirectory
     ranks: list[Rank] = field(default_factory=list)
     jobs: int = 0
@@ -236,28 +238,33 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
     generation = ck.live_generation(part)
     resume = resume_point(ck.store, part, round_no, generation) if checkpoint_every else None  # the same start for every rank
     key = group_key(ck, part, spec, group_timeout_s)
+    failure = group_failure(ck, spec, shard, round_no, cut, generation, attempt)  # before the group's first beat
     group = take_warm(key) if warm else None
     t0 = time.perf_counter()
     if group is None:
-        group = Group(key, free_port(), tempfile.TemporaryDirectory(prefix=f"ckpt-{part}-"))
+        group = Group(key, tempfile.TemporaryDirectory(prefix=f"ckpt-{part}-"))
+    rendezvous = str(rendezvous_path(Path(group.workdir.name)))
     group.jobs += 1
     result_path = Path(group.workdir.name) / f"result-{group.jobs}.json"
     jobs = [RankJob(url=ck.url, storage_options=storage_options, spec=spec.trajectory().to_dict(), shard=shard,
                     round_no=round_no, cut=cut.to_dict(), generation=generation, attempt=attempt,
                     chaos=list(chaos), heartbeat_every_s=heartbeat_every_s, rank=r, ranks=spec.ranks_per_shard,
-                    port=group.port, group_timeout_s=group_timeout_s, result_path=str(result_path),
+                    rendezvous=rendezvous, group_timeout_s=group_timeout_s, result_path=str(result_path),
                     supervisor_pid=os.getpid(), checkpoint_every=checkpoint_every,
                     resume=resume.to_dict() if resume is not None else None,
                     local_tier=str(local_tier.root) if local_tier is not None else None,
-                    local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None, idle_s=IDLE_S)
+                    local_tier_max_bytes=local_tier.max_bytes if local_tier is not None else None, idle_s=IDLE_S,
+                    failure=failure.to_dict() if failure is not None else None)
             for r in range(spec.ranks_per_shard)]
     try:
         if group.ranks:
             send_jobs(group.ranks, jobs)
-        else:
+        else:  # a fresh group: its start is timed phase by phase from this beat on (trainrun.beats)
+            starting(Heartbeat(ck.store, part, generation=generation, round=round_no, steps_per_round=spec.steps_per_round,
+                               every_s=heartbeat_every_s, attempt=attempt, rank=0,
+                               meta=start_meta(cut, spec)), "spawn")
             group.ranks = start_ranks(jobs, Path(group.workdir.name))
-        supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat,
-                  port=group.port)
+        supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat)
         result = ShardResult.from_json(result_path.read_bytes())
     except BaseException as e:
         group.end()  # a failed group is never kept
@@ -273,8 +280,17 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                                                                   "group": round(time.perf_counter() - t0, 4)}})
 
 
+def group_failure(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, generation: int,
+                  attempt: int) -> Failure | None:
+    """The failure this attempt recovers from (``trainrun.recovery``), recognised by the supervisor
+    before any beat of the attempt (its spawn beat, its ranks' start beats) hides the earlier one."""
+    from .shard_round import ShardAttempt, recognise_failure
+
+    return recognise_failure(ShardAttempt(ck, spec, shard, round_no, cut, generation, attempt))
+
+
 def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank], jobs: Sequence[RankJob], *,
-              every_s: float, on_beat: Callable[[Beat], None] | None, port: int) -> None:
+              every_s: float, on_beat: Callable[[Beat], None] | None) -> None:
     """Return once every rank is done with its job; raise at the first rank that failed (or ended
     before its job was done), or when fenced."""
     next_look = 0.0
@@ -283,7 +299,7 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
         codes = [r.process.poll() for r in ranks]
         failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None]
         if failed:
-            raise group_error(part, generation, ranks, failed, port)
+            raise group_error(part, generation, ranks, failed)
         if all(os.path.exists(job.done_path) for job in jobs):
             return
         now = time.monotonic()
@@ -327,8 +343,7 @@ def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: i
         log.warning("%s: the final beats of its failed group were not written: %s", part, e)
 
 
-def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[tuple[Rank, int]],
-                port: int) -> BaseException:
+def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[tuple[Rank, int]]) -> BaseException:
     """The error of a group whose ranks ``failed`` exited with these codes: the first (in time) named."""
     if all(code == EXIT_FENCED for _, code in failed):
         return FencedError(f"{part} generation {generation} was fenced: its ranks found a newer generation")
@@ -336,8 +351,8 @@ def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[
     tail = first.error_tail()
     how = (f"was killed by signal {-code}" if code < 0 else f"exited with {code}" if code else
            "ended before its job was done")
-    message = (f"{part}: rank {first.rank} of its group of {len(ranks)} {how} (generation {generation}, "
-               f"rendezvous 127.0.0.1:{port}){': ' + tail if tail else ''}; the group's other ranks were ended")
+    message = (f"{part}: rank {first.rank} of its group of {len(ranks)} {how} (generation {generation})"
+               f"{': ' + tail if tail else ''}; the group's other ranks were ended")
     last = tail.rsplit(" | ", 1)[-1]
     if any(last.startswith(kind + ":") or f" {kind}: " in last for kind in REFUSALS) and "rendezvous" not in tail:
         return RankGroupRefused(message + ". Fix what the rank refused, then resume")

@@ -4,7 +4,7 @@
 stdin, one JSON line each: credentials never show in a process listing) and keeps them warm from
 round to round. Each one::
 
-    init_process_group("gloo", tcp://127.0.0.1:<port of this group>, rank, R)   # once
+    init_process_group("gloo", store=FileStore(<the group's rendezvous>), rank, R)   # once, gloo on loopback
     for each job (a round's attempt), until stdin closes or stays idle:
         ck    = Checkpointer(run, process_group=WORLD)      # collective: the fragment is the group's
         hb    = Heartbeat(part, rank)                       # rank 0: heartbeats/<part>.json; r: heartbeats/ranks/<part>/<r>.json
@@ -44,12 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat
+from ckptlib.store import Store
 
+from .beats import start_meta, started, starting
 from .chaos import for_attempt, strike
-from .documents import Cut, ShardInfo
+from .documents import Cut
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier, copy_name
-from .recovery import write_recovery
+from .recovery import Failure, write_recovery
 from .results import ShardResult
 from .spec import RunSpec
 from .timing import Stopwatch
@@ -59,11 +61,13 @@ if TYPE_CHECKING:
     from .shard_round import ShardAttempt, ShardRNG
 
 EXIT_FENCED = 3
+LOOPBACK = "lo"  # the interface every gloo group of a rank binds (Linux's loopback: 127.0.0.1 only)
 
 
 @dataclass(frozen=True)
 class RankJob:
-    """What one rank process is told (JSON on its stdin): the attempt, its rank, the rendezvous."""
+    """What one rank process is told (JSON on its stdin): the attempt, its rank, the rendezvous (the
+    path of the group's FileStore, in a 0700 folder: ``trainrun.rank_group``)."""
 
     url: str
     storage_options: dict[str, Any] | None
@@ -77,7 +81,7 @@ class RankJob:
     heartbeat_every_s: float
     rank: int
     ranks: int
-    port: int
+    rendezvous: str
     group_timeout_s: float
     result_path: str
     supervisor_pid: int = 0  # the shard task's process: the rank dies with it (Linux)
@@ -86,6 +90,7 @@ class RankJob:
     local_tier: str | None = None  # the local tier's root (trainrun.local_tier; None: no local copies)
     local_tier_max_bytes: int | None = None
     idle_s: float = 300.0  # a warm group's rank ends after this long without its next job
+    failure: dict[str, Any] | None = None  # what the attempt recovers from (the supervisor recognised it)
 
     @property
     def done_path(self) -> str:
@@ -176,7 +181,7 @@ def train_rank_round(job: RankJob) -> ShardResult:
 
     from .reshard import cut_shards
     from .shard_checkpoint import Every, ShardCheckpoints, cut_signature
-    from .shard_round import ShardAttempt, ShardRNG, apply_threads, recognise_failure
+    from .shard_round import ShardAttempt, ShardRNG, apply_threads
 
     clock = Stopwatch()
     started_at = time.time()
@@ -186,11 +191,10 @@ def train_rank_round(job: RankJob) -> ShardResult:
     reader = Checkpointer(ck.store)
     a = ShardAttempt(ck, spec, job.shard, job.round_no, cut, job.generation, job.attempt)
     tier = LocalTier(job.url, job.local_tier, job.local_tier_max_bytes) if job.local_tier else None
-    failure = recognise_failure(a) if job.rank == 0 else None  # before this attempt's first beat
-    hb = Heartbeat(ck.store, part, generation=job.generation, round=job.round_no, steps_per_round=spec.steps_per_round,
-                   every_s=job.heartbeat_every_s, attempt=job.attempt, rank=job.rank,
-                   meta={**ShardInfo(cut=cut, config_hash=spec.config_hash()).to_dict(), "ranks": job.ranks})
-    hb.start()
+    # the supervisor recognised it before the group's first beat (its spawn beat)
+    failure = Failure.from_dict(job.failure) if job.rank == 0 and job.failure is not None else None
+    hb = job_heartbeat(job, ck.store)
+    starting(hb, "load")
     clock.lap("setup")  # the checkpointer's own gloo group, the first beat
     loss = float("nan")
     saver: ShardCheckpoints | None = None
@@ -198,6 +202,7 @@ def train_rank_round(job: RankJob) -> ShardResult:
         signature = cut_signature(a)
         start = start_in_group(a, job, reader, signature, tier)
         clock.lap("load")
+        starting(hb, "build")
         wl = build_rank_workload(spec, job, start.state)
         del start.state
         rng = ShardRNG(spec.seed, job.shard, job.round_no)
@@ -207,6 +212,7 @@ def train_rank_round(job: RankJob) -> ShardResult:
         saver = ShardCheckpoints(a, every, signature, tier, start.round_step, copy=copy_name(part, job.rank),
                                  agree=group_max)
         clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
+        started(hb)
         hb.rebase(int(wl.data_position) - start.round_step)
         hb.beat(step=int(wl.data_position), force=True)
         training_at = time.time()
@@ -248,6 +254,14 @@ def train_rank_round(job: RankJob) -> ShardResult:
                        resumed_at_step=start.round_step, start_source=start.source,
                        shard_checkpoints=saver.count, shard_checkpoint_bytes=saver.bytes_written,
                        started_at=started_at, training_at=training_at)
+
+
+def job_heartbeat(job: RankJob, store: Store) -> Heartbeat:
+    """This rank's heartbeat of ``job``'s attempt (rank 0's is the shard's)."""
+    spec = RunSpec.from_dict(job.spec)
+    return Heartbeat(store, shard_part(job.shard), generation=job.generation, round=job.round_no,
+                     steps_per_round=spec.steps_per_round, every_s=job.heartbeat_every_s, attempt=job.attempt,
+                     rank=job.rank, meta=start_meta(Cut.from_dict(job.cut), spec))
 
 
 def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> Any:
@@ -354,11 +368,21 @@ def main() -> int:
     if job is None:
         return 0
     die_with(job.supervisor_pid)
+    try:  # torch is imported: the group's start goes on to its rendezvous (timed apart: trainrun.beats)
+        starting(job_heartbeat(job, Store.from_url(job.url, job.storage_options)), "rendezvous")
+    except FencedError as e:
+        print(f"fenced: {e}", file=sys.stderr)
+        return EXIT_FENCED
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=job.rank,
-                                world_size=job.ranks, timeout=timedelta(seconds=job.group_timeout_s))
+        # a FileStore, not a TCPStore: no socket a stranger may reach or write to (docs/security.md);
+        # gloo binds the interface GLOO_SOCKET_IFNAME names, for this group and the checkpointer's
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
+        os.close(os.open(job.rendezvous, os.O_RDWR | os.O_CREAT, 0o600))  # at once: FileStore would retry 300 s
+        store = dist.FileStore(job.rendezvous, job.ranks)
+        dist.init_process_group("gloo", store=store, rank=job.rank, world_size=job.ranks,
+                                timeout=timedelta(seconds=job.group_timeout_s))
     except Exception as e:  # noqa: BLE001 - the supervisor reports it
-        print(f"rendezvous failed: rank {job.rank} of {job.ranks} could not join the group at 127.0.0.1:{job.port}: "
+        print(f"rendezvous failed: rank {job.rank} of {job.ranks} could not join the group at {job.rendezvous}: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     try:

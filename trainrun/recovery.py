@@ -29,8 +29,10 @@ workload). The run's summary, its artifact and ``ckpt train``'s live table list 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
+from ckptlib import commit
 from ckptlib.documents import Document, DocumentError
 from ckptlib.errors import ObjectNotFound, StoreError
 from ckptlib.heartbeat import Beat
@@ -118,6 +120,16 @@ class Failure:
             return cls("crash", max(steps), failed_at, prior.time, cause)
         return cls("process-died", max(steps), failed_at, None, cause)
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Failure:
+        """What ``to_dict`` wrote (a group's supervisor recognises the failure and tells its rank 0)."""
+        return cls(kind=str(d["kind"]), failed_at_step=int(d["failed_at_step"]), failed_at=float(d["failed_at"]),
+                   detected_at=None if d.get("detected_at") is None else float(d["detected_at"]),
+                   cause=None if d.get("cause") is None else str(d["cause"]))
+
     def recovery(self, *, part: str, round_no: int, generation: int, attempt: int, started_at: float,
                  training_at: float, resumed_at_step: int, source: str, checkpoint: str | None) -> Recovery:
         """The row of this failure, recovered by an attempt that started at ``started_at`` and
@@ -151,4 +163,31 @@ def read_recoveries(store: Store, round_no: int | None = None) -> list[Recovery]
         except (DocumentError, ObjectNotFound, StoreError) as e:
             log.warning("recovery row %s ignored: %s", info.key, e)
     return sorted(rows, key=lambda r: (r.round, r.failed_at or 0.0, r.part))
+
+
+def fence_recoveries(store: Store, round_no: int, known: set[tuple[str, int]], *, since: float) -> list[Recovery]:
+    """A row for each fence of round ``round_no`` (made at or after wall time ``since``) whose rerun
+    wrote none: a shard fenced before it beat in the round (``missing``, or a group fenced while it
+    started) leaves its rerun no earlier attempt to recognise, yet it was a recovery. ``known``: the
+    (part, generation) pairs already counted, added to here (each fence is read once per session).
+    Its steps recomputed are those its fence says were lost; its time back to training is unknown."""
+    rows = []
+    for part, live in commit.live_generations(store).items():
+        for generation in range(1, live + 1):
+            if (part, generation) in known or shard_index(part) is None:
+                continue
+            doc = commit.read_fence(store, part, generation) or {}
+            if doc.get("round") != round_no:
+                continue
+            known.add((part, generation))
+            fenced_at = float(doc.get("detected") or doc.get("time") or 0.0)
+            if fenced_at < since:
+                continue  # an earlier session's
+            failed_at = float(doc.get("failure_time") or fenced_at)
+            step = int(doc.get("round_step") or 0)
+            rows.append(Recovery(shard=shard_index(part) or 0, round=round_no, kind=str(doc.get("state") or "fenced"),
+                                 failed_at_step=step, resumed_at_step=0, steps_recomputed=step,
+                                 detect_s=round(max(0.0, fenced_at - failed_at), 3), back_to_training_s=None,
+                                 part=part, generation=generation, failed_at=failed_at, detected_at=fenced_at))
+    return rows
 

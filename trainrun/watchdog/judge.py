@@ -3,10 +3,14 @@
 What counts as dead (one shard attempt)
 ---------------------------------------
 ``silent``   its last beat (status running) is older than ``timeout_s`` (``start_timeout_s`` while it
-             is still loading: its beat has no ``round_step`` until the attempt has loaded the cut
-             and built its workload, which take seconds in a fresh process on a busy machine);
-``stalled``  it beats, but its step has not changed for ``timeout_s`` (needs a watchdog that has
-             looked at it before: its ``Memory`` keeps the first beat with that step);
+             is still starting: its beat has no ``round_step`` until the attempt has loaded the cut
+             and built its workload, which take seconds in a fresh process on a busy machine; a
+             group beats each start phase, ``trainrun.beats.START_PHASES``, and each phase is timed
+             from its own beat, at least ``START_PHASE_FLOOR_S`` of it), or another rank of its
+             group (of this attempt and session) is;
+``stalled``  it beats, but its step (or start phase) has not changed for ``timeout_s`` (needs a
+             watchdog that has looked at it before: its ``Memory`` keeps the first beat with that
+             step, per attempt and start time: never a predecessor's);
 ``lost``     it was fenced and rerun, and the new generation has not beaten for ``start_timeout_s``
              after the fence (the rerun never started: e.g. the watchdog that fenced died);
 ``missing``  the coordinator has been waiting for this round's shards for ``start_timeout_s`` and this
@@ -16,7 +20,9 @@ An attempt whose fragment for its round is already written is ``done``, whatever
 beat older than the coordinator's session (a previous run of the same run id) is ignored. In a run
 without a coordinator beat (ckptlib used directly), a shard silent for ``abandoned_after(timeout)``
 is ``abandoned``, not dead: nobody would gather its rerun. The run is ``dead`` when the coordinator
-is silent for ``coordinator_timeout_s``. A watchdog that watches one session only (the one beside
+is silent for ``coordinator_timeout_s``. A dead part's ``reason`` names the rank (of a group), the
+step its last beat was at (the watchdog adds a drill's true step and rank), the last beat's age and
+when that step was reached. A watchdog that watches one session only (the one beside
 ``ckpt train``) ignores every beat written before that session began (``since``): a resumed run's
 predecessor died, this session did not.
 
@@ -35,6 +41,7 @@ from ckptlib.errors import StoreError
 from ckptlib.heartbeat import Beat, read_heartbeats, read_rank_heartbeats
 from ckptlib.store import Store
 
+from ..beats import start_phase
 from ..documents import CoordinatorInfo
 from ..layout import COORDINATOR, run_name, shard_part
 from .decisions import read_fence
@@ -45,6 +52,12 @@ DEFAULT_POLL_S = 2.0
 BEAT_READERS = 32  # beats read at once: a look at 1,000 shards on S3 is ~1,000 GETs, latency-bound
 DEAD_STATES = ("silent", "stalled", "lost", "missing")
 ABANDONED_AFTER_MIN_S = 600.0
+# The least time each start phase of a group (trainrun.beats.START_PHASES) is given, whatever the
+# start timeout: measured on 2 cores shared by 5 test runs (load 6-8), a 2-rank group of tinylm took
+# spawn (python, torch import) 8.3 s, rendezvous (waits for the slower rank's import) 1.5 s, load
+# 0.1-0.4 s, build (workload, DDP's first broadcast) 3.6-5.0 s; a busier machine took over 40 s in
+# all. About five times each (the rendezvous as the spawn: it waits for the slowest rank's import).
+START_PHASE_FLOOR_S = {"spawn": 45.0, "rendezvous": 45.0, "load": 20.0, "build": 30.0}
 # A beat this much older than the coordinator's session start belongs to a previous session.
 SESSION_SLACK_S = 1.0
 
@@ -226,30 +239,64 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
         view.state = "abandoned"  # no coordinator says the run goes on, and this died long ago: leave it
         view.reason = f"no heartbeat for {age:.0f} s and no coordinator: an abandoned run, not rerun"
         return view
-    # an attempt still loading (no round_step yet: it beats round_step 0 once loaded and built) is
-    # starting: a fresh worker process on a busy machine takes seconds, so the start timeout applies
-    limit = start_timeout_s if beat.round_step is None else timeout_s
+    # since when it has been where its beat says (its step, or its start phase): this attempt's own
+    # beats only (Memory keys progress by the attempt's start), never a predecessor's
+    since = memory.progress_since(url, part, beat) if memory is not None else None
+    # an attempt still starting (no round_step yet: it beats round_step 0 once loaded and built) is
+    # judged phase by phase (trainrun.beats.START_PHASES), each phase against the start timeout
+    limit = _limit(beat, timeout_s, start_timeout_s)
     if age > limit:
         view.state = "silent"
-        view.reason = (f"no heartbeat for {age:.1f} s ({'start timeout' if beat.round_step is None else 'timeout'} "
-                       f"{limit:g} s) {_where(beat)}")
+        view.reason = f"no heartbeat for {age:.1f} s ({_limit_text(beat, limit)}): {_evidence(beat, now, since)}"
         view.failure_time = beat.time
         return view
-    lagging = _silent_rank(look.store, beat, now, timeout_s, start_timeout_s) if beat.rank is not None else None
-    if lagging is not None:  # a group's rank 0 beats, another rank does not: the group is as dead
-        loading = lagging.round_step is None
-        view.state = "silent"
-        view.reason = (f"rank {lagging.rank} of the group has not beaten for {lagging.age(now):.1f} s "
-                       f"({'start timeout' if loading else 'timeout'} {start_timeout_s if loading else timeout_s:g} s) "
-                       f"{_where(lagging)}")
-        view.failure_time = lagging.time
-        return view
-    since = memory.progress_since(url, part, beat) if memory is not None else beat.time
+    if beat.rank is not None:  # a group's rank 0 beats, another rank may not: the group is as dead
+        session_start = coordinator.beat.started if coordinator is not None and coordinator.beat is not None else None
+        lagging = _silent_rank(look.store, beat, now, timeout_s, start_timeout_s, session_start)
+        if lagging is not None:
+            view.state = "silent"
+            view.reason = (f"no heartbeat for {lagging.age(now):.1f} s "
+                           f"({_limit_text(lagging, _limit(lagging, timeout_s, start_timeout_s))}): "
+                           f"{_evidence(lagging, now, None)}")
+            view.failure_time = lagging.time
+            return view
+    since = beat.time if since is None else since
     if beat.time - since > timeout_s:
         view.state = "stalled"
-        view.reason = f"beats but no progress for {beat.time - since:.1f} s (timeout {timeout_s:g} s) {_where(beat)}"
+        view.reason = (f"beats but no progress for {beat.time - since:.1f} s (timeout {timeout_s:g} s): "
+                       f"{_evidence(beat, now, since)}")
         view.failure_time = since
     return view
+
+
+def _limit(beat: Beat, timeout_s: float, start_timeout_s: float) -> float:
+    """How long ``beat`` may stay the attempt's last: while it starts, the start timeout but at
+    least its phase's floor (each start phase begins with a beat: a start that goes on is never
+    timed as a whole), else the timeout."""
+    if beat.round_step is not None:
+        return timeout_s
+    return max(start_timeout_s, START_PHASE_FLOOR_S.get(start_phase(beat) or "", 0.0))
+
+
+def _limit_text(beat: Beat, limit: float) -> str:
+    if beat.round_step is not None:
+        return f"timeout {limit:g} s"
+    phase = start_phase(beat)
+    return f"start timeout {limit:g} s" + (f" for its {phase} phase" if phase else "")
+
+
+def _evidence(beat: Beat, now: float, since: float | None) -> str:
+    """Who, where and since when: the rank, the step its last beat was at and when the step last
+    advanced (``since``: the first look that saw it there; None: not known)."""
+    who = (f"rank {beat.rank} of {beat.part}" if beat.rank is not None else beat.part) + f" (pid {beat.pid})"
+    if beat.round_step is None:
+        phase = start_phase(beat)
+        where = (f"starting round {beat.round} ({phase})" if phase else
+                 f"in round {beat.round}, its last beat from before its first step (loading the cut)")
+        return f"{who} {where}, last beat {beat.age(now):.1f} s ago"
+    moved = f", step reached {now - since:.1f} s ago" if since is not None else ""
+    return (f"{who} at step {beat.round_step}/{beat.steps_per_round} of round {beat.round} (data position "
+            f"{beat.step}), last beat {beat.age(now):.1f} s ago{moved}")
 
 
 def _waiting(look: _Look, part: str, live: int, prior: Beat | None, coordinator: PartView | None,
@@ -295,21 +342,16 @@ def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | N
     return view
 
 
-def _silent_rank(store: Store, beat: Beat, now: float, timeout_s: float, start_timeout_s: float) -> Beat | None:
-    """The stalest other rank of ``beat``'s group attempt (same generation and attempt, running)
-    silent longer than its limit: the start timeout while it still loads (no round step yet: each
-    rank loads and builds on its own, and rank 0 may be done first), else the timeout; None
-    otherwise. One listing and a read per rank."""
+def _silent_rank(store: Store, beat: Beat, now: float, timeout_s: float, start_timeout_s: float,
+                 session_start: float | None) -> Beat | None:
+    """The stalest other rank of ``beat``'s group attempt (same generation and attempt, running, of
+    this session: a dead session's attempt had the same numbers) silent longer than its limit (each
+    rank starts on its own, and rank 0 may be done first); None otherwise. One listing and a read per rank."""
     ranks = [b for r, b in read_rank_heartbeats(store, beat.part).items() if r != 0 and b.status == "running"
-             and (b.generation, b.attempt) == (beat.generation, beat.attempt)]
-    silent = [b for b in ranks if b.age(now) > (start_timeout_s if b.round_step is None else timeout_s)]
+             and (b.generation, b.attempt) == (beat.generation, beat.attempt)
+             and (session_start is None or b.time >= session_start - SESSION_SLACK_S)]
+    silent = [b for b in ranks if b.age(now) > _limit(b, timeout_s, start_timeout_s)]
     return min(silent, key=lambda b: b.time, default=None)
-
-
-def _where(beat: Beat) -> str:
-    if beat.round_step is None:
-        return f"in round {beat.round}, its last beat from before its first step (loading the cut)"
-    return f"at step {beat.round_step}/{beat.steps_per_round} of round {beat.round}"
 
 
 def superseded(store: Store, part: str, round_no: int, generation: int, live: int | None = None) -> int | None:

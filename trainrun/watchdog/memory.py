@@ -3,7 +3,8 @@
 One look at the store sees every part's latest beat; some rules need more than one moment:
 
 * ``stalled``: a shard that beats but does not advance. The memory keeps, per part, the first time
-  its current (attempt, step) was seen (``progress_since``).
+  its current (attempt, step) was seen (``progress_since``); an attempt is its own process's, told
+  apart by its start time: a predecessor's beats never date a successor's progress.
 * ``lost``: a fenced shard whose new generation never beats. The memory keeps, per part and
   generation, the last time that generation was seen beating (``saw``, ``last_seen``), so a rerun
   that beat once and then vanished is timed from its last beat, not from the fence.
@@ -22,13 +23,16 @@ from dataclasses import dataclass
 
 from ckptlib.heartbeat import Beat
 
+from ..beats import start_phase
+
 
 @dataclass(frozen=True)
 class _Progress:
-    """A part's attempt (generation, attempt, round) at ``step``, first seen at wall time ``since``."""
+    """A part's attempt (generation, attempt, round, when it started) at ``step`` (or start phase),
+    first seen at wall time ``since``."""
 
-    attempt: tuple[int, int | None, int]
-    step: int | None
+    attempt: tuple[int, int | None, int, float]
+    step: int | str | None
     since: float
 
 
@@ -49,9 +53,12 @@ class Memory:
         return self._seen.get((url, part, generation))
 
     def progress_since(self, url: str, part: str, beat: Beat) -> float:
-        """Since when ``part`` has been at ``beat``'s step (in the same generation, attempt and round):
-        ``beat.time`` when it moved since the previous look."""
-        now = _Progress((beat.generation, beat.attempt, beat.round), beat.step, beat.time)
+        """Since when ``part`` has been at ``beat``'s step (in the same attempt: generation, attempt,
+        round and start time, so a fresh process never inherits a predecessor's time, e.g. a resumed
+        run's shard at the step where the dead run's stopped); ``beat.time`` when it moved since the
+        previous look. A new start phase (``trainrun.beats``) is progress too."""
+        where = beat.step if beat.round_step is not None or start_phase(beat) is None else start_phase(beat)
+        now = _Progress((beat.generation, beat.attempt, beat.round, beat.started), where, beat.time)
         first = self._progress.get((url, part))
         if first is None or (first.attempt, first.step) != (now.attempt, now.step):
             self._progress[(url, part)] = first = now

@@ -44,7 +44,7 @@ from ckptlib.errors import StoreError
 from ckptlib.heartbeat import read_heartbeat
 from ckptlib.store import Store
 
-from ..chaos import read_strike
+from ..chaos import Strike, parse_chaos, read_strike
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
 from ..results import ShardResult
 from ..resume import stored_config
@@ -187,7 +187,7 @@ class Watchdog:
         resume = resume_point(store, pv.part, pv.round, pv.live) if pv.round is not None else None
         if resume is not None and decision.steps_lost is not None:
             decision = replace(decision, steps_lost=max(0, decision.steps_lost - resume.round_step))
-        won = commit.fence(store, pv.part, new_gen, reason=pv.reason or pv.state, by=self.by,
+        won = commit.fence(store, pv.part, new_gen, reason=decision.reason or pv.state, by=self.by,
                            details={**Fence.details(decision, rerun=request is not None),
                                     "by_flow_run_id": self.by_flow_run_id,
                                     "resume": resume.to_dict() if resume is not None else None})
@@ -297,10 +297,23 @@ class Watchdog:
         store = self.runs.get(url)
         if store is not None and pv.round is not None and pv.attempt is not None and shard_index(pv.part) is not None:
             strike = read_strike(store, pv.part, pv.round, pv.attempt)
-            if strike is not None:  # a chaos drill: the true moment and step of the failure
+            if strike is not None:  # a chaos drill: the true moment, step and rank of the failure
                 d = replace(d, strike_time=strike.time, strike_kind=strike.kind,
-                            strike_latency_s=round(now - strike.time, 3), steps_lost=strike.round_step)
+                            strike_latency_s=round(now - strike.time, 3), steps_lost=strike.round_step,
+                            reason=f"{d.reason}; {struck(strike, pv.steps_per_round, now)}")
         return d
+
+
+def struck(strike: Strike, steps_per_round: int | None, now: float) -> str:
+    """What a drill's strike says of the failure: its kind, the rank it hit and the true step (the
+    last beat may be older: beats are written every few seconds, steps every few milliseconds)."""
+    try:
+        rank = parse_chaos(strike.spec).rank
+    except ValueError:
+        rank = None
+    who = f"rank {rank} of {strike.part}" if rank is not None else strike.part
+    return (f"the drill's {strike.kind} struck {who} at step {strike.round_step}/{steps_per_round} "
+            f"{now - strike.time:.1f} s ago")
 
 
 def _all_settled(view: RunView) -> bool:
