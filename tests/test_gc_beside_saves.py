@@ -99,6 +99,11 @@ def test_gc_sweeps_beside_a_saver_that_never_pauses(tmp_path):
             time.sleep(0.01)
         with Checkpointer(url) as ck:
             for _ in range(5):
+                # a GC sweeps what the saves since the last one left: let at least two land first (on
+                # a loaded machine two GCs back to back found nothing new to sweep, though not deferred)
+                target = len(saved) + 2
+                while len(saved) < target and thread.is_alive():
+                    time.sleep(0.01)
                 reports.append(ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=20))
     finally:
         stop.set()

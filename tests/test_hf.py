@@ -44,6 +44,19 @@ class StopAt(transformers.TrainerCallback):
 
 def train(url: str | None, out, *, resume=None, storage_options=None, callbacks=(), stock=False,
           **options) -> GPT2LMHeadModel:
+    # One thread in every process of a comparison: the last bits of CPU kernels depend on the thread
+    # count, and a test before this one in the same worker may have changed it (CI saw the resumed
+    # run differ from the straight one when the killed job ran on two threads and they on one).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(url, out, resume=resume, storage_options=storage_options, callbacks=callbacks, stock=stock,
+                      **options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(url: str | None, out, *, resume, storage_options, callbacks, stock, **options) -> GPT2LMHeadModel:
     transformers.set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
     g = torch.Generator().manual_seed(0)

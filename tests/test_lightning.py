@@ -68,9 +68,16 @@ def trainer(io: CheckpointIO | None, folder, max_steps: int, callbacks=()) -> L.
 
 
 def fit(io, folder, max_steps: int, ckpt_path=None, callbacks=()) -> Net:
-    L.seed_everything(0, verbose=False)
-    model = Net()
-    trainer(io, folder, max_steps, callbacks).fit(model, data(), ckpt_path=ckpt_path)
+    # One thread in every process of a comparison: the last bits of CPU kernels depend on the thread
+    # count, and a test before this one in the same worker may have changed it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        L.seed_everything(0, verbose=False)
+        model = Net()
+        trainer(io, folder, max_steps, callbacks).fit(model, data(), ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
     return model
 
 
