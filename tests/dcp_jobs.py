@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from distributed_jobs import fsdp, full, state, step
 from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 from ckptlib import Checkpointer
 from ckptlib.dcp import StorageReader, StorageWriter
@@ -66,7 +67,38 @@ def fsdp_load(rank: int, url: str, out: Path) -> dict[str, Any]:
     return {"diffs": diffs}
 
 
-JOBS = {f.__name__: f for f in (fsdp_save, fsdp_load)}
+def fsdp_four(rank: int, url: str, out: Path) -> dict[str, Any]:
+    """On 4 ranks: save step 1 after a training step, then load it into a fresh FSDP2 model and
+    optimizer on all 4 ranks and on ranks 0 and 1 alone (a 2-rank process group, the model sharded
+    over it); whether each full state matches the saved one, bit for bit."""
+    m, opt = fsdp()
+    step(m, opt, 1, rank)
+    dcp.save(state(m, opt), storage_writer=StorageWriter(url, chunk_bytes=4096), checkpoint_id=1)
+    want = full(m, opt)  # collective
+    diffs = {"4": _loaded(url, want, None)}
+    pair = dist.new_group([0, 1])  # collective: every rank creates it
+    if rank < 2:
+        diffs["2"] = _loaded(url, want, pair)
+    return {"diffs": diffs}
+
+
+def _loaded(url: str, want: dict[str, Any], group: Any) -> str | None:
+    """Step 1 loaded into a fresh model sharded over ``group`` (None: the world): the first
+    difference of its full state from ``want``."""
+    mesh = None if group is None else DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(7)
+    m, opt = fsdp(mesh)
+    g = torch.Generator().manual_seed(99)
+    m(torch.randn(4, 16, generator=g)).square().mean().backward()  # other weights and moments, to be overwritten
+    opt.step()
+    opt.zero_grad()
+    into = state(m, opt)
+    dcp.load(into, storage_reader=StorageReader(url, step=1), process_group=group)
+    set_state_dict(m, opt, model_state_dict=into["model"], optim_state_dict=into["optim"])
+    return first_difference(want, full(m, opt))
+
+
+JOBS = {f.__name__: f for f in (fsdp_save, fsdp_load, fsdp_four)}
 
 
 def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.overrides import TorchFunctionMode
 from typer.testing import CliRunner
 
 from ckpt.cli import app
@@ -62,6 +63,34 @@ def test_single_process_round_trip_is_bit_exact_and_a_ckptlib_step(tmp_path):
     assert ck.steps() == [1, 2] and sorted(ck.manifest(2).parts) == ["dcp", "dcp-r0"]
     assert ck.restore(2, part="dcp-r0", select=["model.w@0,0"])["model.w@0,0"].equal(sample(1)["model"]["w"])
     writer.close()
+
+
+class Allocations(TorchFunctionMode):
+    """The shapes of the tensors torch.empty makes and Tensor.copy_ fills while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in ("empty", "empty_strided", "copy_") and isinstance(out, torch.Tensor):
+            self.seen.append((name, tuple(out.shape)))
+        return out
+
+
+def test_a_load_of_whole_saved_tensors_decodes_into_the_state_without_a_copy(tmp_path):
+    url = str(tmp_path / "run")
+    dcp.save(sample(2), storage_writer=StorageWriter(url, step=1))
+    into = blank()
+    targets = dict(into["model"])
+    with Allocations() as made:
+        dcp.load(into, storage_reader=StorageReader(url))
+    assert first_difference(sample(2), into) is None
+    assert all(into["model"][k] is t for k, t in targets.items())  # filled in place
+    shapes = {tuple(t.shape) for t in targets.values()}
+    assert [(f, s) for f, s in made.seen if s in shapes] == [], made.seen  # no staging tensor, no copy
 
 
 def test_round_trip_through_s3(s3_url):
@@ -214,3 +243,11 @@ def test_fsdp2_on_two_ranks_saves_and_loads_on_two_ranks_and_on_one_process_bit_
 
     loaded = job("fsdp_load", 2, url, out)
     assert all(r["diffs"] == {"3": None, "4": None} for r in loaded), loaded
+
+
+@pytest.mark.slow
+def test_fsdp2_on_four_ranks_loads_on_four_and_on_two_bit_exact(tmp_path):
+    url = str(tmp_path / "run")
+    loaded = job("fsdp_four", 4, url, tmp_path / "out")
+    assert sorted(Checkpointer(url).manifest(1).parts) == ["dcp", "dcp-r0", "dcp-r1", "dcp-r2", "dcp-r3"]
+    assert [r["diffs"] for r in loaded] == [{"4": None, "2": None}] * 2 + [{"4": None}] * 2, loaded

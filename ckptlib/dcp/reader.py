@@ -3,7 +3,9 @@
 Every rank reads the step's Metadata (part ``dcp``, JSON); the coordinator's global plan stamps
 its step into every rank's plan, so ranks that resolved "latest" to different steps fail instead of
 mixing them. ``read_data`` restores, per rank part, only the keys its items name (checked against
-their checksums like any restore) and copies each item's slice into the planner's tensor.
+their checksums like any restore): an item that is a whole saved chunk is decoded straight into the
+planner's tensor (``restore(into=)``); of a true slice (resharding), the chunk is restored and the
+slice copied in.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import StorageReader as _DCPReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -45,6 +47,7 @@ class StorageReader(_DCPReader):
         self.step = None if step is None else commit.check_step(step)
         self._read_step: int | None = None
         self._where: dict[MetadataIndex, Location] = {}
+        self._chunks: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}  # saved chunk: sizes, dtype
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -94,6 +97,9 @@ class StorageReader(_DCPReader):
             raise ValueError("this Metadata was not read by ckptlib.dcp.StorageReader: use the same reader for "
                              "read_metadata and the load")
         self._where = where
+        self._chunks = {MetadataIndex(fqn, c.offsets): (tuple(c.sizes), md.properties.dtype)
+                        for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata) for c in md.chunks}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -117,27 +123,47 @@ class StorageReader(_DCPReader):
             wanted.setdefault((loc.step, loc.part), []).append((item, loc))
         ck = self.checkpointer
         for (step, part), reqs in wanted.items():
-            values = ck.restore(step, part=part, select=sorted({loc.key for _, loc in reqs}))
+            into, whole, rest = {}, [], []
             for item, loc in reqs:
-                _deliver(planner, item, values[loc.key], f"'{loc.key}' of part '{part}' of step {step} of {ck.url}")
+                target = None if item.type == LoadItemType.BYTE_IO else planner.resolve_tensor(item).detach()
+                if target is not None and self._is_whole(item, target):
+                    into[loc.key] = target
+                    whole.append((item, target))
+                else:
+                    rest.append((item, loc, target))
+            # whole saved tensors are decoded straight into the planner's tensors (checked first)
+            values = ck.restore(step, part=part, select=sorted({loc.key for _, loc in reqs}), into=into or None)
+            for item, target in whole:
+                planner.commit_tensor(item, target)
+            for item, loc, target in rest:
+                _deliver(planner, item, target, values[loc.key],
+                         f"'{loc.key}' of part '{part}' of step {step} of {ck.url}")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
+    def _is_whole(self, item: ReadItem, target: torch.Tensor) -> bool:
+        """Whether ``item`` is a whole saved chunk and ``target`` has its shape and dtype: then the
+        chunk is decoded straight into ``target``, else (a slice: resharding) restored and copied."""
+        saved = self._chunks.get(item.storage_index)
+        return saved is not None and not any(item.storage_offsets) and tuple(item.lengths) == saved[0] \
+            and tuple(target.shape) == saved[0] and target.dtype == saved[1]
 
-def _deliver(planner: LoadPlanner, item: ReadItem, value: Any, where: str) -> None:
-    """Hand one restored item to the planner, as FileSystemReader does with the bytes it read."""
+
+def _deliver(planner: LoadPlanner, item: ReadItem, target: torch.Tensor | None, value: Any, where: str) -> None:
+    """Hand one restored item to the planner, as FileSystemReader does with the bytes it read:
+    a value, or the item's slice of a saved tensor copied into ``target`` (its resolved tensor)."""
     if item.type == LoadItemType.BYTE_IO:
         _load_value(planner, item, value)
         return
     if not isinstance(value, torch.Tensor):
         raise CorruptCheckpoint(f"{where} is a {type(value).__name__}, where its DCP metadata says a tensor")
+    assert target is not None  # resolved for every tensor item
     ends = [o + n for o, n in zip(item.storage_offsets, item.lengths)]
     if len(ends) != value.dim() or any(e > s for e, s in zip(ends, value.shape)):
         raise CorruptCheckpoint(f"{where} has shape {tuple(value.shape)}, which does not hold the slice at "
                                 f"{list(item.storage_offsets)} of {list(item.lengths)} its DCP metadata names")
     piece = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
-    target = planner.resolve_tensor(item).detach()
     if target.size() != piece.size():
         raise ValueError(f"the destination of {item.dest_index.fqn} has shape {tuple(target.size())}, the saved "
                          f"slice {tuple(piece.size())}: load into a state of the saved shapes")
