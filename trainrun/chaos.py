@@ -14,6 +14,8 @@
                                    at the step they are at and stop; with threads that is the whole run
     kill:shard=1,round=2,rank=1    rank 1 of shard 1's group (--ranks-per-shard > 1) dies at once: only
                                    that rank's process (so any task runner will do)
+    preempt:shard=1,round=2,rank=1 rank 1 of shard 1's group gets SIGTERM: the whole group checkpoints at
+                                   one step its ranks agree on and stops (trainrun.rank_round)
 
 Keys: ``shard`` and ``round`` (required), ``rank`` (with ``--ranks-per-shard`` R > 1: the rank of
 the shard's group it strikes, default 0), ``attempt`` (default 1: the first attempt only, so a
@@ -42,7 +44,8 @@ The kinds and who recovers (``docs/watchdog.md``):
             worker shut down sends it (``trainrun.preemption``): every shard loop of the process
             checkpoints at the step it is at and stops (``Preempted``) within the grace; a rerun
             continues from there and recomputes nothing. With threads the process is the whole run
-            (it ends; ``ckpt train --resume`` continues it).
+            (it ends; ``ckpt train --resume`` continues it). With ``rank=K`` only rank K's process
+            of the shard's group gets it, and the group stops together (``trainrun.rank_round``).
 ``stop``    ``SIGSTOP`` of the shard's own process: a frozen host or paused VM. Dask notices nothing
             before its worker TTL (minutes); the watchdog sees the beats stop, fences and reruns
             the shard. A helper process started just before the stop sends ``SIGCONT`` once the
@@ -280,8 +283,9 @@ def _wait_for_fence(chaos: Chaos, store: Store, part: str, generation: int, what
 
 
 def _preempt(chaos: Chaos, part: str) -> None:
-    """SIGTERM to this process; returns once its handler has asked the loops to stop (the loop then
-    checkpoints at this very step), or raises when nothing handled it within a few seconds."""
+    """SIGTERM to this process (a rank's: its group's); returns once its handler has asked the loops
+    to stop (the loop, or the group, then checkpoints at this very step), or raises when nothing
+    handled it within a few seconds."""
     from . import preemption
 
     log.warning("chaos %s: %s sends SIGTERM to its own process %d (a preemption)", chaos, part, os.getpid())

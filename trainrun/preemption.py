@@ -59,6 +59,11 @@ def grace_s() -> float:
     return _S.grace_s
 
 
+def training_now() -> bool:
+    """Whether a training loop of this process runs (``training``) right now."""
+    return _S.loops > 0
+
+
 def reset() -> None:
     """Forget an earlier request (a new session in a process that outlived a cancelled one)."""
     with _S.cond:

@@ -6,7 +6,7 @@ The shard task calls ``train_shard_group`` instead of ``train_shard_round``. Per
             store = a FileStore in its own 0700 folder                #   a private rendezvous
             ranks = R processes `python -m trainrun.rank_round`      #   (trainrun.rank_round)
     each rank its job on stdin (a JSON line)
-    watch them: every 0.2 s their exits and done files; every beat period the shard's fence and rank 0's beat
+    watch them: their exits as they happen, every 0.2 s their done files, every beat period the shard's fence and rank 0's beat
     the result: rank 0's (the group's fragment, written collectively); the group kept warm
 
 A group that finished its round waits for the shard's next one (``_WARM``, in this process): the
@@ -32,6 +32,12 @@ its own (``finish_failed_beats``: rank 0's is the shard's, so the retry's recove
 the kernel for ``SIGKILL`` when its supervisor ends: ``PR_SET_PDEATHSIG``). A fenced group's fragment, had one of its ranks written
 it, is of the old generation: never gathered, never committed.
 
+A preemption stops the group together: this process asked to stop (its SIGTERM, a cancel:
+``trainrun.preemption``) sends SIGTERM to every rank; a rank that gets SIGTERM, from here or from
+outside, makes its whole group stop after one step the ranks agree on, checkpoint there and exit
+``EXIT_PREEMPTED`` (``trainrun.rank_round``); this raises ``Preempted``. While the group trains,
+this process counts as a training loop, so its own SIGTERM waits for that stop (within the grace).
+
 Rank 0 beats as the shard (``heartbeats/<part>.json``, so the watchdog judges the group as it
 judges a shard), every other rank under ``heartbeats/ranks/<part>/<rank>.json``; the task's
 ``on_beat`` callback (progress, events) gets rank 0's beats, read back from the store.
@@ -40,8 +46,10 @@ judges a shard), every other rank under ``heartbeats/ranks/<part>/<rank>.json``;
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -57,12 +65,13 @@ from typing import Any
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Beat, Heartbeat, heartbeat_key, read_heartbeat
 
+from . import preemption
 from .beats import start_meta, starting
 from .documents import Cut
-from .errors import RankGroupFailed, RankGroupRefused
+from .errors import Preempted, RankGroupFailed, RankGroupRefused
 from .layout import shard_part
 from .local_tier import LocalTier
-from .rank_round import EXIT_FENCED, RankJob
+from .rank_round import EXIT_FENCED, EXIT_PREEMPTED, RankJob
 from .recovery import Failure
 from .results import ShardResult
 from .resume_point import resume_point
@@ -75,6 +84,7 @@ log = logging.getLogger("trainrun.rank_group")
 # usually fences a hung group sooner (its timeout: 30 s by default)
 GROUP_TIMEOUT_S = 120.0
 POLL_S = 0.2
+PREEMPTED_MAX_BYTES = 64 << 10  # rank 0's word on where its group stopped
 IDLE_S = 300.0  # a warm group waits this long for its shard's next round, then its ranks end
 REFUSALS = ("ValueError", "TypeError", "RankGroupRefused", "ImportError", "ModuleNotFoundError")
 
@@ -232,8 +242,8 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
     units in ``local_tier``, where a rerun of the group on this host reads them) and writes the shard's
     fragment. ``warm``: the shard's group of its previous round trains this one if it is still
     alive, and the group is kept for the next (the caller ends it: ``end_groups``); else a group is
-    started and ended here. Raises FencedError, RankGroupFailed or RankGroupRefused (module docstring); no rank
-    of a group that failed lives on when it raises."""
+    started and ended here. Raises FencedError, RankGroupFailed, RankGroupRefused or Preempted (module
+    docstring); no rank of a group that failed or stopped lives on when it raises."""
     part = shard_part(shard)
     generation = ck.live_generation(part)
     resume = resume_point(ck.store, part, round_no, generation) if checkpoint_every else None  # the same start for every rank
@@ -257,19 +267,14 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
                     failure=failure.to_dict() if failure is not None else None)
             for r in range(spec.ranks_per_shard)]
     try:
-        if group.ranks:
-            send_jobs(group.ranks, jobs)
-        else:  # a fresh group: its start is timed phase by phase from this beat on (trainrun.beats)
-            starting(Heartbeat(ck.store, part, generation=generation, round=round_no, steps_per_round=spec.steps_per_round,
-                               every_s=heartbeat_every_s, attempt=attempt, rank=0,
-                               meta=start_meta(cut, spec)), "spawn")
-            group.ranks = start_ranks(jobs, Path(group.workdir.name))
-        supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat)
+        with preemption.training():  # this process's SIGTERM waits (within its grace) for the group's stop
+            run_group(ck, part, generation, group, jobs, cut, spec, attempt, heartbeat_every_s, on_beat)
         result = ShardResult.from_json(result_path.read_bytes())
     except BaseException as e:
         group.end()  # a failed group is never kept
         if not isinstance(e, FencedError):  # fenced: the watchdog owns the shard now, its fence says what happened
-            finish_failed_beats(ck, part, generation, attempt, len(group.ranks), e, on_beat)
+            finish_failed_beats(ck, part, generation, attempt, len(group.ranks), e, on_beat,
+                                at=getattr(e, "detected_at", None))
         raise
     result_path.unlink(missing_ok=True)
     if warm:
@@ -278,6 +283,19 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
         group.end()
     return ShardResult.from_dict({**result.to_dict(), "seconds": {**result.seconds,
                                                                   "group": round(time.perf_counter() - t0, 4)}})
+
+
+def run_group(ck: Checkpointer, part: str, generation: int, group: Group, jobs: Sequence[RankJob], cut: Cut,
+              spec: RunSpec, attempt: int, heartbeat_every_s: float, on_beat: Callable[[Beat], None] | None) -> None:
+    """Send the group its jobs (a fresh group: start its ranks with them) and supervise it."""
+    if group.ranks:
+        send_jobs(group.ranks, jobs)
+    else:  # a fresh group: its start is timed phase by phase from this beat on (trainrun.beats)
+        starting(Heartbeat(ck.store, part, generation=generation, round=jobs[0].round_no,
+                           steps_per_round=spec.steps_per_round, every_s=heartbeat_every_s, attempt=attempt, rank=0,
+                           meta=start_meta(cut, spec)), "spawn")
+        group.ranks = start_ranks(jobs, Path(group.workdir.name))
+    supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat)
 
 
 def group_failure(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, generation: int,
@@ -292,31 +310,108 @@ def group_failure(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cu
 def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank], jobs: Sequence[RankJob], *,
               every_s: float, on_beat: Callable[[Beat], None] | None) -> None:
     """Return once every rank is done with its job; raise at the first rank that failed (or ended
-    before its job was done), or when fenced."""
+    before its job was done), when fenced, or Preempted once every rank stopped on a preemption.
+    A rank's exit is seen when it happens (``ExitWatch``); the error raised carries that moment
+    (``detected_at``), the detection a recovery row measures. This process asked to stop
+    (``trainrun.preemption``): the request goes on to every rank as SIGTERM."""
     next_look = 0.0
     last_beats = -1
-    while True:
-        codes = [r.process.poll() for r in ranks]
-        failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None]
-        if failed:
-            raise group_error(part, generation, ranks, failed)
-        if all(os.path.exists(job.done_path) for job in jobs):
-            return
-        now = time.monotonic()
-        if now >= next_look:
-            next_look = now + every_s
-            if ck.live_generation(part) > generation:
-                raise FencedError(f"{part} generation {generation} was fenced while its group of {len(ranks)} ranks "
-                                  "trained; every rank of the group was ended")
-            beat = read_heartbeat(ck.store, part)
-            if on_beat is not None and beat is not None and beat.generation == generation and beat.beats != last_beats:
-                last_beats = beat.beats
-                on_beat(beat)
-        time.sleep(POLL_S)
+    forwarded = False
+    preempted_since: float | None = None
+    with ExitWatch(ranks) as exits:
+        while True:
+            # a rank the forwarded SIGTERM caught before its handler was set ended as SIGTERM ends a process
+            stopped = (EXIT_PREEMPTED, -signal.SIGTERM) if forwarded else (EXIT_PREEMPTED,)
+            codes = [r.process.poll() for r in ranks]
+            failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None and c not in stopped]
+            if failed:
+                raise detected(group_error(part, generation, ranks, failed))
+            if all(c in stopped for c in codes):
+                raise preempted(part, jobs[0])
+            if any(c in stopped for c in codes):  # the others are finishing the group's stop
+                preempted_since = preempted_since or time.monotonic()
+                if time.monotonic() - preempted_since > preemption.grace_s():
+                    raise preempted(part, jobs[0])
+            if all(os.path.exists(job.done_path) for job in jobs):
+                return
+            if not forwarded and preemption.requested() is not None:
+                forwarded = True
+                forward_sigterm(ranks)
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + every_s
+                if ck.live_generation(part) > generation:
+                    raise FencedError(f"{part} generation {generation} was fenced while its group of {len(ranks)} "
+                                      "ranks trained; every rank of the group was ended")
+                beat = read_heartbeat(ck.store, part)
+                if on_beat is not None and beat is not None and beat.generation == generation \
+                        and beat.beats != last_beats:
+                    last_beats = beat.beats
+                    on_beat(beat)
+            exits.wait(POLL_S)
+
+
+class ExitWatch:
+    """Wakes the supervisor the moment a rank exits (Linux pidfds, readable once the process ended),
+    not at its next poll; elsewhere a plain sleep of the poll period."""
+
+    def __init__(self, ranks: Sequence[Rank]):
+        self.fds: list[int] = []
+        if hasattr(os, "pidfd_open"):
+            for r in ranks:
+                try:
+                    self.fds.append(os.pidfd_open(r.process.pid))
+                except OSError:  # already reaped: its poll says so
+                    pass
+
+    def __enter__(self) -> ExitWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+    def wait(self, timeout: float) -> None:
+        if self.fds:
+            select.select(self.fds, [], [], timeout)
+        else:
+            time.sleep(timeout)
+
+
+def detected(error: BaseException) -> BaseException:
+    """``error``, stamped with the wall time its failure was seen (the group's final beats say it)."""
+    error.detected_at = time.time()  # type: ignore[attr-defined]
+    return error
+
+
+def forward_sigterm(ranks: Sequence[Rank]) -> None:
+    """This process was asked to stop: each rank gets SIGTERM, and the group stops together."""
+    log.warning("preemption: SIGTERM forwarded to the %d ranks of a group", len(ranks))
+    for r in ranks:
+        if r.process.poll() is None:
+            try:
+                r.process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def preempted(part: str, job: RankJob) -> Preempted:
+    """The group stopped on a preemption: the Preempted rank 0 raised (``RankJob.preempted_path``,
+    written by this group's own rank in its 0700 folder, its size bounded), else a plain one."""
+    why = preemption.requested()
+    try:
+        with open(job.preempted_path, "rb") as f:
+            doc = json.loads(f.read(PREEMPTED_MAX_BYTES))
+        return Preempted(str(doc["message"]), part=part, round_no=job.round_no, round_step=int(doc["round_step"]),
+                         reason=str(why or doc["reason"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Preempted(f"{part} round {job.round_no}: its group stopped on a preemption but rank 0 did not say "
+                         f"where ({type(e).__name__}: {e}); a rerun continues from its newest shard checkpoint",
+                         part=part, round_no=job.round_no, reason=why or "SIGTERM")
 
 
 def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: int, ranks: int,
-                        error: BaseException, on_beat: Callable[[Beat], None] | None) -> None:
+                        error: BaseException, on_beat: Callable[[Beat], None] | None, at: float | None = None) -> None:
     """The group's attempt failed and every rank has ended: each rank's beat of this attempt that
     still says ``running`` becomes ``failed``, with the group's error. A rank writes its own final
     beat when it gets to it, but the supervisor kills the ranks as soon as one fails, so rank 0
@@ -325,7 +420,8 @@ def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: i
     take the failure for a process that died (``process-died``), or a watchdog, seeing no beat for
     its timeout while the retry's fresh group starts, would fence the shard as ``silent``. To
     Prefect the attempt raised, so it is a ``crash`` (``trainrun.recovery``), whichever rank failed
-    and however fast. Nothing is written once the part is fenced (a newer generation owns its beat);
+    and however fast. Each final beat's time is ``at``, when the failure was seen (a rank's exit),
+    else now: the retry's recovery row measures its detection from it. Nothing is written once the part is fenced (a newer generation owns its beat);
     a store that cannot be written is logged: the group's own error is the one raised."""
     try:
         if ck.live_generation(part) > generation:
@@ -334,7 +430,7 @@ def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: i
             beat = read_heartbeat(ck.store, part, r)
             if beat is None or beat.status != "running" or (beat.generation, beat.attempt) != (generation, attempt):
                 continue  # it wrote its own final beat, or never beat in this attempt
-            final = replace(beat, status="failed", time=time.time(), beats=beat.beats + 1,
+            final = replace(beat, status="failed", time=at or time.time(), beats=beat.beats + 1,
                             error=f"{type(error).__name__}: {error}")
             ck.store.put(heartbeat_key(part, r), final.to_json())
             if r == 0 and on_beat is not None:

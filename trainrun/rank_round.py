@@ -23,7 +23,14 @@ and the cut reads it as it reads one process's fragment. The round's loss is the
 ranks of their local means (one all_reduce at the end of the round: the same on every rank).
 
 What a rank's exit says to the supervisor: 0 its stdin closed or stayed idle (every job done), 3 fenced
-(a newer generation owns the shard), 1 anything else (its traceback on stderr). A rank that dies or
+(a newer generation owns the shard), 4 preempted (below), 1 anything else (its traceback on stderr).
+
+A preemption stops the group together. A rank that gets SIGTERM (from outside, or forwarded by its
+supervisor when the supervisor's own process got one) sets its process's flag
+(``trainrun.preemption``); before each step every rank votes with one all_reduce(MAX) of an int64
+(``stop_code``), so they all stop after the same step, write the group's shard checkpoint of that
+state collectively, and exit 4 (rank 0 first says where it stopped); the supervisor raises
+``Preempted``. The vote costs one small collective a step (docs/training.md, Preemption). A rank that dies or
 hangs fails the others at their next collective (gloo: a closed connection at once, a hang after the
 group timeout) or is ended by the supervisor, which watches them all.
 """
@@ -34,21 +41,25 @@ import json
 import math
 import os
 import select
+import signal
 import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat
 from ckptlib.store import Store
 
+from . import preemption
 from .beats import start_meta, started, starting
 from .chaos import for_attempt, strike
 from .documents import Cut
+from .errors import Preempted
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier, copy_name
 from .recovery import Failure, write_recovery
@@ -61,6 +72,10 @@ if TYPE_CHECKING:
     from .shard_round import ShardAttempt, ShardRNG
 
 EXIT_FENCED = 3
+EXIT_PREEMPTED = 4  # the group stopped on a preemption, its state checkpointed (rank 0 wrote ``preempted_path``)
+# a preemption's reason as one integer, so that the ranks agree on it with one all_reduce(MAX) a step
+STOP_CODES = {"SIGTERM": 1, "cancel": 2}
+STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}
 LOOPBACK = "lo"  # the interface every gloo group of a rank binds (Linux's loopback: 127.0.0.1 only)
 
 
@@ -91,6 +106,11 @@ class RankJob:
     local_tier_max_bytes: int | None = None
     idle_s: float = 300.0  # a warm group's rank ends after this long without its next job
     failure: dict[str, Any] | None = None  # what the attempt recovers from (the supervisor recognised it)
+
+    @property
+    def preempted_path(self) -> str:
+        """Where rank 0 says where the group stopped, when it was preempted (``EXIT_PREEMPTED``)."""
+        return f"{self.result_path}.preempted"
 
     @property
     def done_path(self) -> str:
@@ -283,6 +303,12 @@ def build_rank_workload(spec: RunSpec, job: RankJob, state: dict[str, Any]) -> A
     return wl
 
 
+def stop_code() -> int:
+    """This rank's vote on stopping now: 0 go on, else why it was asked to (``STOP_CODES``)."""
+    why = preemption.requested()
+    return 0 if why is None else STOP_CODES.get(why, 1)
+
+
 def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpointer, start: Start, rng: ShardRNG,
                saver: ShardCheckpoints) -> float:
     """The round's steps on this rank after ``start.round_step``, a beat after each, the group's
@@ -292,6 +318,8 @@ def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpoi
     strikes = {c.strike_step(spec.steps_per_round): c for c in chaos}
     losses = list(start.losses)
     for k in range(start.round_step + 1, spec.steps_per_round + 1):
+        if stop := group_max(stop_code()):  # asked to stop? Between steps, agreed by every rank
+            stop_group(job, wl, rng, saver, losses, k - 1, start.round_step, STOP_REASONS[stop])
         losses.append(float(wl.train_step()))
         if k in strikes:
             strike(strikes[k], part=shard_part(job.shard), round_step=k, heartbeat=hb, checkpointer=ck,
@@ -303,13 +331,28 @@ def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpoi
     return math.fsum(losses) / len(losses)
 
 
+def stop_group(job: RankJob, wl: Any, rng: ShardRNG, saver: ShardCheckpoints, losses: list[float], round_step: int,
+               started_at: int, why: str) -> NoReturn:
+    """The group agreed to stop after ``round_step`` steps (a rank, or its supervisor, was asked to:
+    ``trainrun.preemption``): every rank checkpoints that state together (unless the newest
+    checkpoint, or the start, holds it), waits for the write and raises Preempted."""
+    saver.finish()  # the write in flight settled on every rank: the same ``newest`` everywhere
+    if saver.enabled and round_step > started_at and saver.newest != round_step:
+        saver.take(round_step, wl, rng, losses)
+        saver.finish()  # stored (or FencedError: a newer generation owns the shard)
+    kept = saver.newest if saver.newest is not None else started_at
+    part = shard_part(job.shard)
+    raise Preempted(f"{part} round {job.round_no} stopped at step {round_step} ({why}): its group of {job.ranks} ranks "
+                    f"checkpointed it at step {kept}; a rerun (ckpt train --resume, a retry, another worker) continues "
+                    "from there", part=part, round_no=job.round_no, round_step=kept, reason=why)
+
+
 def die_with(supervisor_pid: int) -> None:
     """Have the kernel SIGKILL this rank when its supervisor's thread ends (Linux ``PR_SET_PDEATHSIG``):
     a shard task killed with ``kill -9`` leaves no rank training on; elsewhere a no-op."""
     if not supervisor_pid or not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != supervisor_pid:  # it died before the call: nobody would end this rank
@@ -342,7 +385,8 @@ def run_job(job: RankJob) -> int:
     """One round's job in the live group; the exit code it would end the process with (0: done,
     the done file written, the result first on rank 0)."""
     try:
-        result = train_rank_round(job)
+        with preemption.training():
+            result = train_rank_round(job)
         if job.rank == 0:  # read once its done file exists, so written whole by then
             with open(job.result_path, "w", encoding="utf-8") as f:
                 f.write(result.to_json().decode())
@@ -352,6 +396,11 @@ def run_job(job: RankJob) -> int:
     except FencedError as e:
         print(f"fenced: {e}", file=sys.stderr)
         return EXIT_FENCED
+    except Preempted as e:
+        if job.rank == 0:  # what the supervisor raises: its own Preempted (trainrun.rank_group.preempted)
+            Path(job.preempted_path).write_text(json.dumps({"message": str(e), "round_step": e.round_step,
+                                                            "reason": e.reason}), encoding="utf-8")
+        return EXIT_PREEMPTED
     except BaseException:  # noqa: BLE001 - the supervisor reports the traceback's last line
         traceback.print_exc()
         return 1
@@ -363,6 +412,7 @@ def main() -> int:
     ends the process, and its exit code says how (module docstring)."""
     import torch.distributed as dist
 
+    signal.signal(signal.SIGTERM, _on_sigterm)
     reader = JobReader()
     job = reader.next()
     if job is None:
@@ -397,6 +447,14 @@ def main() -> int:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group cannot be destroyed cleanly
             pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM to a rank (a preemption): while it trains, the group stops at the next step its ranks
+    agree on (``rank_steps``); between jobs the rank ends at once."""
+    preemption.request("SIGTERM")
+    if not preemption.training_now():
+        raise SystemExit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":
