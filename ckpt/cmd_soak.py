@@ -11,6 +11,10 @@
    step the clean run had reached then; as chaos specs.
 3. The same run with those failures, the watchdog beside it recovering the silent ones.
 
+With ``--compare torchft,torchrun-dcp`` the same steps of the same model, data and seeds then run
+through those peers, clean and struck by the same schedule (``bench.compare``; docs/recovery.md),
+and the report gains ``systems``: each system's goodput, failures struck, recoveries and work lost.
+
 It reports goodput (the clean run's round time over the drilled run's, for the same steps), the
 failures that struck and the recoveries (``steps_recomputed``, ``detect_s``, ``back_to_training_s``:
 median, p95, max), and whether both runs end on the same digest (exit 1 if not). The runs live under
@@ -66,6 +70,11 @@ def soak(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the runs' stores.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="PATH", help="Also write the report as JSON.")
                         ] = None,
+    compare: Annotated[Optional[str], typer.Option("--compare", metavar="PEERS", help="Also run the same steps and "
+                                                   "failures through peers: torchft, torchrun-dcp (needs --shards 2).")
+                       ] = None,
+    dcp_every: Annotated[Optional[int], typer.Option("--dcp-every", metavar="N", min=1, help="torchrun-dcp's "
+                                                     "checkpoint interval (default: the shards' step bound).")] = None,
 ) -> None:
     """Train with failures injected at random moments and without; report goodput and what each recovery cost."""
     with command_errors():
@@ -79,6 +88,7 @@ def soak(
         for k in names:
             parse_chaos(f"{k}:shard=0,round=1")  # an unknown kind: one error line
         check_runner([f"{k}:shard=0,round=1" for k in names], task_runner)
+        peers = _peers(compare, shards)
         root = store or tempfile.mkdtemp(prefix="ckpt-soak-")
         base = {"workload": workload, "workload_size": size, "shards": shards, "steps_per_round": steps_per_round,
                 "seed": 0, "store": root, "heartbeat_every_s": heartbeat_every,
@@ -86,15 +96,77 @@ def soak(
                 "task_runner": task_runner, "validate_checkpoints": validate, "shard_retries": 3}
         try:
             report = _soak(base, minutes, rounds, fail_every, names, seed, watchdog_timeout, failures)
+            if peers:
+                report.update(_compare(report, peers, base, dcp_every, watchdog_timeout, root))
         finally:
             if not keep and store is None:
                 shutil.rmtree(root, ignore_errors=True)
         _print(report)
+        if peers:
+            _print_systems(report)
         if json_out:
             with open(json_out, "w") as f:
                 json.dump(report, f, indent=1, default=str)
         if not report["same_digest"]:
             raise typer.Exit(1)
+
+
+def _peers(compare: str | None, shards: int) -> list[str]:
+    """The peers of ``--compare``, checked before any run starts."""
+    from bench.compare import PEERS
+
+    peers = [p.strip() for p in (compare or "").split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"--compare: unknown peer {', '.join(unknown)}: choose from {', '.join(PEERS)}")
+    if peers and shards != 2:
+        raise ValueError(f"--compare: the peers train two ranks, one shard's batches each, but --shards is "
+                         f"{shards}: pass --shards 2")
+    return peers
+
+
+def _compare(report: dict[str, Any], peers: list[str], base: dict[str, Any], dcp_every: int | None,
+             timeout_s: float, root: str) -> dict[str, Any]:
+    """The peers through the soak's steps and schedule (``bench.compare.run``), beside this pipeline's figures."""
+    from bench.compare.run import run_peers
+
+    typer.echo(f"soak: the same {report['rounds']} rounds and failures through {', '.join(peers)}", err=True)
+    out = run_peers(peers, report["schedule"], rounds=report["rounds"], steps_per_round=base["steps_per_round"],
+                    size=base["workload_size"], dcp_every=dcp_every or report["steps_bound"], timeout_s=timeout_s,
+                    root=os.path.join(root, "compare"))
+    ours = {"goodput": report["goodput"], "clean_s": report["clean_rounds_s"], "drilled_s": report["drilled_rounds_s"],
+            "failures_scheduled": report["failures_scheduled"], "failures_struck": report["failures_struck"],
+            "detect_s": report["detect_s"], "back_to_training_s": report["back_to_training_s"],
+            "steps_recomputed": sum(r["steps_recomputed"] for r in report["rows"]), "samples_dropped": 0,
+            "same_digest": report["same_digest"]}
+    return {"systems": {"ckptlib": ours, **out["systems"]},
+            "compare": {k: out[k] for k in ("steps", "strikes", "unmapped")}}
+
+
+def _print_systems(r: dict[str, Any]) -> None:
+    """One line per system: goodput, failures, median detection and recovery, work lost, the end state."""
+    def med(xs: list[float | None]) -> str:
+        got = [x for x in xs if x is not None]
+        return f"{statistics.median(got):.2f}" if got else "-"
+
+    typer.echo(f"{'system':<14}{'goodput':>9}{'struck':>8}{'detect s':>10}{'back s':>9}{'recomputed':>12}"
+               f"{'dropped':>9}  end state")
+    for name, s in r["systems"].items():
+        if "error" in s:
+            typer.echo(f"{name:<14}  cannot run here: {s['error']}")
+            continue
+        if name == "ckptlib":
+            detect, back = s["detect_s"]["median"], s["back_to_training_s"]["median"]
+            d, b = ("-" if detect is None else f"{detect:.2f}"), ("-" if back is None else f"{back:.2f}")
+        else:
+            d = med([x["detect_s"] for x in s["recoveries"]])
+            b = med([x["rejoin_s"] for x in s["recoveries"]])  # the struck rank trains again (as back_to_training)
+        losses = [s.get("drilled_loss"), s.get("clean_loss")]
+        end = "the clean digest" if s["same_digest"] else \
+            "differs (loss " + " vs clean ".join("-" if x is None else f"{x:.4f}" for x in losses) + ")"
+        good = "-" if s["goodput"] is None else f"{s['goodput']:.1%}"
+        typer.echo(f"{name:<14}{good:>9}{s['failures_struck']:>8}{d:>10}{b:>9}{s['steps_recomputed']:>12}"
+                   f"{s['samples_dropped']:>9}  {end}")
 
 
 def _soak(base: dict[str, Any], minutes: float, rounds: int | None, fail_every: float, kinds: list[str], seed: int,
