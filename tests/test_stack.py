@@ -692,7 +692,9 @@ def test_prefect_cli_runs_the_documented_parameters_and_a_diverging_run_fails(st
         assert {**typed, "lr": float(typed["lr"])} == given, typed
         validate = next(t for t in api.task_runs(fr["id"]) if t["name"] == "validate-step-1")
         assert validate["state_type"] == "FAILED" and "no_nan" in validate["state"]["message"], validate["state"]
-    what = webhook.wait_for("ckpt-notify-validation-failed", where=lambda b: run_id in b["what"]["run"])["what"]
+    # every committed step is validated, newest first: step 1's notification comes, maybe after step 2's
+    what = webhook.wait_for("ckpt-notify-validation-failed",
+                            where=lambda b: run_id in b["what"]["run"] and b["what"]["step"] == 1)["what"]
     assert what["step"] == 1 and "no_nan" in what["failed"], what  # typed: an int, a list
     assert what["report"].startswith("http://") and _status("GET", what["report"]) == 200, what
     ended = webhook.wait_for("ckpt-notify-run-not-completed", where=lambda b: b["what"]["flow_run"] == fr["name"])
@@ -890,7 +892,9 @@ def test_failed_revalidation_notifies_and_its_index_agrees(stack, webhook):
             "run_url": f"{stack['store']}/{run_id}", "step": 1, "thresholds": {"max_norm": 1e-9}})
         fr = api.wait(fr["id"], timeout=300)
         assert fr["state_type"] == "FAILED" and "step 1 failed validation" in fr["state"]["message"], fr["state"]
-    what = webhook.wait_for("ckpt-notify-validation-failed", where=lambda b: run_id in b["what"]["run"])["what"]
+    # every committed step is validated, newest first: step 1's notification comes, maybe after step 2's
+    what = webhook.wait_for("ckpt-notify-validation-failed",
+                            where=lambda b: run_id in b["what"]["run"] and b["what"]["step"] == 1)["what"]
     assert what["step"] == 1 and isinstance(what["failed"], list) and what["failed"], what  # typed: an int, a list
     assert what["report"].startswith("http://") and _status("GET", what["report"]) == 200, what
     html = _get(index)
