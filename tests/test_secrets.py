@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prefect_records import api_text
+
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.s3]
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
@@ -83,27 +85,6 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "CKPT_STORAGE"))}
     return {**env, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def api_text(path: str) -> str:
-    """Every page of one of Prefect's filter endpoints, as JSON text."""
-    from prefect.client.orchestration import get_client
-
-    out = []
-    with get_client(sync_client=True) as client:
-        if path == "/events/filter":  # 50 a page, then next_page links
-            page = client._client.post(path, json={"limit": 50}).raise_for_status().json()
-            out.append(json.dumps(page))
-            while page.get("next_page"):
-                page = client._client.get(page["next_page"]).raise_for_status().json()
-                out.append(json.dumps(page))
-            return "\n".join(out)
-        for offset in range(0, 100_000, 200):
-            items = client._client.post(path, json={"limit": 200, "offset": offset}).raise_for_status().json()
-            out.append(json.dumps(items))
-            if len(items) < 200:
-                break
-    return "\n".join(out)
 
 
 def test_no_secret_anywhere_after_every_kind_of_run(vault, prefect_harness, tmp_path):

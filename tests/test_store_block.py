@@ -14,6 +14,8 @@ import json
 
 import pytest
 
+from tests.prefect_records import api_text
+
 pytestmark = [pytest.mark.prefect]
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
@@ -27,27 +29,6 @@ def keep_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
-
-
-def api_text(path: str) -> str:
-    """Every record one of Prefect's filter endpoints returns, as JSON text."""
-    from prefect.client.orchestration import get_client
-
-    out = []
-    with get_client(sync_client=True) as client:
-        if path == "/events/filter":  # 50 a page, then next_page links
-            page = client._client.post(path, json={"limit": 50}).raise_for_status().json()
-            out.append(json.dumps(page))
-            while page.get("next_page"):
-                page = client._client.get(page["next_page"]).raise_for_status().json()
-                out.append(json.dumps(page))
-            return "\n".join(out)
-        for offset in range(0, 100_000, 200):
-            items = client._client.post(path, json={"limit": 200, "offset": offset}).raise_for_status().json()
-            out.append(json.dumps(items))
-            if len(items) < 200:
-                break
-    return "\n".join(out)
 
 
 def test_a_train_run_takes_its_store_and_credentials_from_the_block_and_no_record_holds_the_secret(
