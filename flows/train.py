@@ -134,6 +134,8 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
         if watch is not None:
             watch.stop()
         preemption.uninstall()
+        if preemption.requested() == "cancel":  # this session's cancel: a later one in this process starts clean
+            preemption.reset()
         if spec.ranks_per_shard > 1:  # the shards' groups were kept warm from round to round
             from trainrun.rank_group import end_groups
 

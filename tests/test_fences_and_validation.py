@@ -189,6 +189,10 @@ def test_every_committed_step_is_validated_newest_first_and_a_cancel_waits_for_t
         client.set_flow_run_state(fr.id, Cancelling(message="cancelled by the test"), force=True)
     thread.join(300)
     assert not thread.is_alive()
+    from trainrun import preemption
+
+    # the cancel was that session's: a later run in this process (CI's next test) must not start stopped
+    assert preemption.requested() is None
     committed = sorted(int(m.stem) for m in (run / "manifests").glob("*.json"))
     assert 4 <= committed[-1] < 30, committed  # cancelled mid-way
     # every committed step has its verdict, stored before the run ended

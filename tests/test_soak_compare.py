@@ -43,9 +43,12 @@ def test_torchrun_dcp_restarts_both_ranks_from_the_latest_dcp_step_and_ends_on_t
     assert "error" not in s, s
     assert s["failures_scheduled"] == s["failures_struck"] == 1 and r["strikes"][0]["step"] == 7
     [row] = s["recoveries"]
-    assert row["kind"] == "crash" and row["rank"] == 1 and row["detect_s"] is not None and row["rejoin_s"] is not None
+    # detect_s is the live rank's failed collective, seen only when that comes before torchrun's agent
+    # stops the rank (CI saw the agent first, under load): not asserted; the restart is
+    assert row["kind"] == "crash" and row["rank"] == 1 and row["rejoin_s"] is not None
+    assert row["detect_s"] is None or row["detect_s"] >= 0
     assert s["steps_recomputed"] == 7 - 5  # back to step 5's DCP folder: steps 6 and 7 again
-    assert s["samples_dropped"] == 0 and s["steps_discarded"] == 1  # the live rank's failed collective
+    assert s["samples_dropped"] == 0 and s["steps_discarded"] in (0, 1)  # the live rank's failed collective, if seen
     assert s["same_digest"] and s["drilled_loss"] == s["clean_loss"] and math.isfinite(s["clean_loss"])
     assert 0 < s["goodput"] < 1.5
 
