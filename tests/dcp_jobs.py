@@ -8,7 +8,6 @@ through a plain ckptlib store (``<out dir>/ref``), not pickles.
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from distributed_jobs import fsdp, full, state, step
+from distributed_jobs import main as run_job
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -103,13 +103,7 @@ JOBS = {f.__name__: f for f in (fsdp_save, fsdp_load, fsdp_four)}
 
 def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = JOBS[job](rank, url, Path(out))
-        (Path(out) / f"{job}.r{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    run_job(job, rank, world, port, url, out, jobs=JOBS)
 
 
 if __name__ == "__main__":

@@ -361,11 +361,12 @@ JOBS = {f.__name__: f for f in (fsdp_train, fsdp_resume, fsdp_reshard, ddp, fsdp
                                          substeps, local_copies, checkpointer_per_round)}
 
 
-def main(job: str, rank: int, world: int, port: int, url: str, out: str) -> None:
+def main(job: str, rank: int, world: int, port: int, url: str, out: str, jobs: dict | None = None) -> None:
+    """Run ``job`` (of ``jobs``, default this module's) as rank ``rank`` of a gloo group; its result to ``out``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = JOBS[job](rank, url, Path(out))
+        result = (jobs or JOBS)[job](rank, url, Path(out))
         (Path(out) / f"{job}.r{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
