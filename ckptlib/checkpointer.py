@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -79,6 +80,18 @@ class CommitInfo:
     def ratio(self) -> float:
         """Logical size over bytes written: how many times smaller than a full copy."""
         return self.logical_bytes / max(self.bytes_written, 1)
+
+
+class _HeldStep:
+    """A step ``Checkpointer.reading`` holds: its read lease and, once read, its manifest. Handed to
+    a restore as its lease: the restore's ``release`` leaves it held."""
+
+    def __init__(self, lease: Lease):
+        self.lease = lease
+        self.manifest: Manifest | None = None
+
+    def release(self) -> None:
+        pass
 
 
 class SaveFuture(Future, Generic[T]):
@@ -163,6 +176,9 @@ class Checkpointer:
         # step dropped may be committed again with another state. Fragments a manifest names are
         # immutable by their checksum, so the last few are kept.
         self._fragments: OrderedDict[tuple, AnyFragment] = OrderedDict()
+        # steps held by ``reading``: their read lease, and their manifest once read (a held step
+        # cannot be dropped, so it cannot be committed again with another state meanwhile)
+        self._held: dict[int, _HeldStep] = {}
         self._inflight: SaveFuture[Any] | None = None
         self._marked = False
         self._closed = False
@@ -636,8 +652,39 @@ class Checkpointer:
         return _value_at(state, select[0]) if len(select) == 1 else state
 
     def _read_manifest(self, step: int) -> Manifest:
-        """The committed manifest of ``step``, as the store has it now."""
-        return commit.read_manifest(self.store, step)
+        """The committed manifest of ``step``, as the store has it now (read once while ``reading``
+        holds the step)."""
+        held = self._held.get(step)
+        if held is None:
+            return commit.read_manifest(self.store, step)
+        if held.manifest is None:
+            held.manifest = commit.read_manifest(self.store, step)
+        return held.manifest
+
+    def _read_lease(self, step: int) -> Lease | _HeldStep:
+        """A read lease of ``step`` for one restore (release it when done): the one ``reading`` holds,
+        if it holds the step (its ``release`` leaves it held), else a new one."""
+        return self._held.get(step) or Lease(self.store, "read", step).try_acquire()
+
+    @contextmanager
+    def reading(self, step: int | None = None) -> Iterator[int]:
+        """Hold committed ``step`` (None: the latest) for the restores of it inside the block, and
+        give its number: one read lease and one read of its manifest for them all, where each
+        restore takes its own otherwise. For a reader that restores one step in several calls
+        (``ckptlib.dcp.StorageReader``: its metadata, then each rank's parts). Nested or concurrent
+        holds of one step share the first (it is released when that one ends)."""
+        resolved = self._resolve(step, healthy=False)  # the latest as restore() takes it
+        if resolved in self._held:
+            yield resolved
+            return
+        lease = Lease(self.store, "read", resolved).try_acquire()
+        self._held[resolved] = held = _HeldStep(lease)
+        try:
+            self._read_manifest(resolved)  # after the lease: a GC either sees it or dropped the step
+            yield resolved
+        finally:
+            del self._held[resolved]
+            held.lease.release()
 
     def _fragment(self, m: Manifest, part: str) -> AnyFragment:
         ref = m.parts.get(part)
@@ -652,7 +699,7 @@ class Checkpointer:
                 self._fragments.popitem(last=False)
         return self._fragments[key]
 
-    def _leased_manifest(self, step: int | None, healthy: bool) -> tuple[Manifest, Lease]:
+    def _leased_manifest(self, step: int | None, healthy: bool) -> tuple[Manifest, Lease | _HeldStep]:
         """The manifest of the step to restore, read under a read lease of it (release it when done).
         Every restore takes one, the newest step's too: a newer commit can make it droppable while it
         is read. A lease is written before the manifest is read, so a GC either sees it or has
@@ -662,7 +709,7 @@ class Checkpointer:
                         "and a damaged one fails the restore", step, self.url, note.summary())
         for attempt in range(3):
             resolved = self._resolve(step, healthy=healthy)
-            lease = Lease(self.store, "read", resolved).try_acquire()
+            lease = self._read_lease(resolved)
             try:
                 return self._read_manifest(resolved), lease
             except NoCheckpoint:
@@ -1021,7 +1068,7 @@ class Checkpointer:
             resolved = coll.broadcast(chosen, "choosing the step to restore").result()
         else:
             resolved = commit.check_step(step)
-        lease = Lease(self.store, "read", resolved).try_acquire()  # every rank's own (see _leased_manifest)
+        lease = self._read_lease(resolved)  # every rank's own (see _leased_manifest)
         try:
             error: BaseException | None = None
             try:

@@ -575,12 +575,19 @@ class Stack:
                       "--pid-file", str(self.pid_path("worker")), "--log", str(self.logs / "supervisor.log"),
                       "--output", str(self.logs / "worker.log"), "--backoff", str(first),
                       "--max-backoff", str(longest), "--", *cmd]
-        since = time.time()
+        # The new worker's own heartbeat: the API still lists a worker killed a moment ago under the same
+        # name as ONLINE, with a heartbeat that may be from the last second (CI saw `up` return before the
+        # supervisor had started anything). So: a heartbeat newer than any before, from a worker that lives.
+        since = max(time.time() - 1.0, _worker_beat_time(api, pool, info["worker_name"]) or 0.0)
         self.pid_path("worker").unlink(missing_ok=True)
         self._spawn("supervisor", supervisor, env, self.logs / "supervisor.log", cwd=Path.cwd())
-        # its own heartbeat: the API still lists a worker killed a minute ago under the same name as ONLINE
-        self._wait("worker", lambda: _worker_beat_since(api, pool, info["worker_name"], since),
-                   timeout, "supervisor", self.logs / "worker.log")
+
+        def started() -> bool:
+            pid = self.pid("worker")
+            return pid is not None and _owned(pid, info["stack_id"]) and \
+                (_worker_beat_time(api, pool, info["worker_name"], online=True) or 0.0) > since
+
+        self._wait("worker", started, timeout, "supervisor", self.logs / "worker.log")
 
     def _spawn(self, service: str, cmd: list[str], env: dict[str, str], log_path: Path,
                cwd: Path | None = None) -> None:
@@ -720,15 +727,16 @@ def _worker_status(api: _Api, pool: str, name: str) -> str | None:
     return record.get("status") if record else None
 
 
-def _worker_beat_since(api: _Api, pool: str, name: str, since: float) -> bool:
-    """The worker is ONLINE with a heartbeat sent after ``since`` (wall time)."""
+def _worker_beat_time(api: _Api, pool: str, name: str, online: bool = False) -> float | None:
+    """The wall time of the worker's last heartbeat as the API has it (None: none, or not ONLINE when
+    ``online``)."""
     from datetime import datetime
 
-    record = _worker_record(api, pool, name)
-    beat = (record or {}).get("last_heartbeat_time")
-    if not beat or record.get("status") != "ONLINE":
-        return False
-    return datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() >= since - 1.0
+    record = _worker_record(api, pool, name) or {}
+    beat = record.get("last_heartbeat_time")
+    if not beat or (online and record.get("status") != "ONLINE"):
+        return None
+    return datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp()
 
 
 def detach_flow_runs(api: _Api, pool: str) -> None:

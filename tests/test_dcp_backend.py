@@ -251,3 +251,31 @@ def test_fsdp2_on_four_ranks_loads_on_four_and_on_two_bit_exact(tmp_path):
     loaded = job("fsdp_four", 4, url, tmp_path / "out")
     assert sorted(Checkpointer(url).manifest(1).parts) == ["dcp", "dcp-r0", "dcp-r1", "dcp-r2", "dcp-r3"]
     assert [r["diffs"] for r in loaded] == [{"4": None, "2": None}] * 2 + [{"4": None}] * 2, loaded
+
+
+def test_a_load_holds_its_step_with_one_read_lease_and_one_manifest_read(tmp_path):
+    """A load restores its step in several calls (the metadata, then each part): it writes one read
+    lease for them all, reads the step's manifest once, and leaves no lease behind. Before, each
+    restore took its own lease (a put, a renewal thread, a delete) and read the manifest again: the
+    load took 1.25x FileSystemReader's time on the two-rank benchmark."""
+    from ckptlib.store import Store
+    from ckptlib.testing.faulty import FaultyStore
+
+    url = str(tmp_path / "run")
+    dcp.save(sample(0), storage_writer=StorageWriter(url, step=1))
+    fs = FaultyStore(Store.from_url(url))
+    ck = Checkpointer(fs)
+    into = blank()
+    dcp.load(into, storage_reader=StorageReader(ck))
+    assert first_difference(into, sample(0)) is None
+    leases = [c.key for c in fs.calls if c.op in ("put", "put_if_absent") and c.key.startswith("leases/")]
+    assert len(leases) == 1 and leases[0].startswith("leases/read-"), leases
+    assert [c.op for c in fs.calls if c.key == leases[0]] == ["put", "delete"]
+    assert sum(1 for c in fs.calls if c.op == "get" and c.key.startswith("manifests/")) == 1
+    assert not fs.list("leases/")
+    # a load that fails after its metadata (a plan of another step) leaves no lease either
+    reader = StorageReader(ck)
+    reader.read_metadata()
+    with pytest.raises(CheckpointError, match="coordinator of step 7"):
+        reader.read_data(LoadPlan([], storage_data=7), DefaultLoadPlanner())
+    assert not fs.list("leases/")

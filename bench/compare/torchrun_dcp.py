@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +29,11 @@ RANKS = 2
 
 def run(run_dir: str, *, steps: int, every: int, size: str, strikes: list[Strike], timeout_s: float,
         budget_s: float) -> list[dict[str, Any]]:
-    """One torchrun job of ``steps`` steps under ``strikes``; its event log (``workload.event_log``)."""
+    """One torchrun job of ``steps`` steps under ``strikes``; its event log (``workload.event_log``).
+
+    A launch that never began to train within ``START_BUDGET_S`` (CI once saw a torchrun job hang
+    before its first step, its log lost with the machine) is killed with all its processes and tried
+    once more, its log kept beside; a job that hangs after it began fails with its log's tail."""
     os.makedirs(run_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
            f"--max-restarts={len(strikes)}", "--monitor-interval=0.1", "-m", "bench.compare.torchrun_dcp",
@@ -35,11 +41,43 @@ def run(run_dir: str, *, steps: int, every: int, size: str, strikes: list[Strike
            "--timeout", str(timeout_s), "--strikes", dumps(strikes)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
-    with open(os.path.join(run_dir, "torchrun.log"), "w") as out:
-        p = subprocess.run(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=budget_s)
-    if p.returncode != 0:
-        raise RuntimeError(f"torchrun exited {p.returncode}: see {run_dir}/torchrun.log")
+    log_path = os.path.join(run_dir, "torchrun.log")
+    for launch in (1, 2):
+        with open(log_path, "w") as out:
+            p = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its ranks share its session: one kill ends all
+            code = _wait(p, run_dir, budget_s)
+        if code is not None:
+            break
+        if read_events(run_dir) or launch == 2:
+            raise RuntimeError(f"torchrun job did not finish in {budget_s:g} s: {log_path} ends:\n{_tail(log_path)}")
+        os.replace(log_path, os.path.join(run_dir, "torchrun-hung.log"))
+    if code != 0:
+        raise RuntimeError(f"torchrun exited {code}: {log_path} ends:\n{_tail(log_path)}")
     return read_events(run_dir)
+
+
+START_BUDGET_S = 180.0  # interpreter, torch and the process group, twice over on a loaded 2-core machine
+
+
+def _wait(p: subprocess.Popen, run_dir: str, budget_s: float) -> int | None:
+    """``p``'s exit code, or None once it ran past ``budget_s`` (or ``START_BUDGET_S`` without a
+    first event): then its whole session is killed."""
+    began = time.monotonic()
+    while True:
+        try:
+            return p.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            waited = time.monotonic() - began
+            if waited > budget_s or (waited > START_BUDGET_S and not read_events(run_dir)):
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                return None
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
 
 
 def _latest(ckpt_dir: str) -> int:
@@ -95,7 +133,12 @@ def _worker(a: argparse.Namespace) -> None:
         strike_if_due(loads(a.strikes), rank, step, a.dir, log)
     if rank == 0:
         log("final", step=a.steps, loss=loss, digest=digest(wl.model))
-    dist.destroy_process_group()
+    # Ended here, its work logged, without tearing down DDP and gloo: CI saw that teardown deadlock
+    # (torch 2.13: the DDP reducer's destructor, holding the GIL, joins a gloo thread that waits for
+    # the GIL to drop a Python object), leaving the job hung after its last step.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +47,7 @@ class StorageReader(_DCPReader):
         self._backend = Backend(url, storage_options, options)
         self.step = None if step is None else commit.check_step(step)
         self._read_step: int | None = None
+        self._holding = ExitStack()  # the step held (Checkpointer.reading) from read_metadata to read_data's end
         self._where: dict[MetadataIndex, Location] = {}
         self._chunks: dict[MetadataIndex, tuple[tuple[int, ...], torch.dtype]] = {}  # saved chunk: sizes, dtype
 
@@ -54,9 +56,11 @@ class StorageReader(_DCPReader):
         return self._backend.checkpointer
 
     def close(self) -> None:
+        self._holding.close()
         self._backend.close()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self._holding.close()
         if checkpoint_id is not None:
             self.step = step_of(checkpoint_id)
 
@@ -66,10 +70,19 @@ class StorageReader(_DCPReader):
 
     def read_metadata(self) -> Metadata:  # one global Metadata per step, no rank-local one
         ck = self.checkpointer
-        step = self.step if self.step is not None else ck.latest_step()
-        if step is None:
+        self._holding.close()  # a step an earlier load of this reader held, if it failed before read_data's end
+        if self.step is None and ck.latest_step() is None:
             raise NoCheckpoint(f"no committed step in {ck.url} to load: save one with "
                                "dcp.save(state, storage_writer=ckptlib.dcp.StorageWriter(url, step=N))")
+        # one read lease and one manifest read for the whole load, not one per restore below
+        step = self._holding.enter_context(ck.reading(self.step))
+        try:
+            return self._metadata(ck, step)
+        except BaseException:
+            self._holding.close()
+            raise
+
+    def _metadata(self, ck: Checkpointer, step: int) -> Metadata:
         parts = ck.manifest(step).parts
         if METADATA_PART not in parts:
             raise NoCheckpoint(f"step {step} of {ck.url} was not saved through ckptlib.dcp (its parts: "
@@ -110,18 +123,25 @@ class StorageReader(_DCPReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Restore the items of ``plan``, one ``restore(select=)`` per rank part, into the planner."""
-        if plan.storage_data != self._read_step:
-            raise CheckpointError(f"this rank read the metadata of step {self._read_step}, the coordinator of step "
-                                  f"{plan.storage_data}: a step was committed as the load began; pass step= to "
-                                  "StorageReader so every rank loads the same one")
-        wanted: dict[tuple[int, str], list[tuple[ReadItem, Location]]] = {}
-        for item in plan.items:
-            loc = self._where.get(item.storage_index)
-            if loc is None:
-                raise CorruptCheckpoint(f"step {self._read_step}'s DCP metadata does not say where "
-                                        f"{item.storage_index} is stored")
-            wanted.setdefault((loc.step, loc.part), []).append((item, loc))
-        ck = self.checkpointer
+        with self._holding:  # the step read_metadata held: released once this rank's reads are done
+            if plan.storage_data != self._read_step:
+                raise CheckpointError(f"this rank read the metadata of step {self._read_step}, the coordinator of "
+                                      f"step {plan.storage_data}: a step was committed as the load began; pass step= "
+                                      "to StorageReader so every rank loads the same one")
+            wanted: dict[tuple[int, str], list[tuple[ReadItem, Location]]] = {}
+            for item in plan.items:
+                loc = self._where.get(item.storage_index)
+                if loc is None:
+                    raise CorruptCheckpoint(f"step {self._read_step}'s DCP metadata does not say where "
+                                            f"{item.storage_index} is stored")
+                wanted.setdefault((loc.step, loc.part), []).append((item, loc))
+            self._read_parts(self.checkpointer, wanted, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_parts(self, ck: Checkpointer, wanted: dict[tuple[int, str], list[tuple[ReadItem, Location]]],
+                    planner: LoadPlanner) -> None:
         for (step, part), reqs in wanted.items():
             into, whole, rest = {}, [], []
             for item, loc in reqs:
@@ -138,9 +158,6 @@ class StorageReader(_DCPReader):
             for item, loc, target in rest:
                 _deliver(planner, item, target, values[loc.key],
                          f"'{loc.key}' of part '{part}' of step {step} of {ck.url}")
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _is_whole(self, item: ReadItem, target: torch.Tensor) -> bool:
         """Whether ``item`` is a whole saved chunk and ``target`` has its shape and dtype: then the
