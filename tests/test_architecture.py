@@ -173,3 +173,98 @@ def test_every_public_error_class_is_a_checkpoint_error():
                         and qualname not in NOT_ERRORS):
                     outside.append(qualname)
     assert not outside, f"error classes outside ckptlib.errors.CheckpointError: {outside}"
+
+
+# --- no import circle -----------------------------------------------------------------------------------
+
+CIRCLE_PACKAGES = ("ckptlib", "trainrun", "flows", "tasks", "deployments", "ckpt", "workloads", "bench")
+
+
+def _project_modules() -> dict[str, Path]:
+    """Every module of ``CIRCLE_PACKAGES`` (a package by its own name) -> its file."""
+    modules = {}
+    for package in CIRCLE_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, anywhere in it (module level, in a function, under
+    ``TYPE_CHECKING``): relative imports resolved, ``from pkg import name`` to ``pkg.name`` when that
+    is a module, else to the nearest enclosing module."""
+    def nearest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str | None] = []
+            if isinstance(node, ast.Import):
+                targets = [nearest(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets = [nearest(f"{base}.{alias.name}") if f"{base}.{alias.name}" in modules else nearest(base)
+                           for alias in node.names]
+            graph[name] |= {t for t in targets if t and t != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(component)
+    return circles
+
+
+def test_no_import_circle_between_project_modules():
+    """No module imports, even lazily inside a function, a module that imports it back, directly or
+    through others: each circle is one idea split in two files, or a lower module reaching up."""
+    modules = _project_modules()
+    # Known, being untangled: the CLI's root registers the command modules, which import it back for
+    # `app` and shared helpers. Exactly this circle is allowed, nothing wider, nothing else.
+    known = {frozenset({"ckpt.cli"} | {m for m in modules if m.startswith("ckpt.cmd_")})}
+    circles = [sorted(c) for c in _circles(_import_graph(modules)) if frozenset(c) not in known]
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in sorted(circles))

@@ -64,7 +64,7 @@ from .resume_point import ShardCheckpointRef
 if TYPE_CHECKING:
     from workloads import Workload
 
-    from .shard_round import ShardAttempt, ShardRNG
+    from .shard_attempt import ShardAttempt, ShardRNG
 
 log = logging.getLogger("trainrun.shard_checkpoint")
 

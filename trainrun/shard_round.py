@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import numpy as np
 import torch
 
 from ckptlib import Checkpointer, FencedError, commit
@@ -65,6 +62,7 @@ from .recovery import Failure, write_recovery
 from .reshard import cut_shards, reshard_state
 from .results import ShardResult
 from .resume_point import resume_point
+from .shard_attempt import ShardAttempt, ShardRNG
 from .shard_checkpoint import Every, ShardCheckpoints, Start, cut_signature, load_checkpoint
 from .spec import RunSpec
 from .timing import Stopwatch
@@ -81,58 +79,12 @@ def apply_threads(spec: RunSpec) -> None:
         torch.set_num_threads(spec.torch_threads)
 
 
-class ShardRNG:
-    """A shard's own generators (torch, numpy, python), seeded from (seed, shard, round).
-
-    Shards run as threads of one process by default, so global RNGs would be shared: nothing in a
-    run uses them. The built-in workloads draw their batches from generators of (seed, shard,
-    position) and need none of these; they are kept (and saved, as the run layout asks) for
-    workloads or augmentations that want per-shard randomness.
-    """
-
-    def __init__(self, seed: int, shard: int, round_no: int):
-        from workloads.common import derive_seed
-
-        s = derive_seed("shard-rng", seed, shard, round_no)
-        self.torch = torch.Generator().manual_seed(s)
-        self.numpy = np.random.RandomState(s % 2**32)
-        self.python = random.Random(s)
-
-    def state(self) -> dict[str, Any]:
-        return {"torch": self.torch.get_state(), "numpy": self.numpy.get_state(), "python": self.python.getstate()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (what ``state()`` returned, e.g. in a shard checkpoint)."""
-        self.torch.set_state(state["torch"])
-        self.numpy.set_state(state["numpy"])
-        self.python.setstate(state["python"])
-
-
 def read_cut_part(ck: Checkpointer, cut: Cut, part: str) -> Any:
     """``part``'s state in ``cut``; it becomes ``ck``'s delta base for ``part`` (the next write of
     ``part`` is a delta against it)."""
     if cut.committed:
         return ck.restore(cut.step, part=part, keep_base=True)
     return ck.read_fragment(cut.step, part, generation=cut.generations.get(part), adopt=True)
-
-
-@dataclass(frozen=True)
-class ShardAttempt:
-    """One attempt at one shard's round: what each step of it needs. ``generation`` is the shard's
-    live generation when the attempt started: its beats, fence checks and fragment are that one's."""
-
-    ck: Checkpointer
-    spec: RunSpec  # the trajectory
-    shard: int
-    round_no: int
-    cut: Cut
-    generation: int
-    attempt: int = 1
-    chaos: Sequence[Chaos] = ()
-
-    @property
-    def part(self) -> str:
-        return shard_part(self.shard)
 
 
 def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, *,

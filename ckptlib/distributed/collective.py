@@ -22,8 +22,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError
-from .wire import MAX_MESSAGE_BYTES, BadMessage, Outcome, RemoteError, decode, encode
+from .wire import MAX_MESSAGE_BYTES, BadMessage, GroupFailed, Outcome, RemoteError, decode, encode
 
 __all__ = ["Collective", "GroupFailed", "Outcome", "RemoteError"]
 
@@ -31,10 +30,6 @@ __all__ = ["Collective", "GroupFailed", "Outcome", "RemoteError"]
 _FOREIGN = ("a process that is not a rank of this job joined its group, or its ranks run different ckptlib "
             "versions. Nothing of this call was committed; keep the group's rendezvous private (docs/security.md) "
             "and restart the job with one ckptlib version on every rank")
-
-
-class GroupFailed(CheckpointError):
-    """A rank of the checkpoint's process group died, hung or left during a collective call."""
 
 
 class Collective:

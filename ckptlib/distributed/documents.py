@@ -17,7 +17,7 @@ A save id (16 hex digits, one per collective save) makes rank fragment keys uniq
 rank fragments of a group that died mid-save never block the next save of the same step.
 
 Nothing here imports torch; every document is checked as it is parsed (``CorruptCheckpoint`` on
-anything malformed, through ``manifest._parse``).
+anything malformed, through ``docfields.parse_document``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..docfields import CHECKSUM, MAX_FRAGMENT_BYTES, checksum_field, int_field, meta_field, parse_document
 from ..errors import FormatVersionError
-from ..manifest import CHECKSUM, MAX_FRAGMENT_BYTES, Blob, Fragment, _checksum, _int, _meta, _parse, fragment_key
+from ..fragment import Blob, Fragment, fragment_key
 from ..types import MAX_NDIM, LeafSpec
 
 GROUP_FORMAT = 3
@@ -50,7 +51,7 @@ def rank_fragment_key(step: int, part: str, generation: int, rank: int, save_id:
 def _ints(v: Any, what: str, n: int) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) != n:
         raise ValueError(f"{what} {str(v)[:60]} is not a list of {n} ints")
-    return tuple(_int(x, what) for x in v)
+    return tuple(int_field(x, what) for x in v)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Piece:
         n = len(global_shape)
         piece = cls(_ints(d["offsets"], "piece offsets", n), _ints(d["shape"], "piece shape", n),
                     tuple(str(p)[:64] for p in d.get("placements", [])[:MAX_NDIM]),
-                    tuple(_int(x, "mesh size", 1, MAX_WORLD) for x in d.get("mesh", [])[:MAX_NDIM]))
+                    tuple(int_field(x, "mesh size", 1, MAX_WORLD) for x in d.get("mesh", [])[:MAX_NDIM]))
         if any(o + s > g for o, s, g in zip(piece.offsets, piece.shape, global_shape)):
             raise ValueError(f"piece at {list(piece.offsets)} of shape {list(piece.shape)} lies outside the global "
                              f"shape {list(global_shape)}")
@@ -114,8 +115,8 @@ class LocalLeaf:
         piece = Piece.from_json(d["piece"], spec.shape) if d.get("piece") is not None else None
         if piece is not None and (spec.kind != "torch" or spec.stride is not None):
             raise ValueError(f"'{spec.path}': only C-ordered torch tensors are stored as pieces")
-        return cls(spec, _checksum(d["digest"], "leaf digest"), _int(d["owner"], "owner", 0, MAX_WORLD),
-                   _int(d["index"], "leaf index", 0, 1 << 40), piece)
+        return cls(spec, checksum_field(d["digest"], "leaf digest"), int_field(d["owner"], "owner", 0, MAX_WORLD),
+                   int_field(d["index"], "leaf index", 0, 1 << 40), piece)
 
 
 @dataclass(frozen=True)
@@ -139,18 +140,18 @@ class RankLayout:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankLayout:
-        world = _int(d["world"], "world", 1, MAX_WORLD)
-        rank = _int(d["rank"], "rank", 0, world - 1)
+        world = int_field(d["world"], "world", 1, MAX_WORLD)
+        rank = int_field(d["rank"], "rank", 0, world - 1)
         save_id = d["save_id"]
         if not isinstance(save_id, str) or not _SAVE_ID.match(save_id):
             raise ValueError(f"save id {str(save_id)[:40]!r} is not 16 hex digits")
         of = d.get("skeleton_of")
         if of is not None:
-            _int(of, "skeleton_of", 0, rank - 1 if rank else -1)
+            int_field(of, "skeleton_of", 0, rank - 1 if rank else -1)
         leaves = tuple(LocalLeaf.from_json(x) for x in d["leaves"])
         if any(leaf.owner >= world for leaf in leaves):
             raise ValueError(f"a leaf names an owner rank outside the group of {world}")
-        return cls(rank, world, save_id, d["skeleton"], of, leaves, _checksum(d["digest"], "rank digest"))
+        return cls(rank, world, save_id, d["skeleton"], of, leaves, checksum_field(d["digest"], "rank digest"))
 
 
 @dataclass(frozen=True)
@@ -221,10 +222,10 @@ class RankRef:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RankRef:
-        return cls(_int(d["rank"], "rank", 0, MAX_WORLD), str(d["key"]), _checksum(d["checksum"], "rank checksum"),
-                   _checksum(d["digest"], "rank digest"), _int(d["logical_bytes"], "logical_bytes", 0, 2**63),
-                   _int(d["bytes_written"], "bytes_written", 0, 2**63),
-                   {str(k): _int(v, "stat", 0, 2**63) for k, v in dict(d.get("stats", {})).items()})
+        return cls(int_field(d["rank"], "rank", 0, MAX_WORLD), str(d["key"]), checksum_field(d["checksum"], "rank checksum"),
+                   checksum_field(d["digest"], "rank digest"), int_field(d["logical_bytes"], "logical_bytes", 0, 2**63),
+                   int_field(d["bytes_written"], "bytes_written", 0, 2**63),
+                   {str(k): int_field(v, "stat", 0, 2**63) for k, v in dict(d.get("stats", {})).items()})
 
 
 @dataclass(frozen=True)
@@ -268,16 +269,16 @@ class GroupFragment:
                 f"group fragment of part {str(d.get('part'))[:64]!r} has format {str(d.get('format'))[:20]!r} and "
                 f"checksum {str(d.get('checksum'))[:40]!r}; this ckptlib reads format {GROUP_FORMAT} with "
                 f"{CHECKSUM!r}: install the ckptlib version that wrote it, or a newer one")
-        world = _int(d["world"], "world", 1, MAX_WORLD)
+        world = int_field(d["world"], "world", 1, MAX_WORLD)
         ranks = d["ranks"]
         if not isinstance(ranks, list) or len(ranks) != world:  # counted before anything is built
             raise ValueError(f"it declares {world} ranks but lists "
                              f"{len(ranks) if isinstance(ranks, list) else 'no list of'} rank fragments")
-        g = cls(_int(d["step"], "step", 0, 2**63), str(d["part"]), _int(d["generation"], "generation", 0, 2**63),
+        g = cls(int_field(d["step"], "step", 0, 2**63), str(d["part"]), int_field(d["generation"], "generation", 0, 2**63),
                 d.get("config_hash"), world, str(d["save_id"]), tuple(RankRef.from_json(r) for r in ranks),
-                {_checksum(k, "blob table key"): Blob.from_json(b) for k, b in d["blobs"].items()},
-                _checksum(d["digest"], "digest"), _int(d["logical_bytes"], "logical_bytes", 0, 2**63),
-                _int(d["bytes_written"], "bytes_written", 0, 2**63), dict(d.get("stats", {})), _meta(d.get("meta", {})))
+                {checksum_field(k, "blob table key"): Blob.from_json(b) for k, b in d["blobs"].items()},
+                checksum_field(d["digest"], "digest"), int_field(d["logical_bytes"], "logical_bytes", 0, 2**63),
+                int_field(d["bytes_written"], "bytes_written", 0, 2**63), dict(d.get("stats", {})), meta_field(d.get("meta", {})))
         g.check_consistent()
         return g
 
@@ -325,14 +326,14 @@ def group_digest(world: int, rank_digests: list[str]) -> str:
 
 
 class _AnyFragment:
-    """``_parse`` target: a fragment or a group fragment, by its ``kind``."""
+    """``parse_document`` target: a fragment or a group fragment, by its ``kind``."""
 
     @staticmethod
     def from_json(d: Any) -> AnyFragment:
         return parse_any_fragment(d)
 
 
-_AnyFragment.__name__ = "fragment"  # what _parse's errors call it (a class attribute would not rename it)
+_AnyFragment.__name__ = "fragment"  # what parse_document's errors call it (a class attribute would not rename it)
 
 
 def parse_any_fragment(d: Any) -> AnyFragment:
@@ -345,11 +346,11 @@ def parse_any_fragment(d: Any) -> AnyFragment:
 
 def loads_any_fragment(data: bytes, where: str) -> AnyFragment:
     """A fragment document of any kind: a part's, a rank's (``RankFragment``) or a group's."""
-    frag = _parse(_AnyFragment, data, where, MAX_FRAGMENT_BYTES)
+    frag = parse_document(_AnyFragment, data, where, MAX_FRAGMENT_BYTES)
     return replace(frag, document_bytes=len(data))  # what a manifest committing it records
 
 
 def loads_rank_fragment(data: bytes, where: str) -> RankFragment:
-    frag = _parse(RankFragment, data, where, MAX_FRAGMENT_BYTES)
+    frag = parse_document(RankFragment, data, where, MAX_FRAGMENT_BYTES)
     assert isinstance(frag, RankFragment)
     return replace(frag, document_bytes=len(data))

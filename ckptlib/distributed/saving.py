@@ -27,10 +27,10 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from .. import commit
-from ..bases import substep_chain
+from ..bases import DeltaBases, substep_chain
 from ..errors import CorruptCheckpoint, ObjectNotFound
 from ..manifest import Fragment, Manifest, document_checksum, dumps
 from ..save import EncodedPart, Snapshot, take_snapshot
@@ -50,8 +50,28 @@ from .group import Group, stored_path
 from .local import LocalState
 from .plan import Candidate, Plan, Summary, candidate_key, make_plan
 
-if TYPE_CHECKING:
-    from ..checkpointer import Checkpointer
+T = TypeVar("T")
+
+
+class SavingCheckpointer(Protocol):
+    """What a collective save uses of the ``Checkpointer`` that calls it (passed in as ``ck``): its
+    store, I/O pool, delta bases and its one save path (``_save_part``), private because that path is
+    the Checkpointer's own. Described here rather than imported, so this module sits below
+    ``ckptlib.checkpointer`` (which imports it)."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def _pool(self) -> Executor: ...
+
+    @property
+    def _bases(self) -> DeltaBases: ...
+
+    def _chunk_size(self, part: str) -> int | Any: ...
+
+    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T], *,
+                   base_key: str | None = None, compress: bool = True, **kw: Any) -> T: ...
 
 __all__ = ["Target", "build_group_fragment", "new_save_id", "rank_base_key", "summarize", "stored_values"]
 
@@ -251,7 +271,7 @@ def _plan_together(coll: Collective, local: LocalState | BaseException) -> tuple
     return make_plan(summaries), summaries
 
 
-def begin(ck: Checkpointer, coll: Collective, step: int, state: Any, target: Target, meta: dict | None, *,
+def begin(ck: SavingCheckpointer, coll: Collective, step: int, state: Any, target: Target, meta: dict | None, *,
           copy: bool) -> Pending:
     """The foreground half: flatten, plan with the other ranks, snapshot what this rank stores."""
     from .local import local_state
@@ -302,7 +322,7 @@ def _report(coll: Collective, report: tuple[str, str] | RemoteError,
     return got.result()
 
 
-def persist(ck: Checkpointer, coll: Collective, p: Pending) -> tuple[Manifest, bool] | GroupFragment:
+def persist(ck: SavingCheckpointer, coll: Collective, p: Pending) -> tuple[Manifest, bool] | GroupFragment:
     """The background half: this rank's fragment, then the leader's group fragment and commit."""
     reported = False
     target = p.target
@@ -342,7 +362,7 @@ def persist(ck: Checkpointer, coll: Collective, p: Pending) -> tuple[Manifest, b
         raise
 
 
-def write_group(ck: Checkpointer, step: int, part: str, locals_: list[LocalState], *, generation: int,
+def write_group(ck: SavingCheckpointer, step: int, part: str, locals_: list[LocalState], *, generation: int,
                 config_hash: str | None, meta: dict | None) -> GroupFragment:
     """Write a group's part from one process: each rank's fragment, then the group fragment at the
     part's fragment key (as ``write_fragment`` does for a part of a cut)."""

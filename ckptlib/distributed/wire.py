@@ -23,7 +23,8 @@ from ..manifest import MAX_MANIFEST_BYTES, Manifest
 from .documents import GroupFragment
 from .plan import Summary
 
-__all__ = ["MAX_MESSAGE_BYTES", "BadMessage", "Outcome", "RemoteError", "decode", "encode", "error_classes"]
+__all__ = ["MAX_MESSAGE_BYTES", "BadMessage", "GroupFailed", "Outcome", "RemoteError", "decode", "encode",
+           "error_classes"]
 
 # the largest message: a save's outcome carries the leader's manifest, which embeds the group fragment
 MAX_MESSAGE_BYTES = MAX_MANIFEST_BYTES + (1 << 20)
@@ -37,10 +38,15 @@ class BadMessage(CheckpointError, ValueError):
     ``GroupFailed``."""
 
 
+# Defined here, not in `collective` (which raises it and re-exports it), because it crosses ranks as
+# itself (`error_classes`): the channel imports its messages, never the other way round.
+class GroupFailed(CheckpointError):
+    """A rank of the checkpoint's process group died, hung or left during a collective call."""
+
+
 def error_classes() -> dict[str, type[CheckpointError]]:
     """The error classes that cross ranks as themselves: ckptlib.errors', DocumentError, GroupFailed."""
     from ..documents import DocumentError
-    from .collective import GroupFailed
 
     found = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, CheckpointError)]
     return {c.__name__: c for c in [*found, DocumentError, GroupFailed]}

@@ -48,18 +48,17 @@ Where a guarantee does not hold:
   them and ``remove_stale_temp`` (called by garbage collection) deletes them after a grace period.
 
 Note for implementers: a new backend subclasses :class:`Store`, implements the methods marked
-"backend", and passes ``ckptlib.testing.store_contract.StoreContract``.
+"backend", registers its URL schemes with :func:`register_scheme` when its module is imported (and
+``ckptlib/store/__init__.py`` imports the module), and passes
+``ckptlib.testing.store_contract.StoreContract``.
 """
 
 from __future__ import annotations
 
 import builtins
-import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from ckptlib.errors import ObjectNotFound, ObjectTooLarge, StoreError
 
@@ -300,11 +299,24 @@ class WrapperStore(Store):
         return hash((type(self), self.inner))
 
 
-def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
-    """The store at ``url`` (see ``Store.from_url``)."""
-    from .local import LocalStore
-    from .memory import MemoryStore
+# URL scheme ("" for a plain path) -> how to open a URL of it. Each backend module registers its own
+# schemes when imported; the package (`ckptlib/store/__init__.py`) imports every backend, so this
+# module knows them without importing any (they import it).
+Opener = Callable[[str, Mapping[str, Any]], Store]
+_OPENERS: dict[str, Opener] = {}
+_TAKE_OPTIONS: set[str] = set()
 
+
+def register_scheme(scheme: str, opener: Opener, *, storage_options: bool = False) -> None:
+    """Open URLs of ``scheme`` with ``opener(url, storage_options)``: the URL stripped, the options
+    ``{}`` unless the scheme takes them (``storage_options=True``; other schemes refuse any)."""
+    _OPENERS[scheme] = opener
+    if storage_options:
+        _TAKE_OPTIONS.add(scheme)
+
+
+def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> Store:
+    """The store at ``url`` (see ``Store.from_url``), by the backend registered for its scheme."""
     if not isinstance(url, str) or not url.strip():
         raise StoreError(f"empty store URL {url!r}: use {SUPPORTED_URLS}")
     if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -312,46 +324,13 @@ def open_store(url: str, storage_options: Mapping[str, Any] | None = None) -> St
     url = url.strip()
     shown = redact_url(url)
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme != "s3" and storage_options:
+    if scheme not in _TAKE_OPTIONS and storage_options:
+        takers = " or ".join(f"{s}://" for s in sorted(_TAKE_OPTIONS))
         raise StoreError(
-            f"storage_options {sorted(storage_options)} apply only to s3:// URLs, not {shown!r}: "
-            "drop them or use an s3:// URL"
+            f"storage_options {sorted(storage_options)} apply only to {takers} URLs, not {shown!r}: "
+            f"drop them or use an {takers} URL"
         )
-    if scheme == "":
-        return LocalStore(os.path.abspath(os.path.expanduser(url)))
-    if scheme == "file":
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise StoreError(
-                f"file URL {shown!r} is not absolute: write file:///absolute/path (three slashes) or pass a plain path"
-            )
-        return LocalStore(os.path.abspath(parts.path))
-    if scheme == "memory":
-        name = url[len("memory://"):].strip("/")
-        if not name:
-            raise StoreError(f"memory URL {shown!r} needs a name: memory://run1")
-        check_key(name, "memory store name")
-        return MemoryStore("/" + name)
-    if scheme == "s3":
-        from .s3 import S3Store
-
-        parts = urlsplit(url)
-        if "@" in parts.netloc:
-            raise StoreError(
-                f"S3 URL {shown!r} carries credentials: they would show in logs, errors and Prefect; pass them "
-                "in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or storage_options instead"
-            )
-        bucket, prefix = parts.netloc, parts.path.strip("/")
-        if not bucket:
-            raise StoreError(f"S3 URL {shown!r} has no bucket: write s3://bucket/prefix")
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            raise StoreError(
-                f"invalid S3 bucket name {bucket!r} in {shown!r}: bucket names are 3-63 characters of lowercase "
-                "letters, digits, '.' and '-'"
-            )
-        if prefix:
-            check_key(prefix, "S3 prefix")
-        store = S3Store(bucket, prefix, dict(storage_options or {}))
-        store.check()
-        return store
-    raise StoreError(f"unsupported store URL scheme {scheme + '://'!r} in {shown!r}: use {SUPPORTED_URLS}")
+    opener = _OPENERS.get(scheme)
+    if opener is None:
+        raise StoreError(f"unsupported store URL scheme {scheme + '://'!r} in {shown!r}: use {SUPPORTED_URLS}")
+    return opener(url, storage_options or {})

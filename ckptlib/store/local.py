@@ -6,12 +6,24 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
 
 from ckptlib.errors import StoreError
 
-from .base import TMP_PREFIX, ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
+from .base import (
+    TMP_PREFIX,
+    ObjectInfo,
+    Store,
+    StoreCapabilities,
+    check_key,
+    check_max_bytes,
+    check_prefix,
+    redact_url,
+    register_scheme,
+)
 
 
 def _fsync_dir(path: str) -> None:
@@ -259,3 +271,21 @@ class LocalStore(Store):
 
     def child(self, subpath: str) -> LocalStore:
         return LocalStore(self._path(subpath, "subpath"))
+
+
+def _open_path(url: str, _options: Mapping[str, Any]) -> LocalStore:
+    return LocalStore(os.path.abspath(os.path.expanduser(url)))
+
+
+def _open_file_url(url: str, _options: Mapping[str, Any]) -> LocalStore:
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+        raise StoreError(
+            f"file URL {redact_url(url)!r} is not absolute: write file:///absolute/path (three slashes) or pass a "
+            "plain path"
+        )
+    return LocalStore(os.path.abspath(parts.path))
+
+
+register_scheme("", _open_path)
+register_scheme("file", _open_file_url)

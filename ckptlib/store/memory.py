@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
+from ckptlib.errors import StoreError
+
+from .base import (
+    ObjectInfo,
+    Store,
+    StoreCapabilities,
+    check_key,
+    check_max_bytes,
+    check_prefix,
+    redact_url,
+    register_scheme,
+)
 
 # One lock for every memory store in the process: fsspec's memory filesystem is one global dict.
 _MEMORY_LOCK = threading.RLock()
@@ -86,3 +98,14 @@ class MemoryStore(Store):
 
     def child(self, subpath: str) -> MemoryStore:
         return MemoryStore(f"{self.root}/{check_key(subpath, 'subpath')}")
+
+
+def _open_memory_url(url: str, _options: Mapping[str, Any]) -> MemoryStore:
+    name = url[len("memory://"):].strip("/")
+    if not name:
+        raise StoreError(f"memory URL {redact_url(url)!r} needs a name: memory://run1")
+    check_key(name, "memory store name")
+    return MemoryStore("/" + name)
+
+
+register_scheme("memory", _open_memory_url)

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from ckptlib.errors import ObjectNotFound, StoreError
 
-from .base import ObjectInfo, Store, StoreCapabilities, check_key, check_max_bytes, check_prefix
+from .base import (
+    ObjectInfo,
+    Store,
+    StoreCapabilities,
+    check_key,
+    check_max_bytes,
+    check_prefix,
+    redact_url,
+    register_scheme,
+)
 
 # Bounded time for every request: a dead endpoint fails in seconds, a stalled one within a minute
 # (2 attempts x (5 s to connect + 20 s without a byte)). botocore's "standard" retry mode retries
@@ -275,3 +286,30 @@ class S3Store(Store):
     def child(self, subpath: str) -> S3Store:
         prefix = "/".join(p for p in (self.prefix, check_key(subpath, "subpath")) if p)
         return S3Store(self.bucket, prefix, self.storage_options, _fs=self._conn)
+
+
+def _open_s3_url(url: str, storage_options: Mapping[str, Any]) -> S3Store:
+    """``s3://bucket[/prefix]``, its bucket checked now (one LIST request)."""
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise StoreError(
+            f"S3 URL {shown!r} carries credentials: they would show in logs, errors and Prefect; pass them "
+            "in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or storage_options instead"
+        )
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if not bucket:
+        raise StoreError(f"S3 URL {shown!r} has no bucket: write s3://bucket/prefix")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        raise StoreError(
+            f"invalid S3 bucket name {bucket!r} in {shown!r}: bucket names are 3-63 characters of lowercase "
+            "letters, digits, '.' and '-'"
+        )
+    if prefix:
+        check_key(prefix, "S3 prefix")
+    store = S3Store(bucket, prefix, dict(storage_options))
+    store.check()
+    return store
+
+
+register_scheme("s3", _open_s3_url, storage_options=True)
