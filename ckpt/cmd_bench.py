@@ -49,8 +49,13 @@ def bench(
         "--workload-extra", metavar="JSON", help="Workload knobs as a JSON object, e.g. '{\"d_model\": 1024}'.")
     ] = None,
     s3: Annotated[bool, typer.Option(
-        "--s3", help="Instead: ckptlib on S3 against torch.save + upload / download + torch.load, on a ResNet-50 "
-                     "state (481 tensors). Starts SeaweedFS on loopback unless --s3-endpoint env.")] = False,
+        "--s3", help="Instead: ckptlib's save and restore of a dense float32 state on S3 against a parallel s3fs "
+                     "upload and download of the same bytes (bench/s3_ceiling.py). Starts SeaweedFS on loopback "
+                     "unless --s3-endpoint env.")] = False,
+    s3_size_mib: Annotated[int, typer.Option("--s3-size-mib", help="With --s3: the dense state's size.")] = 1024,
+    s3_state: Annotated[str, typer.Option(
+        "--s3-state", help="With --s3: dense, or resnet (a ResNet-50 state, ckptlib against torch.save + upload "
+                           "/ download + torch.load: bench/checkpoint/s3.py).")] = "dense",
     s3_endpoint: Annotated[str, typer.Option(
         "--s3-endpoint", help="local (start SeaweedFS) or env (AWS_ENDPOINT_URL and credentials).")] = "local",
     distributed: Annotated[bool, typer.Option(
@@ -70,7 +75,7 @@ def bench(
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
         if s3:
-            _bench_s3(s3_endpoint, json_out)
+            _bench_s3(s3_state, s3_size_mib, s3_endpoint, json_out)
             return
         if distributed:
             _bench_distributed(workloads, ranks, saves, steps_between, size, store, json_out)
@@ -106,14 +111,26 @@ def bench(
         _print_results(cfg, records, json_out)
 
 
-def _bench_s3(endpoint: str, json_out: str | None) -> None:
-    from bench.checkpoint.s3 import render_s3, run_s3_benchmark
-
+def _bench_s3(state: str, size_mib: int, endpoint: str, json_out: str | None) -> None:
     if endpoint not in ("local", "env"):
         raise ValueError(f"--s3-endpoint must be local or env, got {endpoint!r}")
-    result = run_s3_benchmark(endpoint, progress=lambda m: typer.echo(m, err=True))
-    _write_json(json_out, result)
-    typer.echo(render_s3(result))
+    def progress(message: str) -> None:
+        typer.echo(message, err=True)
+
+    if state == "resnet":
+        from bench.checkpoint.s3 import render_s3, run_s3_benchmark
+
+        result = run_s3_benchmark(endpoint, progress=progress)
+        _write_json(json_out, result)
+        typer.echo(render_s3(result))
+        return
+    if state != "dense":
+        raise ValueError(f"--s3-state must be dense or resnet, got {state!r}")
+    from bench.s3_ceiling import render, run_s3_ceiling
+
+    rows = run_s3_ceiling(size_mib, endpoint, progress=progress)
+    _write_json(json_out, rows)
+    typer.echo(render(rows))
 
 
 def _bench_distributed(workloads: str | None, ranks: str, saves: int | None, steps_between: int | None,

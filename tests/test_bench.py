@@ -145,3 +145,27 @@ def test_gpu_check_stops_at_once_without_a_cuda_device(tmp_path):
     assert done.returncode != 0
     assert "sees no CUDA device" in done.stderr and "run this on a GPU machine" in done.stderr
     assert not (tmp_path / "gpu-bench.json").exists()
+
+
+@pytest.mark.s3
+def test_bench_s3_measures_ckptlib_and_the_parallel_client_on_a_real_seaweedfs(tmp_path):
+    """`ckpt bench --s3`: the bench starts SeaweedFS itself; both systems save and restore the same
+    8 MiB (each restore checked against the saved digest in its child) and their rows are complete."""
+    out = tmp_path / "s3.json"
+    result = runner.invoke(app, ["bench", "--s3", "--s3-size-mib", "8", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["ckptlib", "s3fs-parallel"]
+    for r in rows:
+        assert r["save_s"] > 0 and r["restore_s"] > 0 and r["peak_extra_mib"] >= 0, r
+        assert r["state_bytes"] == 8 << 20 and r["bytes"] > 0, r
+    ours, ceiling = rows
+    assert ceiling["bytes"] == ours["state_bytes"]  # the raw bytes, one object per chunk
+    assert ceiling["objects"] == ours["state_bytes"] // ours["chunk_bytes"]
+    assert ceiling["threads"] == ours["threads"] >= 16  # ckptlib's pool size for a remote store
+    assert "ckptlib / s3fs-parallel: save" in result.output
+
+
+def test_bench_s3_refuses_an_empty_state_before_starting_anything():
+    result = runner.invoke(app, ["bench", "--s3", "--s3-size-mib", "0"])
+    assert result.exit_code == 2 and "--s3-size-mib must be at least 1" in result.stderr

@@ -5,7 +5,8 @@ Who calls what
 --------------
 ``ckpt bench`` (``ckpt/cmd_bench.py``) builds a ``config.BenchConfig`` and calls
 ``measure.run_benchmark``, then ``report.render_table`` and ``report.check_targets``;
-``ckpt bench --s3`` calls ``s3.run_s3_benchmark`` and ``s3.render_s3``. Everything here is
+``ckpt bench --s3 --s3-state resnet`` calls ``s3.run_s3_benchmark`` and ``s3.render_s3`` (plain
+``--s3``: ``bench/s3_ceiling.py``). Everything here is
 importable and has no CLI. The method and the figures: docs/benchmark.md.
 
 Modules, one idea each

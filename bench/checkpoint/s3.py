@@ -1,7 +1,7 @@
 """The S3 benchmark: ckptlib on S3 against ``torch.save`` + upload and download + ``torch.load``.
 
-``ckpt bench --s3`` calls :func:`run_s3_benchmark`. The state is a ResNet-50's and its SGD momentum
-buffers (``resnet.py``). Both systems save the same state to the same S3 server, twice (the second
+``ckpt bench --s3 --s3-state resnet`` calls :func:`run_s3_benchmark`. The state is a ResNet-50's
+and its SGD momentum buffers (``resnet.py``). Both systems save the same state to the same S3 server, twice (the second
 after one more training step), and restore the latest from a fresh reader:
 
 * ``ckptlib``: ``Checkpointer("s3://...").save`` (small tensors packed; the second save is a delta)

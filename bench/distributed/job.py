@@ -1,11 +1,14 @@
 """One rank of a benchmark job: a workload trained with FSDP2, checkpointed by ckptlib and by DCP.
 
 Run by ``bench.distributed.run`` as ``python -m bench.distributed.job <json config>``, once per rank.
-At each save point (every ``steps_between`` steps) the same state is saved by both systems, one after
-the other, each waited for until durable (the order alternates): ckptlib's collective
-``save_async`` and DCP's ``async_save`` (thread executor, on a gloo group of its own, as DCP's docs
-advise for background saves). Then each system's last checkpoint is restored in place
-(``restore_both``), and, when the config names one, the last checkpoint another world size wrote. Rank 0 writes a digest of the
+At each save point (every ``steps_between`` steps) the same state is saved by each system
+(``SYSTEMS``), one after the other, each waited for until durable (the order rotates, so each system
+goes first in turn): ckptlib's collective ``save_async``; DCP's ``save`` (``dcp``: blocked =
+durable); DCP's ``async_save`` (``dcp_async``: thread executor, on a gloo group of its own, as DCP's
+docs advise for background saves; blocked = until it returns, durable = until its future completes).
+Both DCP systems write with a ``FileSystemWriter`` into a directory of their own. Then each system's
+last checkpoint is restored in place (``restore_all``), and, when the config names one, the last
+checkpoint another world size wrote. Rank 0 writes a digest of the
 full state saved and restored (``StateDictOptions(full_state_dict=True)``), so the runner checks
 that every restore is bit-exact. Each rank prints one JSON line with its measurements.
 """
@@ -24,10 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from bench.checkpoint.probes import PeakRss, release_free_memory, rss_bytes
+from bench.distributed.run import SYSTEMS
 from ckptlib import Checkpointer, codecs
 from workloads import WorkloadConfig, build_workload
 
@@ -95,26 +100,32 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _save(system: str, t: Timed, wl: Any, ck: Checkpointer, dcp_group: Any, root: Path, step: int) -> int:
+    """Save this rank's state with ``system``, timed by ``t``; the bytes it wrote (DCP: rank 0 counts
+    the whole directory, the other ranks 0)."""
+    if system == "ckptlib":
+        return int(t.run(lambda: ck.save_async(step, state_of(wl)), lambda f: f.result()).bytes_written)
+    where = root / system / str(step)
+    if system == "dcp":
+        t.run(lambda: dcp.save(state_of(wl), storage_writer=FileSystemWriter(str(where))), lambda _m: None)
+    else:
+        t.run(lambda: dcp.async_save(state_of(wl), storage_writer=FileSystemWriter(str(where)),
+                                     process_group=dcp_group), lambda f: f.result())
+    dist.barrier()
+    return _dir_bytes(where) if dist.get_rank() == 0 else 0
+
+
 def save_series(cfg: dict[str, Any], wl: Any, ck: Checkpointer, dcp_group: Any, root: Path) -> list[dict]:
     rows = []
-    rank = dist.get_rank()
     for k in range(cfg["saves"]):
         for _ in range(cfg["steps_between"]):
             wl.train_step()
         step = k + 1
         record: dict[str, Any] = {"save": step}
-        order = ("ckptlib", "dcp") if k % 2 == 0 else ("dcp", "ckptlib")
-        for system in order:
+        first = k % len(SYSTEMS)
+        for system in SYSTEMS[first:] + SYSTEMS[:first]:
             t = Timed()
-            if system == "ckptlib":
-                info = t.run(lambda step=step: ck.save_async(step, state_of(wl)), lambda f: f.result())
-                written = info.bytes_written
-            else:
-                where = root / "dcp" / str(step)
-                t.run(lambda where=where: dcp.async_save(state_of(wl), checkpoint_id=str(where),
-                                                         process_group=dcp_group), lambda f: f.result())
-                dist.barrier()
-                written = _dir_bytes(where) if rank == 0 else 0
+            written = _save(system, t, wl, ck, dcp_group, root, step)
             record[system] = {"blocked_s": t.blocked, "durable_s": t.durable, "bytes": written,
                               "peak_extra_bytes": t.peak_extra}
         rows.append(record)
@@ -139,21 +150,26 @@ def _restore_dcp(wl: Any, where: Path) -> float:
     return time.perf_counter() - t0
 
 
-def restore_both(wl: Any, ck_url: str, dcp_dir: Path, step: int, repeats: int = 3) -> dict[str, Any]:
-    """Restore ckptlib's ``step`` and DCP's into this job's state, in place (then ``set_state_dict``):
-    once each (``<system>_cold_s``: the first calls of a process fill caches either system may then
-    find filled), then ``repeats`` times each, alternating (``<system>_s``: the median). The digests
-    are of the full state after each system's restore."""
-    out: dict[str, Any] = {"ckptlib_cold_s": _restore_ckptlib(wl, ck_url, step)}
-    out["ckptlib_digest"] = full_digest(wl)
-    out["dcp_cold_s"] = _restore_dcp(wl, dcp_dir / str(step))
-    out["dcp_digest"] = full_digest(wl)
-    times: dict[str, list[float]] = {"ckptlib": [], "dcp": []}
+def restore_all(wl: Any, root: Path, step: int, repeats: int = 3) -> dict[str, Any]:
+    """Restore each system's ``step`` under ``root`` (``root/<system>``) into this job's state, in
+    place (then ``set_state_dict``): once each (``<system>_cold_s``: the first calls of a process
+    fill caches a system may then find filled), then ``repeats`` times each, in turn
+    (``<system>_s``: the median). The digests are of the full state after each system's restore."""
+    def restore(system: str) -> float:
+        if system == "ckptlib":
+            return _restore_ckptlib(wl, str(root / system), step)
+        return _restore_dcp(wl, root / system / str(step))
+
+    out: dict[str, Any] = {}
+    for system in SYSTEMS:
+        out[f"{system}_cold_s"] = restore(system)
+        out[f"{system}_digest"] = full_digest(wl)
+    times: dict[str, list[float]] = {system: [] for system in SYSTEMS}
     for _ in range(repeats):
-        times["dcp"].append(_restore_dcp(wl, dcp_dir / str(step)))
-        times["ckptlib"].append(_restore_ckptlib(wl, ck_url, step))
-    if full_digest(wl) != out["ckptlib_digest"]:
-        out["ckptlib_digest"] = "differs between its restores"
+        for system in SYSTEMS:
+            times[system].append(restore(system))
+    if full_digest(wl) != out[f"{SYSTEMS[-1]}_digest"]:
+        out[f"{SYSTEMS[-1]}_digest"] = "differs between its restores"
     out.update({f"{k}_s": median(v) for k, v in times.items()})
     return out
 
@@ -175,10 +191,10 @@ def main(cfg: dict[str, Any]) -> None:
         result["saves"] = save_series(cfg, wl, ck, dcp_group, root)
     last = cfg["saves"]
     result["saved_digest"] = full_digest(wl)
-    result["restore_same"] = restore_both(wl, str(root / "ckptlib"), root / "dcp", last)
+    result["restore_same"] = restore_all(wl, root, last)
     other = cfg.get("restore_from")
     if other:
-        result["restore_other"] = restore_both(wl, str(Path(other) / "ckptlib"), Path(other) / "dcp", last)
+        result["restore_other"] = restore_all(wl, Path(other), last)
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
 

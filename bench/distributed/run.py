@@ -1,7 +1,8 @@
 """``ckpt bench --distributed``: ckptlib's collective Checkpointer against DCP on the same FSDP2 jobs.
 
 For each workload: a job of each world size in ``ranks`` (gloo on CPU, one process per rank, as
-``torchrun`` would start them) trains, saves a series with both systems and restores both; each job
+``torchrun`` would start them) trains, saves a series with every system (``SYSTEMS``: ckptlib's
+``save_async``, DCP's ``save`` and DCP's ``async_save``; ``job`` says how) and restores each; each job
 after the first also restores the previous world size's last checkpoints (a restore on another
 world size). A record per (workload, world, system): bytes per periodic save (saves 2..N: the first
 is a keyframe for ckptlib), blocked and durable seconds per save (the slowest rank's), restore
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
+
+SYSTEMS = ("ckptlib", "dcp", "dcp_async")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def run_job(cfg: dict[str, Any], world: int, timeout: float = 1800) -> list[dict
 
 def _records(workload: str, world: int, ranks: list[dict[str, Any]], prev: list[dict[str, Any]] | None) -> list[dict]:
     out = []
-    for system in ("ckptlib", "dcp"):
+    for system in SYSTEMS:
         saves = [[r["saves"][k][system] for r in ranks] for k in range(len(ranks[0]["saves"]))]
         periodic = saves[1:] or saves
         same = [r["restore_same"] for r in ranks]
@@ -101,14 +104,15 @@ def run_distributed_benchmark(cfg: DistributedBenchConfig, progress: Callable[[s
 
 
 def render(records: list[dict]) -> str:
-    """A plain-text table, one row per (workload, world, system), and the ratios ckptlib/DCP."""
-    head = (f"{'workload':<10} {'ranks':>5} {'system':<8} {'bytes/save':>11} {'blocked s':>9} {'durable s':>9} "
+    """A plain-text table, one row per (workload, world, system), and ckptlib against DCP (sync and
+    async) per job."""
+    head = (f"{'workload':<10} {'ranks':>5} {'system':<9} {'bytes/save':>11} {'blocked s':>9} {'durable s':>9} "
             f"{'restore s':>9} {'other-world s':>13} {'peak +MiB':>9} {'exact':>5}")
     lines = [head, "-" * len(head)]
     for r in records:
         other = f"{r['restore_other_s']:.3f} (from {r['restore_other_from']})" if "restore_other_s" in r else "-"
         exact = r["exact_same"] and r.get("exact_other", True)
-        lines.append(f"{r['workload']:<10} {r['world']:>5} {r['system']:<8} {int(r['bytes_per_save']):>11} "
+        lines.append(f"{r['workload']:<10} {r['world']:>5} {r['system']:<9} {int(r['bytes_per_save']):>11} "
                      f"{r['blocked_s']:>9.3f} {r['durable_s']:>9.3f} {r['restore_same_s']:>9.3f} {other:>13} "
                      f"{r['peak_extra_mib']:>9.1f} {'yes' if exact else 'NO':>5}")
     lines.append("")
@@ -117,10 +121,13 @@ def render(records: list[dict]) -> str:
         if system != "ckptlib" or (workload, world, "dcp") not in by:
             continue
         d = by[(workload, world, "dcp")]
+        a = by.get((workload, world, "dcp_async"))
         ratio = d["bytes_per_save"] / max(r["bytes_per_save"], 1)
         line = (f"{workload}, {world} ranks: DCP writes {ratio:.1f}x the bytes per save; blocked "
-                f"{r['blocked_s']:.3f} s vs {d['blocked_s']:.3f} s; restore {r['restore_same_s']:.3f} s vs "
-                f"{d['restore_same_s']:.3f} s")
+                f"{r['blocked_s']:.3f} s vs {d['blocked_s']:.3f} s (dcp)"
+                + (f", {a['blocked_s']:.3f} s (dcp_async); durable {r['durable_s']:.3f} s vs "
+                   f"{a['durable_s']:.3f} s (dcp_async)" if a else "")
+                + f"; restore {r['restore_same_s']:.3f} s vs {d['restore_same_s']:.3f} s")
         if "restore_other_s" in r:
             line += f", on another world size {r['restore_other_s']:.3f} s vs {d['restore_other_s']:.3f} s"
         lines.append(line)
