@@ -108,6 +108,11 @@ class TrainOptions:
                                          help="On SIGTERM (a preemption) or a cancel, each shard checkpoints "
                                               "where it is and stops; the process ends at the latest S seconds "
                                               "after the signal.")] = 30.0
+    min_shards: Annotated[Optional[int], _opt("--min-shards", metavar="K", panel=FAILURES,
+                                              help="Quorum mode: a round whose shard failed an attempt is cut with "
+                                                   "the shards that finished it cleanly, if at least K did; the "
+                                                   "failed shard rejoins next round (default: off, wait for every "
+                                                   "shard's retries; docs/training.md).")] = None
     no_watchdog: Annotated[bool, _opt("--no-watchdog", panel=FAILURES, help="Run no watchdog beside the run (leave "
                                       "hung or dead shards to `ckpt watchdog` or the watchdog deployment).")] = False
     watchdog_timeout: Annotated[float, _opt("--watchdog-timeout", metavar="S", min=0.1, panel=FAILURES,
@@ -146,7 +151,7 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "ranks_per_shard": "ranks_per_shard", "parallelism": "parallelism", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
               "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
-              "shard_checkpoint_every": "shard_checkpoint_every", "preempt_grace": "preempt_grace_s",
+              "shard_checkpoint_every": "shard_checkpoint_every", "preempt_grace": "preempt_grace_s", "min_shards": "min_shards",
               "storage_options": "storage_options", "credentials_block": "credentials_block",
               "store_block": "store_block"}
 

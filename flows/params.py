@@ -16,7 +16,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from trainrun.credentials import StorageOptions, StoreAccess, check_url
 from trainrun.layout import check_run_id
-from trainrun.spec import RunSettings, RunSpec
+from trainrun.spec import RunSettings, RunSpec, check_min_shards
 
 
 class ValidationThresholds(BaseModel):
@@ -126,6 +126,12 @@ class TrainParams(RunSettings, RunSpec):
             raise ValueError(f"store_block {v!r} is not a block name: give the name of a Checkpoint Store block "
                              "(e.g. prod-store), without its type")
         return v.strip() if v else None
+
+    @model_validator(mode="after")
+    def _check_quorum_size(self) -> TrainParams:
+        """``min_shards`` against this run's shards (``trainrun.spec.check_min_shards``)."""
+        check_min_shards(self.min_shards, self.shards, self.ranks_per_shard)
+        return self
 
     @model_validator(mode="after")
     def _store_from_block(self) -> TrainParams:

@@ -116,9 +116,10 @@ class Ledger:
         self.mark("rounds_done")
 
     def add_round(self, r: int, shards: list[ShardResult], cut: CutResult, t0: float, t1: float, t2: float, *,
-                  replaced_at: float | None = None) -> None:
+                  replaced_at: float | None = None, left_out: list[int] | None = None) -> None:
         """Record round ``r``: shards submitted at t0, all returned at t1, the cut returned at t2; the
-        last shard the watchdog replaced settled at ``replaced_at``."""
+        last shard the watchdog replaced settled at ``replaced_at``. ``left_out`` (quorum mode, None:
+        off): the shards its cut went ahead without; the row then names the cut's (``quorum``) too."""
         finished = [s for s in shards if s.finished]
         slowest = max(finished, key=lambda s: s.seconds["total"]).seconds if finished else {}
         cs = cut.seconds
@@ -147,6 +148,8 @@ class Ledger:
                 "combine_eval": cs["combine"], "cut_wait": cs["wait"], "watchdog_wait": watchdog,
                 "prefect": max(0.0, wall - slowest.get("total", 0.0) - cs["total"] - watchdog),
             },
+            **({"quorum": [s.shard for s in shards if s.shard not in left_out], "left_out": list(left_out)}
+               if left_out is not None else {}),
         })
         if cut.committed:
             self.cuts.append(cut)

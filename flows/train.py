@@ -25,6 +25,10 @@ round, phase, the cut the round starts from, the spec and settings a rerun needs
 wait for a fenced attempt once the live generation has written its fragment (``_wait_for_shards``),
 and the cut takes the live generation's fragment, whoever produced it (``docs/watchdog.md``).
 
+With ``min_shards`` K (quorum mode) a shard that failed an attempt of the round is left out of its
+cut when at least K shards finished it cleanly: fenced, its part carried, back the next round
+(``_wait``; ``docs/training.md``, Quorum mode).
+
 Run it with ``ckpt train`` (live progress and a summary), ``python -m flows.train``, or from a
 deployment, whose UI shows ``TrainParams`` as a form. ``docs/training.md`` explains rounds, the
 cut, resume rules and determinism.
@@ -56,6 +60,7 @@ from trainrun.errors import Preempted
 from trainrun.layout import new_run_id, run_url, shard_part
 from trainrun.results import RunPlan, ShardResult
 from trainrun.resume import given_fields
+from trainrun.spec import check_min_shards
 from trainrun.watchdog.judge import superseded
 
 from .cancel import CancelWatch, RunCancelled
@@ -118,6 +123,7 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
                     thresholds=params.thresholds.to_dict(), validate=params.validate_checkpoints)
     params = params.model_copy(update=plan.config or {})  # a resume's trajectory is the run's own
     spec = params.spec()
+    check_min_shards(params.min_shards, spec.shards, spec.ranks_per_shard)  # against the run's own shards
     ledger.set_params(params)
     logger.info("run %s at %s: %s", run_id, url, plan.note)
     if pred is not None:
@@ -182,15 +188,17 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
                 break
             t0 = time.perf_counter()
             beat.update(round_no=r, phase="shards", cut=cut)
+            _void_marks(store, r)  # an earlier session's quorum marks of this round (a resumed run redoes it)
             live = live_generations(store)  # one listing for every shard
             generations = [live.get(shard_part(i), 0) for i in range(spec.shards)]
             futures = [submit(srunner, shard_task, run_url=url, **common, shard=i, round_no=r, cut=cut,
                               chaos=settings.chaos, heartbeat_every_s=settings.heartbeat_every_s,
                               heartbeat_events=settings.heartbeat_events,
-                              shard_checkpoint_every=settings.shard_checkpoint_every, local_tier=settings.local_tier)
+                              shard_checkpoint_every=settings.shard_checkpoint_every, local_tier=settings.local_tier,
+                              quorum=settings.min_shards is not None)
                        for i in range(spec.shards)]
             try:
-                shards, replaced_at = _wait_for_shards(futures, store, r, generations)
+                shards, replaced_at, left_out = _wait(futures, store, r, generations, settings.min_shards)
             except Exception:
                 if (why := preemption.requested()) is None:
                     raise
@@ -201,10 +209,12 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
             t1 = time.perf_counter()
             beat.update(phase="cut")
             with preemption.training():  # a SIGTERM now waits (within its grace) for the commit
+                _leave_out(store, r, left_out, generations)
                 result = checkpoint_cut(url, round_no=r, cut=cut, run_meta=ledger.run_meta,
                                         publish=r % settings.checkpoint_every == 0 or r == settings.rounds,
-                                        commit_timeout_s=settings.commit_timeout_s, **common)
-            ledger.add_round(r, shards, result, t0, t1, time.perf_counter(), replaced_at=replaced_at)
+                                        commit_timeout_s=settings.commit_timeout_s, left_out=left_out, **common)
+            ledger.add_round(r, shards, result, t0, t1, time.perf_counter(), replaced_at=replaced_at,
+                             left_out=left_out if settings.min_shards is not None else None)
             if result.committed:
                 validations.submit(r)
             cut = result.next_cut()
@@ -297,12 +307,7 @@ def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generation
     pending = set(range(len(futures)))
     replaced_at = None
     while pending:
-        try:
-            done = {finished.get(timeout=poll_s)}
-        except queue.Empty:
-            done = set()
-        while not finished.empty():
-            done.add(finished.get_nowait())
+        done = _drain(finished, poll_s)
         fences = live_generations(store)  # one listing per look, however many shards are pending
         for i in sorted(pending):
             part = shard_part(i)
@@ -317,6 +322,117 @@ def _wait_for_shards(futures: list[Any], store: Store, round_no: int, generation
             if not results[i].finished:  # type: ignore[union-attr]  # set just above
                 replaced_at = time.perf_counter()
     return [r for r in results if r is not None], replaced_at
+
+
+# --- quorum mode (``min_shards``): docs/training.md, Quorum mode ---------------------------------------
+
+def _wait(futures: list[Any], store: Store, round_no: int, generations: list[int],
+          min_shards: int | None) -> tuple[list[ShardResult], float | None, list[int]]:
+    """The round's shard results, when the last replaced shard settled, and the shards left out of
+    its cut: none without ``min_shards`` (every shard is waited for, ``_wait_for_shards``)."""
+    if min_shards is None:
+        return (*_wait_for_shards(futures, store, round_no, generations), [])
+    clean, failed = _split(futures, store, round_no, generations)
+    if not failed:
+        return [clean[i] for i in sorted(clean)], None, []
+    if len(clean) >= min_shards:
+        get_run_logger().warning("round %d: shards %s failed an attempt: the cut goes ahead with shards %s "
+                                 "(min_shards %d); they rejoin at round %d", round_no, sorted(failed),
+                                 sorted(clean), min_shards, round_no + 1)
+        out = {**clean, **{i: ShardResult(shard=i, round=round_no, part=shard_part(i), status="fenced",
+                                          generation=generations[i], error=f"left out of the quorum cut: {why}")
+                           for i, why in failed.items()}}
+        return [out[i] for i in sorted(out)], None, sorted(failed)
+    get_run_logger().warning("round %d: %d shard(s) finished cleanly, fewer than min_shards %d: the round waits for "
+                             "the retries of shards %s, as without quorum", round_no, len(clean), min_shards,
+                             sorted(failed))
+    return (*_wait_for_shards(futures, store, round_no, generations), [])
+
+
+def _split(futures: list[Any], store: Store, round_no: int, generations: list[int], *,
+           poll_s: float = 0.25) -> tuple[dict[int, ShardResult], dict[int, str]]:
+    """Wait until every shard either finished round ``round_no`` with no failed attempt (its result)
+    or failed one (why): its task marked it (``tasks.shard``: it raised, or its rerun found it
+    dead), it was fenced, its result is a retry's, or its task failed. Which shards are which does
+    not depend on timing: a shard that failed is not clean, even if its retry has finished."""
+    from tasks.shard import FAILED, marked
+
+    finished: queue.Queue[int] = queue.Queue()
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda _f, i=i: finished.put(i))
+    clean: dict[int, ShardResult] = {}
+    failed: dict[int, str] = {}
+    pending = set(range(len(futures)))
+    while pending:
+        done = _drain(finished, poll_s)
+        marks = marked(store, round_no, FAILED)  # listed after ``done``: a retry that finished is marked already
+        fences = live_generations(store)
+        for i in sorted(pending):
+            part = shard_part(i)
+            if i in marks:
+                failed[i] = "an attempt failed"
+            elif fences.get(part, 0) > generations[i]:
+                failed[i] = f"fenced (generation {fences[part]})"
+            elif i in done:
+                try:
+                    res = _settle(futures[i], store, round_no, part, generations[i], i)
+                except Exception as e:  # noqa: BLE001 - a task that failed for good: left out, or waited for
+                    if preemption.requested() is not None:
+                        raise
+                    res = ShardResult(shard=i, round=round_no, part=part, status="fenced",
+                                      generation=generations[i], error=f"{type(e).__name__}: {e}")
+                if res.finished and (res.attempt or 1) == 1:
+                    clean[i] = res
+                else:
+                    failed[i] = f"attempt {res.attempt}" if res.finished else res.error or res.status
+            else:
+                continue
+            pending.discard(i)
+    return clean, failed
+
+
+def _drain(finished: queue.Queue[int], poll_s: float) -> set[int]:
+    """The futures done since the last look (waits up to ``poll_s`` for the first)."""
+    try:
+        done = {finished.get(timeout=poll_s)}
+    except queue.Empty:
+        done = set()
+    while not finished.empty():
+        done.add(finished.get_nowait())
+    return done
+
+
+def _leave_out(store: Store, round_no: int, left_out: list[int], generations: list[int]) -> None:
+    """Make the left-out shards' attempts of round ``round_no`` harmless before the cut: a mark their
+    retries find before they train (``tasks.shard``), then a new generation (a fence), so an attempt
+    still running stops at its next beat, checkpoint or write, and nothing it writes is taken; the
+    cut writes the shard's carried part as that generation."""
+    from ckptlib.commit import fence
+    from tasks.shard import LEFT_OUT, mark
+
+    for i in left_out:
+        part = shard_part(i)
+        mark(store, part, round_no, LEFT_OUT, generation=generations[i], reason="an attempt failed")
+        while not fence(store, part, live_generation(store, part) + 1, by="train flow (quorum)",
+                        reason=f"left out of round {round_no}'s quorum cut: an attempt failed",
+                        details={"quorum_round": round_no}):
+            pass  # another fence won that generation (a watchdog): take the next one
+
+
+def _void_marks(store: Store, round_no: int) -> None:
+    """A round starts: quorum marks of it are an earlier session's (a resumed run redoes the round),
+    and void. A shard that session left out is fenced anew, so that its attempts of this session
+    never meet the part the old cut carried under its generation."""
+    from ckptlib.commit import fence
+    from tasks.shard import LEFT_OUT, marked
+
+    keys = store.list(f"quorum/{round_no}/")
+    for i in marked(store, round_no, LEFT_OUT) if keys else ():
+        part = shard_part(i)
+        fence(store, part, live_generation(store, part) + 1, by="train flow (quorum)",
+              reason=f"a new session redoes round {round_no}")
+    for key in keys:
+        store.delete(key)
 
 
 def _settle(future: Any, store: Store, round_no: int, part: str, generation: int, shard: int) -> ShardResult:

@@ -95,10 +95,12 @@ def initial_cut(run_url: str, spec: RunSpec, access: StoreAccess | None = None,
       retry_condition_fn=transient_store_error, cache_policy=NO_CACHE)
 def checkpoint_cut(run_url: str, spec: RunSpec, round_no: int, cut: Cut, publish: bool, access: StoreAccess | None = None,
                    keyframe_every: int = DEFAULT_KEYFRAME_EVERY, run_meta: dict | None = None,
-                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> CutResult:
-    """The cut after round ``round_no`` (``trainrun.cut.cut_round``); commits step ``round_no`` when ``publish``."""
+                   commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, left_out: list[int] | None = None) -> CutResult:
+    """The cut after round ``round_no`` (``trainrun.cut.cut_round``); commits step ``round_no`` when ``publish``.
+    ``left_out``: shards a quorum cut goes ahead without (their parts carried from ``cut``)."""
     with Checkpointer(run_url, storage_options(access), keyframe_every=keyframe_every) as ck:
-        out = cut_round(ck, spec, round_no, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta)
+        out = cut_round(ck, spec, round_no, cut, publish=publish, commit_timeout_s=commit_timeout_s, run_meta=run_meta,
+                        left_out=left_out or ())
     if out.committed:
         get_run_logger().info("step %d committed: loss %.4f, eval %.4f, digest %s", round_no, out.loss,
                               out.eval_loss, out.digest)

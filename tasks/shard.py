@@ -17,21 +17,27 @@ and is rerun.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, Completed, State
 
-from ckptlib import Checkpointer, FencedError
+from ckptlib import Checkpointer, FencedError, commit
+from ckptlib.documents import Document
 from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
-from ckptlib.heartbeat import Beat
+from ckptlib.errors import StoreError
+from ckptlib.heartbeat import Beat, read_heartbeat
+from ckptlib.store import Store
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
 from trainrun.errors import Preempted
-from trainrun.layout import run_name, shard_part
+from trainrun.layout import COORDINATOR, run_name, shard_index, shard_part
+from trainrun.recovery import Failure
 from trainrun.results import ShardResult
 from trainrun.spec import RunSettings, RunSpec
 from trainrun.watchdog.decisions import read_fence
@@ -43,6 +49,92 @@ from .retry import loud_failure
 EVENT_EVERY_S = 5.0  # at most one ckpt.shard.heartbeat event per shard attempt this often
 PROGRESS_EVERY_S = 2.0  # at most one progress artifact update per shard attempt this often
 _DEFAULTS = RunSettings()
+FAILED, LEFT_OUT = "failed", "left-out"
+_MARK_KEY = re.compile(r"^quorum/(\d+)/(shard-\d+)\.(failed|left-out)\.json$")
+
+
+# --- quorum marks: what the train flow's quorum mode sees of a shard while its task is still pending ----
+
+@dataclass(frozen=True)
+class QuorumMark(Document):
+    """``quorum/<round>/<part>.failed.json``: an attempt of the shard failed in the round (written by
+    the task, put-if-absent, before Prefect retries it); ``.left-out.json``: the round was cut
+    without the shard (written by the train flow before it fences the shard). Read as keys only:
+    the flow lists them, the task asks whether one exists."""
+
+    KIND = "quorum mark"
+    MAX_BYTES = 16 << 10
+
+    part: str
+    round: int
+    what: str
+    generation: int
+    reason: str
+    time: float
+    attempt: int | None = None
+
+
+def mark_key(round_no: int, part: str, what: str) -> str:
+    return f"quorum/{round_no}/{part}.{what}.json"
+
+
+def mark(store: Store, part: str, round_no: int, what: str, *, generation: int, reason: str,
+         attempt: int | None = None) -> None:
+    """Write ``what`` (``FAILED`` | ``LEFT_OUT``) for ``part``'s round ``round_no`` (once: put-if-absent)."""
+    doc = QuorumMark(part=part, round=round_no, what=what, generation=generation, reason=reason[:2000],
+                     time=time.time(), attempt=attempt)
+    store.put_if_absent(mark_key(round_no, part, what), doc.to_json())
+
+
+def marked(store: Store, round_no: int, what: str) -> set[int]:
+    """The shards with a ``what`` mark for round ``round_no`` (one listing)."""
+    found = set()
+    for key in store.list(f"quorum/{round_no}/"):
+        m = _MARK_KEY.match(key)
+        if m and int(m.group(1)) == round_no and m.group(3) == what and (i := shard_index(m.group(2))) is not None:
+            found.add(i)
+    return found
+
+
+def _mark_failed(store: Store, part: str, round_no: int, attempt: int, generation: int, reason: str) -> None:
+    """A failed attempt says so at once (the quorum flow stops waiting for the shard); a mark that
+    cannot be written is logged: the flow then sees the failure by the retry's attempt number."""
+    try:
+        mark(store, part, round_no, FAILED, generation=generation, reason=reason, attempt=attempt)
+    except StoreError as e:
+        get_run_logger().warning("%s round %d: failed attempt %d not marked: %s", part, round_no, attempt, e)
+
+
+def _left_out(store: Store, part: str, round_no: int) -> bool:
+    return store.exists(mark_key(round_no, part, LEFT_OUT))
+
+
+def _mark_earlier_failure(store: Store, part: str, round_no: int, cut: Cut) -> None:
+    """Mark the failure of an earlier attempt of this round, as the attempt will recognise it
+    (``trainrun.recovery``: it raised, its process died, a watchdog fenced it), read before its
+    first beat: how a crash seen only at exit (a killed Dask worker) reaches the marks."""
+    try:
+        prior = read_heartbeat(store, part)
+        if prior is None or prior.round != round_no or prior.status == "finished":
+            return
+        live = commit.live_generation(store, part)
+        fence = commit.read_fence(store, part, live) if live > 0 else None
+        failure = Failure.recognise(store, prior, read_heartbeat(store, COORDINATOR), round_no=round_no,
+                                    cut_step=cut.step, generation=live, fence=fence)
+    except Exception as e:  # noqa: BLE001 - a report for the quorum flow: never a reason not to train
+        get_run_logger().warning("%s round %d: cannot tell whether an earlier attempt failed: %s", part, round_no, e)
+        return
+    if failure is not None:
+        _mark_failed(store, part, round_no, prior.attempt or 0, prior.generation, failure.kind)
+
+
+def left_out_state(shard: int, round_no: int, attempt: int) -> State:
+    """``Cancelled(name="Left out")``: the round was cut without this shard (quorum mode); it rejoins
+    at the next round, from the new global model."""
+    part = shard_part(shard)
+    return Cancelled(name="Left out", message=f"{part} round {round_no}: left out of the round's quorum cut (an "
+                     f"attempt failed); it rejoins at round {round_no + 1}",
+                     data={"shard": shard, "round": round_no, "part": part, "status": "fenced", "attempt": attempt})
 
 
 def progress_reporter(part: str, round_no: int) -> Callable[[Beat], None]:
@@ -162,7 +254,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, chaos: list[str] | None = None,
                 heartbeat_every_s: float = _DEFAULTS.heartbeat_every_s, heartbeat_events: bool = False,
                 attempt_offset: int = 0, shard_checkpoint_every: int | str = _DEFAULTS.shard_checkpoint_every,
-                local_tier: bool = _DEFAULTS.local_tier) -> ShardResult:
+                local_tier: bool = _DEFAULTS.local_tier, quorum: bool = False) -> ShardResult:
     """Train shard ``shard`` for round ``round_no`` from ``cut`` (or from its newest shard checkpoint
     of the round); write its fragment of step ``round_no``.
 
@@ -185,6 +277,10 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     ck = Checkpointer(run_url, options, keyframe_every=keyframe_every)
     on_beat = _both(forward, progress_reporter(part, round_no))
     try:
+        if quorum:  # (the marks cost store requests: only a quorum run's flow reads them)
+            if _left_out(ck.store, part, round_no):  # a retry that starts after the flow cut the round without it
+                return left_out_state(shard, round_no, attempt)  # type: ignore[return-value]
+            _mark_earlier_failure(ck.store, part, round_no, cut)
         if spec.ranks_per_shard > 1:  # a group of rank processes (trainrun.rank_group)
             from trainrun.rank_group import train_shard_group
 
@@ -201,11 +297,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                                        checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
                                        .shard_checkpoint_every,
                                        local_tier=LocalTier(run_url) if local_tier else None)
-    except FencedError as e:
-        state = fenced_state(ck, shard, round_no, attempt, e)
-        logger.warning("%s round %d: %s", part, round_no, state.message)
-        return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
-    except Preempted as e:
+    except Preempted as e:  # a stop is no failure: its rerun continues from its checkpoint
         logger.warning("%s", e)
         if e.reason != "cancel":  # a SIGTERM: the process ends in a moment; its task is rerun elsewhere
             wait_for_the_end()
@@ -213,6 +305,16 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
         return Completed(name="Preempted", message=str(e),  # type: ignore[return-value]
                          data={"shard": shard, "round": round_no, "part": part, "status": "preempted",
                                "attempt": attempt, "round_step": e.round_step, "reason": e.reason})
+    except Exception as e:
+        if quorum:
+            _mark_failed(ck.store, part, round_no, attempt, ck.live_generation(part), f"{type(e).__name__}: {e}")
+            if _left_out(ck.store, part, round_no):  # the flow's fence, or a write against the part it carried
+                return left_out_state(shard, round_no, attempt)  # type: ignore[return-value]
+        if not isinstance(e, FencedError):
+            raise
+        state = fenced_state(ck, shard, round_no, attempt, e)
+        logger.warning("%s round %d: %s", part, round_no, state.message)
+        return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
         ck.close()
     written, full = result.bytes_written or 0, result.logical_bytes or 0

@@ -10,14 +10,15 @@
 
 The manifest names exactly the fragments that were combined: a shard fenced between the gather and
 the publish cannot slip another generation into the cut (its new fragment is the next round's
-business). Between published checkpoints nothing is committed; the next round starts from the
+business). A quorum cut (``left_out``) combines the other shards and commits the left-out ones' parts
+carried from the cut the round started from (``carry_part``). Between published checkpoints nothing is committed; the next round starts from the
 generations this cut returns (``CutResult.next_cut()``: a ``Cut(committed=False)``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,11 +29,12 @@ from ckptlib.distributed import GroupFragment, ShardInfo
 from ckptlib.distributed.documents import AnyFragment
 
 from .documents import Cut
-from .layout import COORDINATOR, shard_part
+from .layout import COORDINATOR, run_parts, shard_part
 from .metrics import finite_metrics
 from .outer import ShardMean, outer_step
+from .reshard import cut_shards, reshard_state
 from .results import CutResult
-from .shard_round import apply_threads, read_cut_part
+from .shard_round import ShardRNG, apply_threads, read_cut_part
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from .timing import Stopwatch
 
@@ -40,7 +42,8 @@ READ_AHEAD = 8  # shards' models read at once: store latency overlaps; memory ho
 
 
 def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publish: bool,
-              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None) -> CutResult:
+              commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S, run_meta: dict | None = None,
+              left_out: Sequence[int] = ()) -> CutResult:
     """The cut after round ``round_no`` from the shards of the live generation; commits step
     ``round_no`` when ``publish``. Returns the loss, sizes, the digest (when committed), the
     generations combined and timings.
@@ -48,17 +51,24 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     Cost in the shard count N: one fence listing per look of the gather, N fragment reads, and of
     each shard only its model (not its optimizer state) read, ``READ_AHEAD`` at a time and added to
     the mean in shard order (memory: the accumulator and ``READ_AHEAD`` models, whatever N). The
-    manifest names each part's fragment: O(N) small entries, never the shards' tensors."""
+    manifest names each part's fragment: O(N) small entries, never the shards' tensors.
+
+    ``left_out`` (quorum mode, ``docs/training.md``): shards fenced out of this round by the flow.
+    The mean is of the others; each left-out shard's part is its part of ``cut`` carried into step
+    ``round_no`` (``carry_part``), written first, as its live generation."""
     from workloads import build_workload
 
     clock = Stopwatch()
     spec = spec.trajectory()
     apply_threads(spec)
     prev = read_cut_part(ck, cut, COORDINATOR)
-    shard_parts = [shard_part(i) for i in range(spec.shards)]
+    left = sorted(set(left_out))
+    carried = {shard_part(i): carry_part(ck, spec, cut, i, round_no) for i in left}
+    shard_parts = [shard_part(i) for i in range(spec.shards) if i not in left]
     clock.lap("load")
     gathered = ck.gather(round_no, shard_parts, timeout=commit_timeout_s)
     frags = {p: frag for p, (frag, _) in gathered.items()}
+    quorum = {"quorum": {"shards": [i for i in range(spec.shards) if i not in left], "left_out": left}} if left else {}
     clock.lap("wait")
     mean = ShardMean(prev["model"])
     losses = []
@@ -81,27 +91,47 @@ def cut_round(ck: Checkpointer, spec: RunSpec, round_no: int, cut: Cut, *, publi
     reshards = _reshards(prev, cut, spec)
     if reshards:  # only a resharded run has the key: every other run's digests stay as they were
         coord["reshards"] = reshards
-    generations = {p: f.generation for p, f in frags.items()}
+    frags.update({p: frag for p, (frag, _) in carried.items()})
+    generations = {p: frags[p].generation for p in run_parts(spec.shards) if p in frags}
     cfrag = ck.write_fragment(round_no, COORDINATOR, coord, generation=ck.live_generation(COORDINATOR),
                               config_hash=spec.config_hash(),
                               meta={"round": round_no, **finite_metrics(loss=loss, eval_loss=eval_loss),
-                                    "generations": generations})
+                                    "generations": generations, **quorum})
     generations[COORDINATOR] = cfrag.generation
     clock.lap("write")
     result = CutResult(step=round_no, committed=False, created=False, loss=loss, eval_loss=eval_loss,
-                       generations=generations, bytes_written=cfrag.bytes_written,
+                       generations=generations, bytes_written=cfrag.bytes_written + sum(
+                           f.bytes_written for f, _ in carried.values()),
                        logical_bytes=cfrag.logical_bytes + sum(f.logical_bytes for f in frags.values()))
     if publish:
         meta = {**(run_meta or {}), "round": round_no, **finite_metrics(loss=loss, eval_loss=eval_loss),
-                **({"reshards": reshards} if reshards else {})}
-        # the coordinator's fragment as stored, and the shards' exactly as combined
-        info = ck.commit(round_no, [COORDINATOR, *shard_parts], fragments=gathered, parent=_parent(ck, cut, round_no),
-                         meta=meta, timeout=commit_timeout_s)
+                **({"reshards": reshards} if reshards else {}), **quorum}
+        # the coordinator's fragment as stored, and the shards' exactly as combined (or carried)
+        info = ck.commit(round_no, run_parts(spec.shards), fragments={**gathered, **carried},
+                         parent=_parent(ck, cut, round_no), meta=meta, timeout=commit_timeout_s)
         result = replace(result, committed=True, created=info.committed, digest=info.digest,
                          stored_bytes=info.stored_bytes, kind=info.kind, chunks=info.chunks,
                          logical_bytes=info.logical_bytes)
     clock.lap("commit")
     return replace(result, seconds=clock.seconds())
+
+
+def carry_part(ck: Checkpointer, spec: RunSpec, cut: Cut, shard: int, round_no: int) -> tuple[AnyFragment, str]:
+    """Quorum mode: the part of a shard left out of round ``round_no``, written as its live
+    generation (the flow fenced the failed attempt first) and returned as gathered (fragment and the
+    checksum of its bytes). Its state is its part of ``cut`` (optimizer, scheduler, model) with
+    the round's counter, its generators and its data position advanced by one round: the round's
+    batches are skipped, so every shard's position stays ``round * steps_per_round`` (the next round
+    and a validation read it as after any round). Deterministic: a cut retried writes it again,
+    identical."""
+    part = shard_part(shard)
+    mine = read_cut_part(ck, cut, part) if cut_shards(ck, cut) == spec.shards else \
+        reshard_state(ck, cut, shard, spec.shards)
+    state = {**mine, "round": round_no, "data_position": int(mine["data_position"]) + spec.steps_per_round,
+             "rng": ShardRNG(spec.seed, shard, round_no).state()}
+    ck.write_fragment(round_no, part, state, generation=ck.live_generation(part), config_hash=spec.config_hash(),
+                      meta={"round": round_no, "left_out": True, "carried_from": cut.step})
+    return ck.gather(round_no, [part], timeout=60.0)[part]
 
 
 @dataclass(frozen=True)

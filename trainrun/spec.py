@@ -115,6 +115,25 @@ def _readable_every(schema: dict[str, Any]) -> None:
                        {"type": "integer", "minimum": 0, "title": "every N steps (0: never)"}]
 
 
+def _readable_quorum(schema: dict[str, Any]) -> None:
+    """The form's two branches of ``min_shards``, named, "off" first (pydantic's are untitled)."""
+    schema["anyOf"] = [{"type": "null", "title": "off (wait for every shard)"},
+                       {"type": "integer", "minimum": 1, "title": "quorum of K shards"}]
+
+
+def check_min_shards(min_shards: int | None, shards: int, ranks_per_shard: int = 1) -> None:
+    """Quorum mode's bounds: 1 <= K <= shards, and one process per shard (a left-out shard's part is
+    carried by the coordinator, which writes no group of ranks). Raises ValueError naming the flag."""
+    if min_shards is None:
+        return
+    if isinstance(min_shards, bool) or not 1 <= min_shards <= shards:
+        raise ValueError(f"min_shards (--min-shards) must be between 1 and the run's {shards} shards, got "
+                         f"{min_shards!r}: give a quorum K <= --shards, or leave it out to wait for every shard")
+    if ranks_per_shard > 1:
+        raise ValueError(f"min_shards (--min-shards) needs one process per shard, not --ranks-per-shard "
+                         f"{ranks_per_shard}: leave one of the two out")
+
+
 class RunSettings(BaseModel):
     """How long, how often, where and with which drills a run trains (may change between sessions)."""
 
@@ -151,6 +170,11 @@ class RunSettings(BaseModel):
     preempt_grace_s: float = Field(30.0, gt=0, description="On SIGTERM (a preemption) or a cancel, each shard "
                                    "checkpoints at the step it is at and stops; the process then ends, at the "
                                    "latest this many seconds after the signal (Kubernetes gives 30).")
+    min_shards: int | None = Field(
+        None, title="Min shards (quorum)", description="Quorum mode: a round whose shard failed an attempt is cut "
+        "with the shards that finished it cleanly, as long as there are at least this many; the failed shard is "
+        "left out of that round and rejoins the next (docs/training.md, Quorum mode). Empty: off, every cut "
+        "waits for every shard's retries.", json_schema_extra=lambda schema: _readable_quorum(schema))
 
     @field_validator("task_runner")
     @classmethod
@@ -166,6 +190,14 @@ class RunSettings(BaseModel):
     def _check_every(cls, v: int | str) -> int | str:
         if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"shard_checkpoint_every must be auto or a number of steps >= 0 (0: off), got {v!r}")
+        return v
+
+    @field_validator("min_shards")
+    @classmethod
+    def _check_quorum(cls, v: int | None) -> int | None:
+        if v is not None and (isinstance(v, bool) or v < 1):
+            raise ValueError(f"min_shards (--min-shards) must be a quorum K >= 1 (and <= the shards), got {v!r}; "
+                             "leave it out to wait for every shard")
         return v
 
     @field_validator("chaos")
