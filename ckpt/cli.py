@@ -6,15 +6,7 @@ and `ckpt ls` start fast.
 
 from __future__ import annotations
 
-import typer
-
-app = typer.Typer(
-    name="ckpt",
-    help="Incremental checkpoints and fault-tolerant training runs on Prefect.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+from .app import app  # noqa: F401  (the entry point and the tests take it from here)
 
 # Command modules register themselves on ``app`` when imported (one module per area), in the order
 # `ckpt --help` lists their commands.

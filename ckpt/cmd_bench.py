@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .cmd_inspect import checkpoint_table
 from .common import (
     StorageOptionsOpt,

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import StepOpt, StorageOptionsOpt, UrlArg, command_errors, fail, fmt_bytes, open_checkpointer
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import StorageOptionsOpt, UrlArg, command_errors, fmt_bytes, open_checkpointer
 
 

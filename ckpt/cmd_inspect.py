@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import (
     StepOpt,
     StorageOptionsOpt,

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import StorageOptionsOpt, UrlArg, command_errors, fail, open_checkpointer
 
 

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import command_errors
 
 DEFAULT_KINDS = "crash,hang,stall"

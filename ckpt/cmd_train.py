@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import WORKLOAD_EXTRA_EXAMPLE, fail, parse_json_object, storage_options_or_exit
 from .progress import loss_text, size_text
 from .train_options import TrainOptions, options_command, trajectory_fields

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import STORAGE_OPTIONS_HELP, fail, storage_options_or_exit, url_or_exit
 
 

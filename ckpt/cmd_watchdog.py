@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .cli import app
+from .app import app
 from .common import STORAGE_OPTIONS_HELP, fail, storage_options_or_exit, url_or_exit
 
 STATE_STYLE = {"running": "green", "finished": "green", "done": "green", "waiting": "dim", "replaced": "yellow",
