@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -38,11 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.checkpoint.s3 import Progress, s3_server
+
 BUCKET = "ckpt-bench-ceiling"
 SYSTEMS = ("ckptlib", "s3fs-parallel")
 TARGET_PEAK_FRACTION = 0.3  # peak RSS above baseline, as a fraction of the state (the issue's target)
 ROOT = Path(__file__).resolve().parent.parent
-Progress = Callable[[str], None]
 
 
 def dense_state(size_mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -85,18 +84,7 @@ def run_s3_ceiling(size_mib: int = 1024, endpoint: str = "local", progress: Prog
     bucket ``BUCKET`` must exist)."""
     if size_mib < 1:
         raise ValueError(f"--s3-size-mib must be at least 1, got {size_mib}")
-    work = tempfile.mkdtemp(prefix="ckpt-bench-ceiling-")
-    server = None
-    try:
-        if endpoint == "local":
-            from deployments.local_services import SeaweedFS
-
-            progress("starting SeaweedFS on loopback")
-            server = SeaweedFS.start(os.path.join(work, "seaweedfs"))
-            server.create_bucket(BUCKET)
-            options = dict(server.storage_options)
-        else:
-            options = {}
+    with s3_server(endpoint, "ckpt-bench-ceiling-", progress, BUCKET) as (options, _work):
         rows = []
         for system in SYSTEMS:
             progress(f"{system}: save and restore of {size_mib} MiB ...")
@@ -105,10 +93,6 @@ def run_s3_ceiling(size_mib: int = 1024, endpoint: str = "local", progress: Prog
             progress(f"{system}: save {rows[-1]['save_s']:.2f} s, restore {rows[-1]['restore_s']:.2f} s, "
                      f"peak +{rows[-1]['peak_extra_mib']:.0f} MiB")
         return rows
-    finally:
-        if server is not None:
-            server.stop(grace=1.0)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _run_child(cfg: dict[str, Any], options: dict, timeout: float) -> dict[str, Any]:

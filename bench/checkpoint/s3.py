@@ -23,7 +23,8 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,19 +38,28 @@ Progress = Callable[[str], None]
 
 def run_s3_benchmark(endpoint: str = "local", repeats: int = 3, progress: Progress = lambda _m: None) -> dict[str, Any]:
     """Both systems on one S3 server; returns {"state": ..., "systems": {name: figures}}."""
-    work = tempfile.mkdtemp(prefix="ckpt-bench-s3-")
+    with s3_server(endpoint, "ckpt-bench-s3-", progress) as (options, work):
+        return _measure(options, work, repeats, progress)
+
+
+@contextmanager
+def s3_server(endpoint: str, prefix: str, progress: Progress,
+              bucket: str = BUCKET) -> Iterator[tuple[dict[str, Any], str]]:
+    """(storage options, a scratch folder) of a benchmark's S3 server: a SeaweedFS started on
+    loopback with ``bucket`` (``endpoint`` "local"; stopped at the end), or the environment's
+    (``AWS_ENDPOINT_URL`` and its credentials: no options). The folder is removed at the end."""
+    work = tempfile.mkdtemp(prefix=prefix)
     server = None
     try:
+        options: dict[str, Any] = {}
         if endpoint == "local":
             from deployments.local_services import SeaweedFS
 
             progress("starting SeaweedFS on loopback")
             server = SeaweedFS.start(os.path.join(work, "seaweedfs"))
-            server.create_bucket(BUCKET)
+            server.create_bucket(bucket)
             options = dict(server.storage_options)
-        else:
-            options = {}  # the environment's AWS_ENDPOINT_URL and credentials
-        return _measure(options, work, repeats, progress)
+        yield options, work
     finally:
         if server is not None:
             server.stop(grace=1.0)
