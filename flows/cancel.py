@@ -13,6 +13,10 @@ Prefect 3.9 delivers a cancel two ways:
 So the flow also watches its own state (``CancelWatch``, one API read every ``poll_s``): on
 ``Cancelling`` it asks its shards to stop (``preemption.request("cancel")``), commits nothing more,
 and returns a ``Cancelled`` state carrying its summary (``RunCancelled`` to a Python caller).
+
+Either way (a cancel, a SIGTERM) the request also writes the run's stop document (``StopNotice``,
+``trainrun.preemption``): shards in other processes (Dask workers, shard flow runs, rank groups)
+read it at their next beat and checkpoint and stop as the flow's own threads do.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import threading
 from typing import Any
 
 from ckptlib.errors import CheckpointError
+from ckptlib.heartbeat import read_heartbeat
+from ckptlib.store import Store
 from trainrun import preemption
+from trainrun.layout import COORDINATOR
 
 log = logging.getLogger("flows.cancel")
 
@@ -70,3 +77,24 @@ class CancelWatch:
                 if state is not None and (state.is_cancelling() or state.is_cancelled()):
                     preemption.request("cancel")
                     return
+
+
+class StopNotice:
+    """``preemption.on_request``'s writer for a session of a run: the stop document, with the round
+    the coordinator's beat says it is in. A new session clears an earlier one's (``start``)."""
+
+    def __init__(self, store: Store, by: str):
+        self.store, self.by = store, by
+
+    def start(self) -> StopNotice:
+        preemption.clear_stop(self.store)  # before any shard of this session beats
+        preemption.on_request(self)
+        return self
+
+    def stop(self) -> None:
+        preemption.on_request(None)
+
+    def __call__(self, reason: str) -> None:
+        beat = read_heartbeat(self.store, COORDINATOR)
+        preemption.write_stop(self.store, reason, by=self.by, round_no=beat.round if beat is not None else None)
+        log.warning("%s: stop document written to %s/%s", reason, self.store.url, preemption.STOP_KEY)

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -63,7 +65,7 @@ from trainrun.resume import given_fields
 from trainrun.spec import check_min_shards
 from trainrun.watchdog.judge import superseded
 
-from .cancel import CancelWatch, RunCancelled
+from .cancel import CancelWatch, RunCancelled, StopNotice
 from .params import TrainParams
 from .predecessor import announce, find_predecessor
 from .runners import shard_runner, submit, validation_runner
@@ -112,6 +114,7 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
     store = Store.from_url(url, storage_options(access))
     own = str(flow_run.id) if flow_run.id else None
     preemption.reset()  # a session of its own, even in a process that outlived a cancelled one
+    notice = StopNotice(store, own or run_id).start()  # a stop reaches shards in other processes too
     preemption.install(settings.preempt_grace_s)  # SIGTERM: the shards checkpoint first, then Prefect's handler
     watch = CancelWatch(own).start() if own else None  # a cancel of an in-process run reaches it only so
     pred = find_predecessor(store, own)
@@ -140,6 +143,7 @@ def train_run(params: TrainParams = TrainParams()) -> Any:  # noqa: B008 (a pyda
         if watch is not None:
             watch.stop()
         preemption.uninstall()
+        notice.stop()
         if preemption.requested() == "cancel":  # this session's cancel: a later one in this process starts clean
             preemption.reset()
         if spec.ranks_per_shard > 1:  # the shards' groups were kept warm from round to round
@@ -198,7 +202,8 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
                               quorum=settings.min_shards is not None)
                        for i in range(spec.shards)]
             try:
-                shards, replaced_at, left_out = _wait(futures, store, r, generations, settings.min_shards)
+                with _stopping_together(futures, srunner is not None, settings.preempt_grace_s):
+                    shards, replaced_at, left_out = _wait(futures, store, r, generations, settings.min_shards)
             except Exception:
                 if (why := preemption.requested()) is None:
                     raise
@@ -221,6 +226,25 @@ def _train(params: TrainParams, url: str, access: StoreAccess, store: Store, pla
         ledger.rounds_done()
         beat.update(phase="validations")
         return validations.wait_all()
+
+
+@contextmanager
+def _stopping_together(futures: list[Any], remote: bool, grace_s: float) -> Iterator[None]:
+    """Shards in other processes (``remote``: Dask workers, a work pool) count as a training loop of
+    this one: a SIGTERM goes on to Prefect's handler only once they stopped (within its grace), and
+    on a stop every shard task is waited for (within the grace), so that where each stopped is stored."""
+    if not remote:
+        yield
+        return
+    with preemption.training():
+        try:
+            yield
+        except Exception:
+            if preemption.requested() is not None:
+                deadline = time.monotonic() + grace_s
+                for f in futures:
+                    f.wait(max(0.0, deadline - time.monotonic()))
+            raise
 
 
 def stopped_at(store: Store, round_no: int, shards: int) -> list[int | None]:

@@ -32,6 +32,7 @@ from ckptlib.encoding import DEFAULT_KEYFRAME_EVERY
 from ckptlib.errors import StoreError
 from ckptlib.heartbeat import Beat, read_heartbeat
 from ckptlib.store import Store
+from trainrun import preemption
 from trainrun.chaos import for_attempt
 from trainrun.credentials import StoreAccess
 from trainrun.documents import Cut
@@ -275,7 +276,8 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     forward = event_forwarder(run_url, part, max(EVENT_EVERY_S, heartbeat_every_s)) if heartbeat_events else None
     options = storage_options(access)
     ck = Checkpointer(run_url, options, keyframe_every=keyframe_every)
-    on_beat = _both(forward, progress_reporter(part, round_no))
+    # a stop of the run reaches this attempt wherever it runs: its beats read the run's stop document
+    on_beat = _both(forward, progress_reporter(part, round_no), preemption.StopWatch(ck.store))
     try:
         if quorum:  # (the marks cost store requests: only a quorum run's flow reads them)
             if _left_out(ck.store, part, round_no):  # a retry that starts after the flow cut the round without it
@@ -299,7 +301,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                                        local_tier=LocalTier(run_url) if local_tier else None)
     except Preempted as e:  # a stop is no failure: its rerun continues from its checkpoint
         logger.warning("%s", e)
-        if e.reason != "cancel":  # a SIGTERM: the process ends in a moment; its task is rerun elsewhere
+        if preemption.ending():  # this process's SIGTERM: it ends in a moment; its task is rerun elsewhere
             wait_for_the_end()
         # Completed, named: Prefect logs every other final state of a task run as an ERROR, and a stop is none
         return Completed(name="Preempted", message=str(e),  # type: ignore[return-value]
@@ -316,6 +318,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
         logger.warning("%s round %d: %s", part, round_no, state.message)
         return state  # type: ignore[return-value]  # Prefect: a returned state is the task run's final state
     finally:
+        preemption.forget_stop_document()  # the process (a Dask worker) outlives the run
         ck.close()
     written, full = result.bytes_written or 0, result.logical_bytes or 0
     # nothing written: an earlier attempt (before a kill, a retry) had stored this very fragment
