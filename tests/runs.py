@@ -3,7 +3,13 @@ Prefect), so that a test module never imports another."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+from pathlib import Path
+
 from ckptlib import Checkpointer
+from ckptlib.heartbeat import read_heartbeats
+from ckptlib.store import Store
 from trainrun.cut import cut_round
 from trainrun.documents import Cut
 from trainrun.shard_round import train_shard_round
@@ -32,3 +38,18 @@ def run_rounds(url: str, spec: RunSpec, rounds: int, every: int = 1, start: int 
             digests[r] = result.digest
         cut = result.next_cut()
     return digests
+
+
+def wait_for_round(proc: subprocess.Popen, run: Path, round_no: int = 2, steps: int = 5, shards: int = 2,
+                   timeout_s: float = 240.0) -> None:
+    """Returns once every shard of the run ``proc`` trains beats round ``round_no``, ``steps`` steps in
+    (fails with ``proc``'s output if it ended first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"round {round_no} did not start in {timeout_s:.0f} s"
+        beats = read_heartbeats(Store.from_url(str(run))) if run.exists() else {}
+        if all((b := beats.get(f"shard-{i}")) is not None and b.round == round_no and (b.round_step or 0) >= steps
+               for i in range(shards)):
+            return
+        time.sleep(0.05)

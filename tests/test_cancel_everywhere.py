@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from test_preemption import _digests, _resume, _stopped_where, _train_args, api_env, clean_digests  # noqa: F401
 
 from ckptlib.heartbeat import read_heartbeats
 from ckptlib.store import Store
+from tests.runs import wait_for_round
 from trainrun.preemption import STOP_KEY
 
 STEP_S = 0.3  # a step's sleep: the 35 steps left of round 2 take 10 s, a stop a beat (0.2 s) and a step
@@ -38,7 +38,7 @@ def test_a_dask_run_cancelled_through_the_api_stops_every_shard_within_seconds_a
     proc = subprocess.Popen(args, env={**api_env, "CKPT_TEST_STEP_SLEEP": str(STEP_S)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _wait_for_round_2(proc, run)
+        wait_for_round(proc, run)
         with get_client(sync_client=True) as client:
             (fr,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 name=FlowRunFilterName(any_=["train-dask-cancelled"])))
@@ -63,19 +63,6 @@ def test_a_dask_run_cancelled_through_the_api_stops_every_shard_within_seconds_a
     assert not (run / STOP_KEY).exists()  # the resumed session cleared it, and trained on
     assert _digests(str(run)) == clean_digests
     assert s["predecessor"]["status"] == "cancelled", s["predecessor"]
-
-
-def _wait_for_round_2(proc: subprocess.Popen, run: Path) -> None:
-    """Returns once both shards train round 2 (5 steps in)."""
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "round 2 did not start in 240 s"
-        beats = read_heartbeats(Store.from_url(str(run))) if run.exists() else {}
-        if all((b := beats.get(f"shard-{i}")) is not None and b.round == 2 and (b.round_step or 0) >= 5
-               for i in range(2)):
-            return
-        time.sleep(0.05)
 
 
 def test_a_shard_beat_takes_the_stop_document_as_its_process_request_and_forgets_it_after(tmp_path):

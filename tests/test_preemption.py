@@ -28,6 +28,7 @@ import pytest
 from ckptlib import Checkpointer, commit
 from ckptlib.heartbeat import read_heartbeat, read_heartbeats
 from ckptlib.store import Store
+from tests.runs import wait_for_round
 from trainrun.documents import Cut
 from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec
@@ -139,16 +140,8 @@ def _start_and_wait_for_round_2(args: list[str], env: dict, run: Path) -> subpro
     """``ckpt train`` started; returns once both shards train round 2 (5 steps in)."""
     proc = subprocess.Popen(args, env={**env, "CKPT_TEST_STEP_SLEEP": "0.05"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "round 2 did not start in 240 s"
-        beats = read_heartbeats(Store.from_url(str(run))) if run.exists() else {}
-        if all((b := beats.get(f"shard-{i}")) is not None and b.round == 2 and (b.round_step or 0) >= 5
-               for i in range(2)):
-            return proc
-        time.sleep(0.05)
-
+    wait_for_round(proc, run)
+    return proc
 
 def _stopped_where(run: Path) -> dict[str, int]:
     """Each shard's last beat of round 2 (where it stopped) and its newest checkpoint of the round: the same."""
