@@ -144,12 +144,7 @@ def send_jobs(ranks: Sequence[Rank], jobs: Sequence[RankJob]) -> None:
 
 def end_ranks(ranks: Sequence[Rank]) -> None:
     """Kill every rank still running and wait for each: no process of the group outlives it."""
-    for r in ranks:
-        if r.process.poll() is None:
-            try:
-                r.process.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _signal_live(ranks, signal.SIGKILL)
     for r in ranks:
         r.process.wait()
         if r.process.stdin is not None:
@@ -387,10 +382,15 @@ def detected(error: BaseException) -> BaseException:
 def forward_sigterm(ranks: Sequence[Rank]) -> None:
     """This process was asked to stop: each rank gets SIGTERM, and the group stops together."""
     log.warning("preemption: SIGTERM forwarded to the %d ranks of a group", len(ranks))
+    _signal_live(ranks, signal.SIGTERM)
+
+
+def _signal_live(ranks: Sequence[Rank], sig: signal.Signals) -> None:
+    """``sig`` to every rank still running (one that ended meanwhile is skipped)."""
     for r in ranks:
         if r.process.poll() is None:
             try:
-                r.process.send_signal(signal.SIGTERM)
+                r.process.send_signal(sig)
             except ProcessLookupError:
                 pass
 

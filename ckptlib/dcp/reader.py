@@ -71,11 +71,13 @@ class StorageReader(_DCPReader):
     def read_metadata(self) -> Metadata:  # one global Metadata per step, no rank-local one
         ck = self.checkpointer
         self._holding.close()  # a step an earlier load of this reader held, if it failed before read_data's end
-        if self.step is None and ck.latest_step() is None:
-            raise NoCheckpoint(f"no committed step in {ck.url} to load: save one with "
-                               "dcp.save(state, storage_writer=ckptlib.dcp.StorageWriter(url, step=N))")
-        # one read lease and one manifest read for the whole load, not one per restore below
-        step = self._holding.enter_context(ck.reading(self.step))
+        try:  # one read lease and one manifest read for the whole load, not one per restore below
+            step = self._holding.enter_context(ck.reading(self.step))
+        except NoCheckpoint as e:
+            if self.step is not None:
+                raise
+            raise NoCheckpoint(f"{e}: nothing to load; save one with "
+                               "dcp.save(state, storage_writer=ckptlib.dcp.StorageWriter(url, step=N))") from None
         try:
             return self._metadata(ck, step)
         except BaseException:
