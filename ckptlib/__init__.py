@@ -19,21 +19,23 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Checkpointer": "checkpointer", "CommitInfo": "checkpointer", "SaveFuture": "checkpointer",
+    "CollectiveCheckpointer": "distributed.collective_checkpointer", "PartWriter": "part_writer",
     "RetentionPolicy": "retention", "Problem": "restore", "Store": "store", "branch": "branch",
     "CheckpointError": "errors", "CommitConflict": "errors", "CorruptCheckpoint": "errors", "FencedError": "errors",
     "FormatVersionError": "errors", "NoCheckpoint": "errors", "ObjectNotFound": "errors", "StoreError": "errors",
     "UnsupportedState": "errors",
 }
 __all__ = [
-    "CheckpointError", "Checkpointer", "CommitConflict", "CommitInfo", "CorruptCheckpoint", "FencedError",
-    "FormatVersionError", "NoCheckpoint", "ObjectNotFound", "Problem", "RetentionPolicy", "SaveFuture", "Store",
-    "StoreError", "UnsupportedState", "branch",
+    "CheckpointError", "Checkpointer", "CollectiveCheckpointer", "CommitConflict", "CommitInfo", "CorruptCheckpoint",
+    "FencedError", "FormatVersionError", "NoCheckpoint", "ObjectNotFound", "PartWriter", "Problem", "RetentionPolicy",
+    "SaveFuture", "Store", "StoreError", "UnsupportedState", "branch",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .branch import branch
     from .checkpointer import Checkpointer, CommitInfo, SaveFuture
+    from .distributed.collective_checkpointer import CollectiveCheckpointer
     from .errors import (
         CheckpointError,
         CommitConflict,
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
         StoreError,
         UnsupportedState,
     )
+    from .part_writer import PartWriter
     from .restore import Problem
     from .retention import RetentionPolicy
     from .store import Store

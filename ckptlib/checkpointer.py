@@ -1,5 +1,9 @@
 """``Checkpointer``: the public face of the library. Save, restore, list, verify, fragments, commit.
 
+One writer's checkpoints, composed around one ``PartWriter`` (``ckptlib.part_writer``: what a save
+writes) with what reads them back. ``Checkpointer(url, process_group=pg)`` makes the collective one
+instead (``ckptlib.distributed.collective_checkpointer``, registered with ``register_collective``).
+
 Thread-safety: one Checkpointer serves one writer (a training loop, or one shard task). Its
 methods may be called from one thread at a time; ``save_async`` runs the persisting half in a
 background thread of its own. Several processes may read one store at any time, and several
@@ -19,10 +23,9 @@ return (or nothing, with ``into=``) plus a few chunks per thread.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
-import os
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -30,14 +33,13 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
 from . import commit, compaction, damage, stateful
-from .bases import Base, DeltaBases, base_of, chain_origin, substep_chain
-from .chunking import auto_chunk_bytes
+from .bases import Base, base_of, substep_chain
 from .compaction import Compactor
 from .distributed.documents import AnyFragment, GroupFragment
 from .encoding import DEFAULT_DELTA_BUDGET, DEFAULT_KEYFRAME_EVERY
@@ -46,9 +48,11 @@ from .export import Exported
 from .gc import DEFAULT_GRACE_S, DEFAULT_SAVE_WAIT_S, GcReport, collect_garbage
 from .leases import Lease
 from .manifest import Fragment, Manifest
+from .part_writer import PartWriter
+from .part_writer import default_threads as default_threads  # where bench/ and older callers find it
 from .restore import Problem, inspect_part, restore_part
 from .retention import RetentionPolicy
-from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_secure_snapshot, take_snapshot
+from .save import Snapshot, WriteOptions
 from .store import Store
 
 if TYPE_CHECKING:
@@ -80,6 +84,12 @@ class CommitInfo:
     def ratio(self) -> float:
         """Logical size over bytes written: how many times smaller than a full copy."""
         return self.logical_bytes / max(self.bytes_written, 1)
+
+    @classmethod
+    def of(cls, m: Manifest, created: bool, blocked: float, durable: float) -> CommitInfo:
+        """What a save that published (``created``) or found (not ``created``) manifest ``m`` did."""
+        return cls(m.step, m.digest, m.bytes_written, m.logical_bytes, m.stored_bytes, m.kind, m.stats, created,
+                   blocked, durable)
 
 
 class _HeldStep:
@@ -122,11 +132,23 @@ class SaveFuture(Future, Generic[T]):
         return e
 
 
-def default_threads(store: Store) -> int:
-    """Encode/IO threads: twice the cores (numpy, zstd and hashing release the GIL); at least 16
-    for a remote store, where most of a thread's time is a request in flight."""
-    cores = (os.cpu_count() or 2) * 2
-    return min(32, cores) if store.capabilities.atomic_rename else min(64, max(16, cores))
+# What ``Checkpointer(process_group=...)`` makes: a subclass that ``ckptlib.distributed`` registers
+# (``register_collective``) when its module is imported. That package sits above this module, which
+# never imports it: the first such construction loads it by name, as ``ckptlib`` loads its exports.
+_COLLECTIVE_MODULE = "ckptlib.distributed.collective_checkpointer"
+_collective: list[type[Checkpointer]] = []
+
+
+def register_collective(cls: type[Checkpointer]) -> None:
+    """Make ``Checkpointer(..., process_group=pg)`` construct ``cls`` (a subclass taking the same
+    arguments)."""
+    _collective[:] = [cls]
+
+
+def _collective_class() -> type[Checkpointer]:
+    if not _collective:
+        importlib.import_module(_COLLECTIVE_MODULE)  # registers it
+    return _collective[0]
 
 
 class Checkpointer:
@@ -144,18 +166,28 @@ class Checkpointer:
     (keep a background save's staging buffers for the next one: faster snapshots, one more copy of
     the state in memory; default: only for GPU states, whose pinned buffers are slow to allocate).
 
-    ``process_group``: a collective Checkpointer (docs/distributed.md). Every rank of the group
-    constructs one (it creates a gloo group of its own over the same ranks); ``save``,
-    ``save_async``, ``restore`` and ``write_fragment`` are then collective: every rank calls them with
-    its own state (DTensors, DDP replicas, per-rank values), one checkpoint holds all ranks or none.
-    ``group_timeout_s``: how long a rank waits for the others (a hung rank fails the call then).
+    ``process_group``: makes a ``CollectiveCheckpointer`` instead (docs/distributed.md), a subclass.
+    Every rank of the group constructs one (it creates a gloo group of its own over the same ranks);
+    ``save``, ``save_async``, ``restore`` and ``write_fragment`` are then collective: every rank calls
+    them with its own state (DTensors, DDP replicas, per-rank values), one checkpoint holds all ranks
+    or none. ``group_timeout_s``: how long a rank waits for the others (a hung rank fails the call then).
 
     ``compact=True`` (single writer): once a save has committed, a raw copy of each of its
     delta-coded chunks is written beside the stream, off the training path, from the bytes this
     writer holds anyway, so the latest step restores one object per chunk instead of its chains
     (``ckptlib.compaction``; more bytes written per save, counted in ``compaction_bytes``). The
     next save, restore or GC stops a compaction in flight; ``wait()`` and ``close()`` let it end.
+
+    ``writer``: the ``PartWriter`` every save goes through (its pool and delta bases also serve restores).
     """
+
+    rank = 0  # this process's rank in the group that saves (a single writer: 0)
+
+    def __new__(cls, *args: Any, process_group: Any = None, **kwargs: Any) -> Checkpointer:
+        """The constructor's dispatch: with a ``process_group``, the registered collective subclass."""
+        if process_group is not None and cls is Checkpointer:
+            cls = _collective_class()
+        return super().__new__(cls)
 
     def __init__(self, url: str | Store, storage_options: dict | None = None, *,
                  chunk_bytes: int | None = None, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
@@ -163,15 +195,16 @@ class Checkpointer:
                  threads: int | None = None, max_upload_bytes_per_s: float | None = None,
                  reuse_buffers: bool | None = None, process_group: Any = None, group_timeout_s: float = 600.0,
                  compact: bool = False):
-        if compact and process_group is not None:
-            raise ValueError("compact=True is for a single writer; a collective Checkpointer does not compact (yet)")
+        if process_group is not None:  # a subclass of this one reached here: it has no collective save
+            raise TypeError(f"{type(self).__name__} is a single writer: construct Checkpointer(..., process_group=) "
+                            "for a collective one")
         self.options = WriteOptions.checked(chunk_bytes, keyframe_every, delta_budget, zstd_level,
                                             max_upload_bytes_per_s)
         self.store = url if isinstance(url, Store) else Store.from_url(url, storage_options)
-        self.reuse_buffers = reuse_buffers
-        self._pool = ThreadPoolExecutor(max_workers=threads or default_threads(self.store), thread_name_prefix="ckpt-io")
+        self.writer = PartWriter(self.store, self.options, load_base=self._committed_base, threads=threads,
+                                 reuse_buffers=reuse_buffers)
+        self._pool, self._bases = self.writer.pool, self.writer.bases  # short names, for reads too
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
-        self._bases = DeltaBases(self._committed_base)
         # Manifests are read afresh by every call: GC (maybe another process's) drops steps, and a
         # step dropped may be committed again with another state. Fragments a manifest names are
         # immutable by their checksum, so the last few are kept.
@@ -180,16 +213,8 @@ class Checkpointer:
         # cannot be dropped, so it cannot be committed again with another state meanwhile)
         self._held: dict[int, _HeldStep] = {}
         self._inflight: SaveFuture[Any] | None = None
-        self._marked = False
         self._closed = False
         self._lock = threading.Lock()
-        # suspect objects (ckptlib.damage) this writer's saves found intact or wrote again, by note
-        self._confirmed: dict[tuple[int, str], set[str]] = {}
-        self._collective = None
-        if process_group is not None:
-            from .distributed.collective import Collective
-
-            self._collective = Collective(process_group, group_timeout_s)
         self._compactor = Compactor(self.store, self._pool, self.options.limiter) if compact else None
         self._compaction: Future[Any] | None = None
 
@@ -212,10 +237,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._drain()
         state, _ = stateful.expand(state)
-        if self._collective is not None:
-            return self._group_persist(self._group_begin(step, state, meta, copy=False), t0, blocked=None)
-        snap = take_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), copy=False,
-                             buffers=self._bases.buffers(SINGLE_PART).take)
+        snap = self.writer.snapshot(state, SINGLE_PART, copy=False)
         return self._persist(step, snap, meta, t0, blocked=None)
 
     def save_async(self, step: int, state: Any, *, meta: dict | None = None) -> SaveFuture[CommitInfo]:
@@ -227,15 +249,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._drain()
         state, _ = stateful.expand(state)
-        if self._collective is not None:
-            pending = self._group_begin(step, state, meta, copy=True)
-            blocked = time.perf_counter() - t0
-            group_fut: SaveFuture[CommitInfo] = SaveFuture(step)
-            self._in_background(group_fut, lambda: self._group_persist(pending, t0, blocked))
-            return group_fut
         # no copy of the caller's memory kept: each unit read in place is patched into the base or copied
-        snap = take_secure_snapshot(state, self._pool, self._chunk_size(SINGLE_PART), self._bases.held(SINGLE_PART),
-                                    self._bases.buffers(SINGLE_PART))
+        snap = self.writer.secure_snapshot(state, SINGLE_PART)
         fut: SaveFuture[CommitInfo] = SaveFuture(step)
         self._in_background(fut, lambda: self._persist(step, snap, meta, t0, blocked=snap.seconds))
         return fut
@@ -315,92 +330,17 @@ class Checkpointer:
             return rank_base(frag, self.store, self._pool, int(rank or 0), self.options.chunk_bytes)
         return base_of(frag, self.options.chunk_bytes)
 
-    def _chunk_size(self, part: str) -> int | Any:
-        """The chunk size of ``part``'s next save: the option, else its base's (so deltas line up),
-        else one chosen from the state's size."""
-        if self.options.chunk_bytes is not None:
-            return self.options.chunk_bytes
-        base = self._bases.get(part)
-        if base is not None and base.chunk_bytes:
-            return base.chunk_bytes
-        return auto_chunk_bytes
-
-    def _ensure_marker(self) -> None:
-        if not self._marked:
-            commit.ensure_marker(self.store)
-            self._marked = True
-
-    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T], *,
-                   base_key: str | None = None, compress: bool = True, **kw: Any) -> T:
-        """The one save path of a part: under a save lease, encode ``snap`` against the part's base,
-        make sure what it needs survived a GC that ran beside it, then ``publish(encoded)`` (commit a
-        manifest, or write a fragment). Only once that succeeded does the result become the part's
-        next base; a failure forgets the base's bytes (a save that read the caller's memory in place
-        may have written over them). ``base_key``: whose chain of bases it is, when not the part's: a
-        rank's fragment of a group's part (``part#r<rank>``), or a chain of sub-step fragments
-        (``bases.substep_chain``), which starts from its origin's base and leaves it as it is.
-        ``compress=False``: raw chunks (``EncodeOptions.compress``)."""
-        options = self.options if compress else replace(self.options, compress=False)
-        key = base_key or part
-        origin = chain_origin(key)
-        base = self._bases.held(key) if origin else self._bases.get(key)
-        own_chain = base is not None or origin is None
-        if base is None and origin:
-            base = self._bases.get(origin)
-        # No object is trusted because it exists, not even one this writer saved (ckptlib.damage):
-        # one listing per save, beside the lease's writes; on a healthy run it finds nothing.
-        listing = self._pool.submit(damage.notes, self.store)
-        with Lease(self.store, "save", base.step if base else None) as lease:
-            self._ensure_marker()  # under the lease: a GC running beside it leaves its temp file alone
-            found = listing.result()
-            with self._lock:
-                suspects = damage.Suspects.of(found, self._confirmed) if found else None
-            if suspects is not None:
-                base = suspects.clean(base)
-            try:
-                enc = encode_part(snap, base, self.store, self._pool, options, step=step, part=part,
-                                  lease=lease, retain=True, suspects=suspects, **kw)
-                missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], enc.reused)
-                if missing:
-                    # A GC that held the lock as this save began swept objects it wrote or built on
-                    # (docs/format.md, "Garbage collection"): encode again, keyframes only. That GC
-                    # has ended, and every later one sees this lease.
-                    log.warning("a garbage collection beside this save of step %d swept %d objects it needs (e.g. "
-                                "%s): writing part '%s' again as keyframes", step, len(missing), missing[0], part)
-                    enc = encode_part(snap, None, self.store, self._pool, options, step=step, part=part,
-                                      lease=lease, retain=True, suspects=suspects, **kw)
-                    missing = lease.before_publish([b.key for b in enc.fragment.blobs.values()], {})
-                    if missing:
-                        raise StoreError(f"{len(missing)} objects of step {step} (e.g. {self.url}/{missing[0]}) "
-                                         "vanished as they were written: is another program deleting in this store?")
-                result = publish(enc)
-            except BaseException:
-                self._bases.forget_bytes(key)
-                raise
-        if found:
-            with self._lock:
-                damage.confirm(self._confirmed, found, enc.confirmed)
-        keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
-        # a sub-step chain's first base is the part's own: its buffers are never handed out as spares
-        self._bases.adopt(key, enc.next_base, base, keep_spare and own_chain)  # type: ignore[arg-type]
-        return result
-
     def _persist(self, step: int, snap: Snapshot, meta: dict | None, t0: float, blocked: float | None) -> CommitInfo:
-        published: list[Fragment] = []
-
-        def publish(enc: EncodedPart) -> tuple[Manifest, bool]:
+        with self.writer.writing(snap, SINGLE_PART, step) as enc:
             base = self._bases.held(SINGLE_PART)
-            published.append(enc.fragment)
-            return commit.commit_step(self.store, step, {SINGLE_PART: (enc.fragment, None)},
-                                      parent=base.step if base else None, single=True, meta=meta)
-
-        manifest, created = self._save_part(snap, SINGLE_PART, step, publish)
+            manifest, created = commit.commit_step(self.store, step, {SINGLE_PART: (enc.fragment, None)},
+                                                   parent=base.step if base else None, single=True, meta=meta)
         if not created:
             log.info("step %d was already committed with the same digest: nothing new published", step)
         elif self._compactor is not None:
-            self._start_compaction(published[-1])
+            self._start_compaction(enc.fragment)
         durable = time.perf_counter() - t0
-        return self._info(manifest, created, durable if blocked is None else blocked, durable)
+        return CommitInfo.of(manifest, created, durable if blocked is None else blocked, durable)
 
     def _start_compaction(self, fragment: Fragment) -> None:
         """Queue the compaction of committed ``fragment`` behind whatever the persisting thread runs
@@ -418,29 +358,6 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - a compaction costs time, never a save
             log.warning("the compaction of step %d failed (%s: %s): its restore reads the delta chains", fragment.step,
                         type(e).__name__, e)
-
-    def _group_begin(self, step: int, state: Any, meta: dict | None, *, copy: bool, target: Any = None) -> Any:
-        """A collective save's foreground half (``distributed.saving.begin``)."""
-        from .distributed import saving
-
-        assert self._collective is not None
-        return saving.begin(self, self._collective, step, state, target or saving.Target(SINGLE_PART), meta, copy=copy)
-
-    def _group_persist(self, pending: Any, t0: float, blocked: float | None) -> CommitInfo:
-        """A collective save's background half: this rank's fragment, the leader's commit."""
-        from .distributed import saving
-
-        assert self._collective is not None
-        out = saving.persist(self, self._collective, pending)
-        assert isinstance(out, tuple)
-        manifest, created = out
-        durable = time.perf_counter() - t0
-        return self._info(manifest, created, durable if blocked is None else blocked, durable)
-
-    @staticmethod
-    def _info(m: Manifest, created: bool, blocked: float, durable: float) -> CommitInfo:
-        return CommitInfo(m.step, m.digest, m.bytes_written, m.logical_bytes,
-                          m.stored_bytes, m.kind, m.stats, created, blocked, durable)
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -512,12 +429,17 @@ class Checkpointer:
         """
         into, found = stateful.expand(into, loading=True) if into is not None else (None, [])
         found = stateful.check_selected(found, select)
-        if fallback:
-            out = self._restore_falling_back(step, healthy, part, device, into, select, keep_base, rank)
-        else:
-            out = self._restore(step, healthy, part, device, into, select, keep_base, rank)
+        out = self._restore_plain(step, healthy, part, device, into, select, keep_base, rank, fallback)
         stateful.load(found, out)
         return out
+
+    def _restore_plain(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
+                       select: list[str] | None, keep_base: bool, rank: int | None, fallback: bool) -> Any:
+        """``restore`` of a plain state (no Stateful objects in ``into``): what a subclass restores
+        differently (``CollectiveCheckpointer``)."""
+        if fallback:
+            return self._restore_falling_back(step, healthy, part, device, into, select, keep_base, rank)
+        return self._restore(step, healthy, part, device, into, select, keep_base, rank)
 
     def _restore_falling_back(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
                               select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
@@ -525,7 +447,7 @@ class Checkpointer:
         ones newer than it (a step that cannot be quarantined, on a read-only store, is skipped)."""
         from .quarantine import quarantine_step
 
-        if step is not None or self._collective is not None:
+        if step is not None:
             raise ValueError("restore(fallback=True) restores the latest step of a single writer's checkpoint: "
                              "give no step, and no process_group")
         skipped: set[int] = set()
@@ -549,11 +471,9 @@ class Checkpointer:
 
     def _restore(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
                  select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
-        """``restore`` of a plain state (no Stateful objects in ``into``)."""
+        """``restore`` of one step (see ``_restore_plain``)."""
         self._check_open()
         self._drain()
-        if self._collective is not None:
-            return self._restore_collective(step, healthy, part, device, into, select, keep_base, rank)
         m, lease = self._leased_manifest(step, healthy)
         try:
             names = [part] if part is not None else list(m.parts)
@@ -628,9 +548,6 @@ class Checkpointer:
 
         format_of(path)
         m = self.manifest(step)
-        if self._collective is not None:  # one process exports: never a collective restore
-            with Checkpointer(self.store) as reader:
-                return reader.export(m.step, path, part=part, force=force, convert=convert, select=select)
         state = self.restore(m.step, part=part) if not select else self._selected(m, part, list(select))
         info = {"url": self.url, "step": m.step, "digest": m.digest, **({"select": list(select)} if select else {})}
         return write_export(state, path, info=info, force=force, convert=convert)
@@ -801,17 +718,9 @@ class Checkpointer:
         commit.check_step(step)
         commit.check_part_name(part)
         self._check_open()
-        if self._collective is not None:
-            from .distributed import saving
-
-            self._drain()
-            target = saving.Target(part, generation, config_hash, commit=False)
-            out = saving.persist(self, self._collective, self._group_begin(step, state, meta, copy=False, target=target))
-            assert isinstance(out, GroupFragment)
-            return out
         self._drain()
         commit.check_live(self.store, part, generation)
-        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=False, buffers=self._bases.buffers(part).take)
+        snap = self.writer.snapshot(state, part, copy=False)
         return self._write_snapshot(snap, step, part, generation, None, config_hash, meta)
 
     def write_fragment_async(self, step: int, part: str, state: Any, *, generation: int = 0,
@@ -838,52 +747,20 @@ class Checkpointer:
         ``write_fragment``; the result is the part's ``GroupFragment`` (every rank's the same)."""
         commit.check_step(step)
         commit.check_part_name(part)
-        if substep is not None and (isinstance(substep, bool) or not isinstance(substep, int) or substep < 0):
-            raise ValueError(f"substep must be a non-negative int or None, got {substep!r}")
+        check_substep(substep)
         self._check_open()
         self._drain()
-        if self._collective is not None:
-            return self._group_write_async(step, part, state, generation, substep, config_hash, meta, compress,
-                                           on_written)
         base_key = substep_chain(part) if substep is not None else part
-        snap = take_snapshot(state, self._pool, self._chunk_size(part), copy=True,
-                             buffers=self._bases.buffers(base_key).take)
+        snap = self.writer.snapshot(state, part, copy=True, chain=base_key)
         fut: SaveFuture[Fragment] = SaveFuture(step, f"write of part '{part}'")
 
         def work() -> Fragment:
             commit.check_live(self.store, part, generation)
             frag = self._write_snapshot(snap, step, part, generation, substep, config_hash, meta, compress)
-            held = self._bases.held(base_key)
-            if on_written is not None and held is not None:
-                on_written(frag, _unit_bytes(snap, held))
+            units = self.writer.unit_bytes(snap, base_key)
+            if on_written is not None and units is not None:
+                on_written(frag, units)
             return frag
-
-        self._in_background(fut, work)
-        return fut
-
-    def _group_write_async(self, step: int, part: str, state: Any, generation: int, substep: int | None,
-                           config_hash: str | None, meta: dict | None, compress: bool,
-                           on_written: Callable[[Any, Mapping[str, np.ndarray]], None] | None) -> SaveFuture[Any]:
-        """``write_fragment_async`` in a collective Checkpointer: the plan and this rank's snapshot
-        now (every rank calls it), its rank fragment and the leader's group fragment in the
-        background; the future's result is the ``GroupFragment`` (or the group's error)."""
-        from .distributed import saving
-
-        if substep is not None:
-            meta = {**(meta or {}), "substep": substep}
-        target = saving.Target(part, generation, config_hash, commit=False, substep=substep, compress=compress)
-        pending = self._group_begin(step, state, meta, copy=True, target=target)
-        fut: SaveFuture[Any] = SaveFuture(step, f"write of part '{part}'")
-        coll = self._collective
-        assert coll is not None
-
-        def work() -> Any:
-            group = saving.persist(self, coll, pending)
-            if on_written is not None:  # this rank's units, by the raw checksums its new base names
-                held = self._bases.held(target.base_key(coll.rank))
-                if held is not None:
-                    on_written(group, _unit_bytes(pending.snap, held))
-            return group
 
         self._in_background(fut, work)
         return fut
@@ -893,14 +770,11 @@ class Checkpointer:
         key = commit.substep_key(step, part, generation, substep) if substep is not None else None
         if substep is not None:
             meta = {**(meta or {}), "substep": substep}
-
-        def publish(enc: EncodedPart) -> Fragment:
+        with self.writer.writing(snap, part, step, base_key=substep_chain(part) if substep is not None else None,
+                                 compress=compress, generation=generation, config_hash=config_hash, meta=meta) as enc:
             commit.check_live(self.store, part, generation)  # fenced while encoding: do not publish it
             commit.put_fragment(self.store, enc.fragment, key)
-            return enc.fragment
-
-        return self._save_part(snap, part, step, publish, base_key=substep_chain(part) if substep is not None else None,
-                               compress=compress, generation=generation, config_hash=config_hash, meta=meta)
+        return enc.fragment
 
     def read_fragment(self, step: int, part: str, *, generation: int | None = None,
                       device: Any = "cpu", adopt: bool = False, select: list[str] | None = None,
@@ -971,7 +845,7 @@ class Checkpointer:
             parent = prior[-1] if prior else None
         manifest, created = commit.commit_step(self.store, step, {p: (given.get(p) or found[p]) for p in parts},
                                                parent=parent, meta=meta, lineage=lineage)
-        return self._info(manifest, created, 0.0, time.perf_counter() - t0)
+        return CommitInfo.of(manifest, created, 0.0, time.perf_counter() - t0)
 
     def fence(self, part: str, generation: int, reason: str = "", by: str = "",
               details: dict | None = None) -> bool:
@@ -1014,7 +888,7 @@ class Checkpointer:
             raise ValueError("write_group needs the state of at least one rank")
         commit.check_live(self.store, part, generation)
         locals_ = [plain_state(r.state, r.shards) for r in ranks]
-        return write_group(self, step, part, locals_, generation=generation, config_hash=config_hash, meta=meta)
+        return write_group(self.writer, step, part, locals_, generation=generation, config_hash=config_hash, meta=meta)
 
     def _fragment_of(self, step: int, part: str, generation: int | None) -> AnyFragment:
         """Part ``part``'s fragment of committed ``step`` (``generation`` None), or of that generation."""
@@ -1036,7 +910,7 @@ class Checkpointer:
         from .distributed.saving import rank_base_key
 
         group = load_group(self.store, self._pool, frag)
-        mine = self._collective.rank if self._collective is not None else 0
+        mine = self.rank
         source = rank if rank is not None else (mine if mine < group.world else 0)
         if not 0 <= source < group.world:
             raise ValueError(f"rank={source}: step {frag.step}, part '{frag.part}' was saved by ranks 0..{group.world - 1}")
@@ -1046,51 +920,6 @@ class Checkpointer:
             key = rank_base_key(frag.part, mine)
             self._bases.set(substep_chain(key) if substep else key, base_of(group.fragments[source],
                                                                              self.options.chunk_bytes, raw))
-        return state
-
-    def _restore_collective(self, step: int | None, healthy: bool, part: str | None, device: Any, into: Any,
-                            select: list[str] | None, keep_base: bool, rank: int | None) -> Any:
-        """``restore`` in a collective Checkpointer: the leader picks the step, every rank checks its
-        destination (all raise if one cannot be filled: nothing changes), then fills it."""
-        from .distributed.collective import Outcome, RemoteError
-        from .distributed.restoring import check_restore, load_group, restore_group, source_rank
-        from .distributed.saving import rank_base_key
-
-        coll = self._collective
-        assert coll is not None
-        if step is None:  # the latest (healthy) step: the leader's choice, so that every rank restores the same
-            chosen = None
-            if coll.leader:
-                try:
-                    chosen = Outcome(self._resolve(None, healthy=healthy))
-                except Exception as e:  # noqa: BLE001 - delivered to every rank
-                    chosen = Outcome(error=RemoteError.of(coll.rank, e))
-            resolved = coll.broadcast(chosen, "choosing the step to restore").result()
-        else:
-            resolved = commit.check_step(step)
-        lease = self._read_lease(resolved)  # every rank's own (see _leased_manifest)
-        try:
-            error: BaseException | None = None
-            try:
-                m = self._read_manifest(resolved)
-                name = part if part is not None else _only_part(m)
-                group = load_group(self.store, self._pool, self._fragment(m, name))
-                source = source_rank(group, coll.rank, coll.world, rank, select)
-                check_restore(group, source, into, select)
-            except Exception as e:  # noqa: BLE001 - every rank learns of it
-                error = e
-            coll.agree(error, "checking the restore")
-            try:
-                state, raw = restore_group(group, self.store, self._pool, rank=source, into=into, select=select,
-                                           device=device, keep=keep_base and source == coll.rank)
-                if raw is not None:
-                    self._bases.set(rank_base_key(name, coll.rank),
-                                    base_of(group.fragments[source], self.options.chunk_bytes, raw))
-            except Exception as e:  # noqa: BLE001
-                error = e
-            coll.agree(error, "restoring")
-        finally:
-            lease.release()
         return state
 
     # --- retention -------------------------------------------------------------------------------
@@ -1120,16 +949,19 @@ class Checkpointer:
         finally:
             self._closed = True
             self._background.shutdown(wait=True)
-            self._pool.shutdown(wait=True)
-            self._bases.clear()
-            if self._collective is not None:
-                self._collective.close()
+            self.writer.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_substep(substep: int | None) -> None:
+    """ValueError unless ``substep`` is a sub-step number (``write_fragment_async(substep=)``) or None."""
+    if substep is not None and (isinstance(substep, bool) or not isinstance(substep, int) or substep < 0):
+        raise ValueError(f"substep must be a non-negative int or None, got {substep!r}")
 
 
 def _value_at(state: Any, path: str) -> Any:
@@ -1141,25 +973,3 @@ def _value_at(state: Any, path: str) -> Any:
         keys = [k for k in state if key_name(k) == name]
         state = state[next((k for k in keys if isinstance(k, str)), keys[0])]
     return state
-
-
-def _only_part(m: Manifest) -> str:
-    """The one part a collective restore of ``m`` restores when none is named."""
-    if m.single or len(m.parts) == 1:
-        return next(iter(m.parts))
-    raise ValueError(f"step {m.step} has parts {sorted(m.parts)}: pass part= to restore one of them")
-
-
-def _unit_bytes(snap: Snapshot, base: Base) -> dict[str, np.ndarray]:
-    """The raw bytes of every unit of a snapshot the writer owns, by raw checksum (the base it
-    became names each unit's; it holds the bytes of only those whose next save takes a delta)."""
-    return {base.units[unit.ident]: data for unit, data in zip(snap.units, snap.unit_data)}
-
-
-def _pinned(snap: Snapshot) -> bool:
-    """Whether a snapshot's buffers are pinned host memory (a GPU state's)."""
-    if not snap.unit_data or "torch" not in sys.modules:
-        return False
-    import torch
-
-    return torch.cuda.is_available() and torch.from_numpy(snap.unit_data[0]).is_pinned()

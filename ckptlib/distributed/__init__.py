@@ -4,8 +4,9 @@ across ranks, restores onto any layout (docs/distributed.md).
 Modules, one idea each: ``documents`` (the rank and group fragments), ``pieces`` (geometry of boxes
 of a global tensor), ``local`` (a rank's state as local leaves), ``plan`` (who stores what: values
 identical on every rank stored once), ``group`` (a group's part checked together), ``collective``
-(the checkpointer's own gloo group), ``saving`` and ``restoring``. ``Checkpointer(process_group=...)``
-is the public face; importing this package loads neither torch nor torch.distributed.
+(the checkpointer's own gloo group), ``saving`` and ``restoring``, and ``collective_checkpointer``
+(the ``CollectiveCheckpointer`` around them: what ``Checkpointer(process_group=...)`` makes, the
+public face). Importing this package loads neither torch nor torch.distributed.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import importlib
 from typing import Any
 
 # the names a caller of Checkpointer.read_rank / write_group needs, loaded on first use
-_EXPORTS = {"RankState": "restoring", "ShardInfo": "local", "GroupFragment": "documents", "GroupFailed": "collective"}
+_EXPORTS = {"RankState": "restoring", "ShardInfo": "local", "GroupFragment": "documents", "GroupFailed": "collective",
+            "CollectiveCheckpointer": "collective_checkpointer"}
 __all__ = sorted(_EXPORTS)
 
 

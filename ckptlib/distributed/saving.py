@@ -1,6 +1,7 @@
 """Saving a group's part: each rank's fragment, then the group fragment (docs/distributed.md).
 
-A collective save (every rank of a ``Checkpointer(process_group=...)`` calls it):
+A collective save (every rank of a ``CollectiveCheckpointer`` calls it), through the rank's
+``PartWriter`` (``ckptlib.part_writer``):
 
 1. foreground, on each rank: flatten the state (DTensors as their local shards), hash the values
    other ranks may hold too, and exchange those digests (one ``all_gather`` on the checkpointer's
@@ -8,7 +9,7 @@ A collective save (every rank of a ``Checkpointer(process_group=...)`` calls it)
 2. snapshot what this rank stores (a copy for ``save_async``: the caller may go on then);
 3. in the background for ``save_async``: encode it against this rank's previous save (deltas,
    unchanged chunks) and write the rank fragment (``put_if_absent`` under a key unique to this
-   save), all under the rank's save lease, as any save;
+   save), all under the rank's save lease (``PartWriter.writing``), as any save;
 4. each rank reports its fragment (or its error) to the leader (rank 0 of the group), which reads
    the rank fragments back, checks them together (``Group.problems``), and writes the group
    fragment: embedded in the manifest it commits (``Checkpointer.save``), or as the part's fragment
@@ -27,13 +28,14 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from .. import commit
-from ..bases import DeltaBases, substep_chain
+from ..bases import substep_chain
 from ..errors import CorruptCheckpoint, ObjectNotFound
 from ..manifest import Fragment, Manifest, document_checksum, dumps
-from ..save import EncodedPart, Snapshot, take_snapshot
+from ..part_writer import PartWriter
+from ..save import Snapshot
 from ..store import Store
 from .collective import Collective, Outcome, RemoteError
 from .documents import (
@@ -49,29 +51,6 @@ from .documents import (
 from .group import Group, stored_path
 from .local import LocalState
 from .plan import Candidate, Plan, Summary, candidate_key, make_plan
-
-T = TypeVar("T")
-
-
-class SavingCheckpointer(Protocol):
-    """What a collective save uses of the ``Checkpointer`` that calls it (passed in as ``ck``): its
-    store, I/O pool, delta bases and its one save path (``_save_part``), private because that path is
-    the Checkpointer's own. Described here rather than imported, so this module sits below
-    ``ckptlib.checkpointer`` (which imports it)."""
-
-    @property
-    def store(self) -> Store: ...
-
-    @property
-    def _pool(self) -> Executor: ...
-
-    @property
-    def _bases(self) -> DeltaBases: ...
-
-    def _chunk_size(self, part: str) -> int | Any: ...
-
-    def _save_part(self, snap: Snapshot, part: str, step: int, publish: Callable[[EncodedPart], T], *,
-                   base_key: str | None = None, compress: bool = True, **kw: Any) -> T: ...
 
 __all__ = ["Target", "build_group_fragment", "new_save_id", "rank_base_key", "summarize", "stored_values"]
 
@@ -271,7 +250,7 @@ def _plan_together(coll: Collective, local: LocalState | BaseException) -> tuple
     return make_plan(summaries), summaries
 
 
-def begin(ck: SavingCheckpointer, coll: Collective, step: int, state: Any, target: Target, meta: dict | None, *,
+def begin(writer: PartWriter, coll: Collective, step: int, state: Any, target: Target, meta: dict | None, *,
           copy: bool) -> Pending:
     """The foreground half: flatten, plan with the other ranks, snapshot what this rank stores."""
     from .local import local_state
@@ -285,8 +264,8 @@ def begin(ck: SavingCheckpointer, coll: Collective, step: int, state: Any, targe
     digests = _candidate_digests(local, summaries[coll.rank])
     try:
         stored, order = stored_values(local, coll.rank, plan)
-        snap = take_snapshot(stored, ck._pool, ck._chunk_size(rank_base_key(target.part, coll.rank)), copy=copy,
-                             buffers=ck._bases.buffers(target.base_key(coll.rank)).take)
+        snap = writer.snapshot(stored, rank_base_key(target.part, coll.rank), copy=copy,
+                               chain=target.base_key(coll.rank))
     except Exception as e:
         _report_failure(coll, e)  # the other ranks wait for this rank's report
         raise
@@ -322,47 +301,45 @@ def _report(coll: Collective, report: tuple[str, str] | RemoteError,
     return got.result()
 
 
-def persist(ck: SavingCheckpointer, coll: Collective, p: Pending) -> tuple[Manifest, bool] | GroupFragment:
+def persist(writer: PartWriter, coll: Collective, p: Pending) -> tuple[Manifest, bool] | GroupFragment:
     """The background half: this rank's fragment, then the leader's group fragment and commit."""
     reported = False
     target = p.target
+    store = writer.store
 
     def finish(reports: list[Any]) -> tuple[Manifest, bool] | GroupFragment:
-        frags = read_rank_fragments(ck.store, ck._pool, reports)
+        frags = read_rank_fragments(store, writer.pool, reports)
         group = build_group_fragment(list(zip(frags, [c for _, c in reports])), config_hash=target.config_hash,
                                      meta=None if target.commit else p.meta)
         if not target.commit:
-            commit.check_live(ck.store, target.part, target.generation)
+            commit.check_live(store, target.part, target.generation)
             key = None if target.substep is None else commit.substep_key(p.step, target.part, target.generation,
                                                                            target.substep)
-            commit.put_fragment(ck.store, group, key)
+            commit.put_fragment(store, group, key)
             return group
-        base = ck._bases.held(rank_base_key(target.part, 0))
-        return commit.commit_step(ck.store, p.step, {target.part: (group, None)},
+        base = writer.bases.held(rank_base_key(target.part, 0))
+        return commit.commit_step(store, p.step, {target.part: (group, None)},
                                   parent=base.step if base else None, single=True, meta=p.meta)
 
-    def publish(enc: EncodedPart) -> Any:
-        nonlocal reported
-        if not target.commit:
-            commit.check_live(ck.store, target.part, target.generation)
-        layout = rank_layout(p.local, coll.rank, coll.world, p.plan, p.order, enc.fragment, p.digests)
-        frag = RankFragment.of(enc.fragment, layout)
-        checksum = put_rank_fragment(ck.store, frag)
-        key = rank_fragment_key(frag.step, frag.part, frag.generation, coll.rank, layout.save_id)
-        reported = True
-        return _report(coll, (key, checksum), finish)
-
     try:
-        return ck._save_part(p.snap, target.part, p.step, publish, base_key=target.base_key(coll.rank),
-                             compress=target.compress,
-                             generation=target.generation, config_hash=target.config_hash)
+        with writer.writing(p.snap, target.part, p.step, base_key=target.base_key(coll.rank), compress=target.compress,
+                            generation=target.generation, config_hash=target.config_hash) as enc:
+            if not target.commit:
+                commit.check_live(store, target.part, target.generation)
+            layout = rank_layout(p.local, coll.rank, coll.world, p.plan, p.order, enc.fragment, p.digests)
+            frag = RankFragment.of(enc.fragment, layout)
+            checksum = put_rank_fragment(store, frag)
+            key = rank_fragment_key(frag.step, frag.part, frag.generation, coll.rank, layout.save_id)
+            reported = True
+            outcome = _report(coll, (key, checksum), finish)
     except BaseException as e:
         if not reported:
             _report_failure(coll, e)
         raise
+    return outcome
 
 
-def write_group(ck: SavingCheckpointer, step: int, part: str, locals_: list[LocalState], *, generation: int,
+def write_group(writer: PartWriter, step: int, part: str, locals_: list[LocalState], *, generation: int,
                 config_hash: str | None, meta: dict | None) -> GroupFragment:
     """Write a group's part from one process: each rank's fragment, then the group fragment at the
     part's fragment key (as ``write_fragment`` does for a part of a cut)."""
@@ -374,18 +351,13 @@ def write_group(ck: SavingCheckpointer, step: int, part: str, locals_: list[Loca
         digests = _candidate_digests(local, summaries[r])
         stored, order = stored_values(local, r, plan)
         base_key = rank_base_key(part, r)
-        snap = take_snapshot(stored, ck._pool, ck._chunk_size(base_key), copy=False,
-                             buffers=ck._bases.buffers(base_key).take)
-
-        def publish(enc: EncodedPart, r: int = r, local: LocalState = local, order: list[int] = order,
-                    digests: dict[int, str] = digests) -> tuple[RankFragment, str]:
-            commit.check_live(ck.store, part, generation)
+        snap = writer.snapshot(stored, base_key, copy=False)
+        with writer.writing(snap, part, step, base_key=base_key, generation=generation,
+                            config_hash=config_hash) as enc:
+            commit.check_live(writer.store, part, generation)
             frag = RankFragment.of(enc.fragment, rank_layout(local, r, len(locals_), plan, order, enc.fragment, digests))
-            return frag, put_rank_fragment(ck.store, frag)
-
-        written.append(ck._save_part(snap, part, step, publish, base_key=base_key, generation=generation,
-                                     config_hash=config_hash))
+            written.append((frag, put_rank_fragment(writer.store, frag)))
     group = build_group_fragment(written, config_hash=config_hash, meta=meta)
-    commit.check_live(ck.store, part, generation)
-    commit.put_fragment(ck.store, group)
+    commit.check_live(writer.store, part, generation)
+    commit.put_fragment(writer.store, group)
     return group
