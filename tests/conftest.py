@@ -15,11 +15,16 @@ Fixtures:
   ``-m "not s3"`` runs without starting SeaweedFS.
 * ``prefect_harness`` (session, not autouse): a temporary Prefect API (SQLite, own server process)
   for tests that run flows; request it explicitly.
+* ``api_env`` (session): the environment of a ``ckpt`` subprocess that reaches that API (and finds
+  the tests' workloads, ``slow_steps:build``), with a throwaway Prefect home.
+* ``clean_digests`` (session): ``clean_digests(spec, rounds)`` -> {step: digest} of the clean run,
+  computed once per test session (``tests/runs.py``), whichever xdist worker asks first.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -140,3 +145,23 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+@pytest.fixture(scope="session")
+def api_env(prefect_harness, tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.runs import ENV
+
+    home = tmp_path_factory.mktemp("home")
+    return {**ENV, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home)}
+
+
+@pytest.fixture(scope="session")
+def clean_digests(tmp_path_factory):
+    from tests.runs import clean_digests as digests_of
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a folder of the session's
+        root = root.parent
+    return functools.partial(digests_of, root / "clean-runs")

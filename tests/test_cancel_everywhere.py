@@ -15,28 +15,29 @@ import subprocess
 import time
 
 import pytest
-from test_preemption import _digests, _resume, _stopped_where, _train_args, api_env, clean_digests  # noqa: F401
 
 from ckptlib.heartbeat import read_heartbeats
 from ckptlib.store import Store
-from tests.runs import wait_for_round
+from tests.runs import SLOW_SPEC, digests, resume, stopped_where, train_args, wait_for_round
 from trainrun.preemption import STOP_KEY
 
 STEP_S = 0.3  # a step's sleep: the 35 steps left of round 2 take 10 s, a stop a beat (0.2 s) and a step
+SLEEP_FROM = 40  # the data position of round 2's first step: round 1 does not sleep
 
 
 @pytest.mark.prefect
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: two `ckpt train` processes, each starting a Dask cluster that imports torch
 def test_a_dask_run_cancelled_through_the_api_stops_every_shard_within_seconds_and_resumes_recomputing_nothing(
-        api_env, clean_digests, tmp_path):  # noqa: F811 (the fixtures, imported)
+        api_env, clean_digests, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.states import Cancelling
 
-    args = _train_args(str(tmp_path / "store"), "dask-cancelled") + ["--task-runner", "dask"]
+    args = train_args(str(tmp_path / "store"), "dask-cancelled") + ["--task-runner", "dask"]
     run = tmp_path / "store" / "dask-cancelled"
-    proc = subprocess.Popen(args, env={**api_env, "CKPT_TEST_STEP_SLEEP": str(STEP_S)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {**api_env, "CKPT_TEST_STEP_SLEEP": str(STEP_S), "CKPT_TEST_STEP_SLEEP_FROM": str(SLEEP_FROM)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         wait_for_round(proc, run)
         with get_client(sync_client=True) as client:
@@ -57,11 +58,11 @@ def test_a_dask_run_cancelled_through_the_api_stops_every_shard_within_seconds_a
     print(f"shards stopped (final beats) {stopped_after} s after the cancel")
     assert all(s < 5.0 for s in stopped_after.values()), stopped_after  # vs ~10 s the round had left
     assert all(beats[p].pid != proc.pid for p in stopped_after)  # each trained in a Dask worker process
-    where = _stopped_where(run)  # each checkpointed at the step it stopped at
+    where = stopped_where(run)  # each checkpointed at the step it stopped at
     assert (run / STOP_KEY).exists()
-    s = _resume(args, api_env, tmp_path, run, where)  # 0 steps recomputed
+    s = resume(args, api_env, tmp_path, where)  # 0 steps recomputed
     assert not (run / STOP_KEY).exists()  # the resumed session cleared it, and trained on
-    assert _digests(str(run)) == clean_digests
+    assert digests(str(run)) == clean_digests(SLOW_SPEC, 3)
     assert s["predecessor"]["status"] == "cancelled", s["predecessor"]
 
 

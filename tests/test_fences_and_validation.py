@@ -26,6 +26,7 @@ import pytest
 from ckptlib import commit
 from ckptlib.heartbeat import Heartbeat
 from ckptlib.store import Store
+from tests.drills import params
 from trainrun.watchdog import Watchdog
 
 # --- a clean 2-rank run: no fence ------------------------------------------------------------------
@@ -33,8 +34,6 @@ from trainrun.watchdog import Watchdog
 
 @pytest.mark.prefect
 def test_a_clean_run_of_rank_groups_is_not_fenced_while_its_groups_start(prefect_harness, tmp_path):
-    from test_watchdog import params
-
     from ckpt.beside import BesideWatchdog
     from flows.train import train_run
 
@@ -162,7 +161,6 @@ def test_every_committed_step_is_validated_newest_first_and_a_cancel_waits_for_t
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.states import Cancelling
-    from test_watchdog import params
 
     from flows.train import train_run
 

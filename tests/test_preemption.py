@@ -15,7 +15,6 @@ Tiny settings: tinylm of width 32 (``slow_steps``: each step sleeps, so a signal
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,21 +24,26 @@ from pathlib import Path
 
 import pytest
 
-from ckptlib import Checkpointer, commit
-from ckptlib.heartbeat import read_heartbeat, read_heartbeats
+from ckptlib import Checkpointer
+from ckptlib.heartbeat import read_heartbeat
 from ckptlib.store import Store
-from tests.runs import wait_for_round
+from tests.runs import (
+    ENV,
+    EXTRA,
+    NEVER,
+    SLOW_SPEC,
+    digests,
+    newest_checkpoint,
+    resume,
+    stopped_where,
+    train_args,
+    wait_for_round,
+)
 from trainrun.documents import Cut
 from trainrun.shard_round import train_shard_round
-from trainrun.spec import RunSpec
 from trainrun.step_zero import write_step_zero
 
-TESTS = Path(__file__).resolve().parent
-EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
-NEVER = 1000  # shard checkpoint cadence: none by cadence in a 40-step round, so each one is a stop's
-SPEC = RunSpec(workload="slow_steps:build", workload_extra=EXTRA, shards=2, steps_per_round=40)
-ENV = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-       "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+SPEC = SLOW_SPEC
 
 # One shard's round in a process of its own, training in its main thread (a rank process, a shard
 # flow run); it installs the preemption handler where the code has one.
@@ -62,11 +66,6 @@ except Exception as e:
     print(type(e).__name__, e, flush=True)
     time.sleep(30)  # the process ends from the signal, once the loop stopped
 """
-
-
-def _newest_checkpoint(root: str, round_no: int, part: str) -> int | None:
-    keys = commit.substep_keys(Store.from_url(root), round_no, part, 0)
-    return max(keys) if keys else None
 
 
 def test_a_sigterm_mid_round_checkpoints_where_it_was_and_the_rerun_recomputes_nothing(tmp_path):
@@ -94,7 +93,7 @@ def test_a_sigterm_mid_round_checkpoints_where_it_was_and_the_rerun_recomputes_n
     assert stopped_s < 10, (stopped_s, out[-3000:])  # at once, not after the grace
     last = read_heartbeat(Store.from_url(root), "shard-0")
     assert last is not None and last.status == "failed" and "Preempted" in (last.error or "")
-    k = _newest_checkpoint(root, 1, "shard-0")
+    k = newest_checkpoint(root, 1, "shard-0")
     assert k is not None and k == last.round_step and 5 <= k < 40, (k, last)  # at the very step it was at
     with Checkpointer(root) as ck:
         again = train_shard_round(ck, SPEC, 0, 1, Cut.of_step(0), attempt=2, checkpoint_every=NEVER)
@@ -104,36 +103,10 @@ def test_a_sigterm_mid_round_checkpoints_where_it_was_and_the_rerun_recomputes_n
 
 # --- real Prefect: ckpt train preempted, and cancelled through the API ------------------------------
 
-def _train_args(store: str, run_id: str) -> list[str]:
-    return [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", run_id, "--workload",
-            "slow_steps:build", "--shards", "2", "--rounds", "3", "--steps-per-round", "40", "--workload-extra",
-            json.dumps(EXTRA), "--heartbeat-every", "0.2", "--shard-checkpoint-every", str(NEVER), "--no-watchdog",
-            "--preempt-grace", "20"]
-
-
 @pytest.fixture(scope="module")
-def api_env(prefect_harness, tmp_path_factory):
-    from prefect.settings import PREFECT_API_URL
-
-    home = tmp_path_factory.mktemp("home")
-    return {**ENV, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home)}
-
-
-@pytest.fixture(scope="module")
-def clean_digests(api_env, tmp_path_factory):
-    """The same run, in this process, undisturbed (a step sleeps only with CKPT_TEST_STEP_SLEEP set)."""
-    from flows.params import TrainParams
-    from flows.train import train_run
-
-    s = train_run(TrainParams(store=str(tmp_path_factory.mktemp("clean")), run_id="clean", workload=SPEC.workload,
-                              workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40,
-                              validation_runner="threads", shard_checkpoint_every=NEVER))
-    return _digests(s["run_url"])
-
-
-def _digests(url: str) -> dict[int, str]:
-    with Checkpointer(url) as ck:
-        return {s: ck.manifest(s).digest for s in ck.steps()}
+def clean(prefect_harness, clean_digests):
+    """The same run undisturbed (a step sleeps only with CKPT_TEST_STEP_SLEEP set), by plain calls."""
+    return clean_digests(SPEC, 3)
 
 
 def _start_and_wait_for_round_2(args: list[str], env: dict, run: Path) -> subprocess.Popen:
@@ -143,35 +116,13 @@ def _start_and_wait_for_round_2(args: list[str], env: dict, run: Path) -> subpro
     wait_for_round(proc, run)
     return proc
 
-def _stopped_where(run: Path) -> dict[str, int]:
-    """Each shard's last beat of round 2 (where it stopped) and its newest checkpoint of the round: the same."""
-    beats = read_heartbeats(Store.from_url(str(run)))
-    where = {}
-    for part in ("shard-0", "shard-1"):
-        b = beats[part]
-        assert b.round == 2 and b.status == "failed" and "Preempted" in (b.error or ""), b
-        assert _newest_checkpoint(str(run), 2, part) == b.round_step, (part, b)
-        where[part] = b.round_step
-    return where
-
-
-def _resume(args: list[str], env: dict, tmp_path: Path, run: Path, where: dict[str, int]) -> dict:
-    """``--resume``: each shard continues round 2 from the step it stopped at; the summary."""
-    out = subprocess.run(args + ["--resume", "--json", str(tmp_path / "s.json")], env=env, capture_output=True,
-                         text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    s = json.loads((tmp_path / "s.json").read_text())
-    (round2,) = [r for r in s["rounds_log"] if r["round"] == 2]
-    assert {f"shard-{x['shard']}": x["resumed_at_step"] for x in round2["shards"]} == where  # 0 steps recomputed
-    return s
-
 
 @pytest.mark.prefect
-@pytest.mark.slow
-def test_a_preempted_run_checkpoints_every_shard_and_its_resume_recomputes_nothing(api_env, clean_digests,
+@pytest.mark.slow  # over 60 s on CI: `ckpt train` preempted, then `--resume`: two processes that start Prefect and torch
+def test_a_preempted_run_checkpoints_every_shard_and_its_resume_recomputes_nothing(api_env, clean,
                                                                                   tmp_path):
     store = str(tmp_path / "store")
-    args = _train_args(store, "preempted")
+    args = train_args(store, "preempted")
     run = Path(store, "preempted")
     proc = subprocess.Popen(args + ["--chaos", "preempt:shard=0,round=2,step=10"],
                             env={**api_env, "CKPT_TEST_STEP_SLEEP": "0.05"}, stdout=subprocess.PIPE,
@@ -181,23 +132,23 @@ def test_a_preempted_run_checkpoints_every_shard_and_its_resume_recomputes_nothi
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and not (run / "manifests" / "2.json").exists(), out[-3000:]
-    where = _stopped_where(run)
+    where = stopped_where(run)
     assert where["shard-0"] == 10  # the drill's shard stopped at its strike step
-    s = _resume(args, api_env, tmp_path, run, where)
-    assert _digests(str(run)) == clean_digests
+    s = resume(args, api_env, tmp_path, where)
+    assert digests(str(run)) == clean
     assert s["predecessor"]["status"] == "crashed", s["predecessor"]  # the flow run's real state, not the beat's
 
 
 @pytest.mark.prefect
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: `ckpt train` cancelled, then `--resume`: two processes that start Prefect and torch
 def test_a_run_cancelled_through_the_api_checkpoints_ends_cancelled_and_resumes_recomputing_nothing(
-        api_env, clean_digests, tmp_path):
+        api_env, clean, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, LogFilter, LogFilterFlowRunId
     from prefect.states import Cancelling
 
     store = str(tmp_path / "store")
-    args = _train_args(store, "cancelled")
+    args = train_args(store, "cancelled")
     run = Path(store, "cancelled")
     proc = _start_and_wait_for_round_2(args, api_env, run)
     try:
@@ -215,15 +166,15 @@ def test_a_run_cancelled_through_the_api_checkpoints_ends_cancelled_and_resumes_
     assert state is not None and state.is_cancelled(), state
     assert [r.message for r in errors if r.level >= 40] == []  # no ERROR record, no traceback
     assert not (run / "manifests" / "2.json").exists()
-    where = _stopped_where(run)
-    s = _resume(args, api_env, tmp_path, run, where)
-    assert _digests(str(run)) == clean_digests
+    where = stopped_where(run)
+    s = resume(args, api_env, tmp_path, where)
+    assert digests(str(run)) == clean
     assert s["predecessor"]["status"] == "cancelled", s["predecessor"]
 
 
 @pytest.mark.prefect
 @pytest.mark.slow
-def test_a_preempted_dask_worker_checkpoints_and_dask_reruns_its_shard_recomputing_nothing(clean_digests, tmp_path):
+def test_a_preempted_dask_worker_checkpoints_and_dask_reruns_its_shard_recomputing_nothing(clean, tmp_path):
     """``--task-runner dask``: SIGTERM to shard 1's worker process at step 10 of round 2; the worker
     checkpoints there and ends, Dask runs the task again in another worker, which continues at step 10."""
     from flows.params import TrainParams
@@ -233,7 +184,7 @@ def test_a_preempted_dask_worker_checkpoints_and_dask_reruns_its_shard_recomputi
                               shards=2, rounds=3, steps_per_round=40, validation_runner="threads",
                               shard_checkpoint_every=NEVER, task_runner="dask", preempt_grace_s=10,
                               chaos=["preempt:shard=1,round=2,step=10"]))
-    assert _digests(s["run_url"]) == clean_digests
+    assert digests(s["run_url"]) == clean
     (round2,) = [r for r in s["rounds_log"] if r["round"] == 2]
     # no cadence checkpoint in a round (every 1000 steps): step 10's is the one the SIGTERM wrote
     assert [(x["shard"], x["resumed_at_step"]) for x in round2["shards"]] == [(0, 0), (1, 10)]  # 0 recomputed

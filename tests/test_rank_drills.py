@@ -8,28 +8,30 @@ import subprocess
 import sys
 
 import pytest
-from test_watchdog import TIMEOUT, _cli_env, check_run, digests, fenced, params, train_with_watchdog
 from typer.testing import CliRunner
 
 from ckpt.cli import app
 from ckpt.cmd_watchdog import status_of
 from ckptlib import Checkpointer
 from ckptlib.distributed import GroupFragment
+from tests.drills import check_run, fenced, params, train_with_watchdog
+from tests.runs import cli_env, digests, worker_env
 from trainrun.layout import COORDINATOR
 from trainrun.resume import stored_config
+from trainrun.spec import RunSpec
 
 R2 = {"ranks_per_shard": 2, "rounds": 2, "steps_per_round": 8}
+# A group's beats are rank 0's, among 4 rank processes on 2 busy cores: the drills keep twice the
+# 2 s the threads' drills use (tests/drills.py).
+TIMEOUT = 4.0
 
 
 @pytest.fixture(scope="module")
-def clean_r2(prefect_harness, tmp_path_factory):
-    # no false alarm: rank 0's beats are the group's. A realistic timeout here: with the drills' 4 s, a CI
-    # machine running 3 test workers on 2 cores starved the coordinator's beat thread for 4.1 s while
-    # 4 rank processes imported torch (a `run-dead` decision, not acted on: the run is not a deployment's)
-    s, decisions = train_with_watchdog(params(store=str(tmp_path_factory.mktemp("clean-r2")), run_id="clean", **R2),
-                                       timeout_s=30)
-    assert decisions == [], decisions
-    return digests(s["run_url"])
+def clean_r2(prefect_harness, clean_digests):
+    """The reference digests, by plain calls (a group of 2 ranks per shard). That the watchdog raises
+    no false alarm while a clean run's groups start is test_fences_and_validation's first test."""
+    spec = params(**R2)
+    return clean_digests(RunSpec(**{k: getattr(spec, k) for k in RunSpec.model_fields}), R2["rounds"])
 
 
 @pytest.mark.prefect
@@ -38,7 +40,7 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
     # the groups checkpoint every 3 steps (a collective write): each recovery continues from one
     p = params(store=str(tmp_path), run_id="kh", **R2, shard_checkpoint_every=3,
                chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
-    s, ds = train_with_watchdog(p)
+    s, ds = train_with_watchdog(p, timeout_s=TIMEOUT)
     rows = {(r["shard"], r["round"]): r for r in s["recoveries"]}
     assert sorted(rows) == [(0, 2), (1, 1)], s["recoveries"]
     # the hung rank: its group went silent, the watchdog's rerun continued from the fence's checkpoint
@@ -68,7 +70,7 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
     # cannot say 1: a value equal to the default reads as not given, and a resume keeps the run's)
     cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path), "--run-id", "kh", "--resume",
            "--ranks-per-shard", "1", "--rounds", "3", "--no-watchdog"]
-    p2 = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    p2 = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     with Checkpointer(s["run_url"]) as ck:
         assert ck.steps()[-1] == 3 and digests(s["run_url"])[2] == clean_r2[2]
@@ -78,7 +80,7 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
 
 
 @pytest.mark.prefect
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: a clean FSDP run (its no-false-alarm check), the drilled run, a resume
 def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_digest_and_resume_as_ddp(
         prefect_harness, tmp_path):
     """`--parallelism fsdp`: each shard's 2 ranks hold half of every parameter and moment. The kill
@@ -90,7 +92,7 @@ def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_dig
     clean_digests = digests(clean["run_url"])
     p = params(store=str(tmp_path / "kh"), run_id="kh", **fsdp,
                chaos=["kill:shard=1,round=1,rank=1", "hang:shard=0,round=2,rank=1"])
-    s, ds = train_with_watchdog(p)
+    s, ds = train_with_watchdog(p, timeout_s=TIMEOUT)
     check_run(s["run_url"], None, clean_digests, struck={"shard-0": 2})
     fenced(ds, "shard-0")
     with Checkpointer(s["run_url"]) as ck:
@@ -98,7 +100,7 @@ def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_dig
         assert isinstance(ck.fragment(2, "shard-0"), GroupFragment)
     cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path / "kh"), "--run-id", "kh", "--resume",
            "--parallelism", "ddp", "--rounds", "3", "--no-watchdog"]
-    p2 = subprocess.run(cmd, env=_cli_env(tmp_path / "kh"), capture_output=True, text=True, timeout=600)
+    p2 = subprocess.run(cmd, env=cli_env(tmp_path / "kh"), capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     with Checkpointer(s["run_url"]) as ck:
         assert ck.steps()[-1] == 3 and "parallelism" not in stored_config(ck, 3)
@@ -113,7 +115,7 @@ def test_groups_in_dask_worker_processes_survive_a_killed_rank_and_reach_the_cle
     task's retry (in a worker process again) continues from the group's shard checkpoint."""
     p = params(store=str(tmp_path), run_id="dask", task_runner="dask", **R2, shard_checkpoint_every=3,
                chaos=["kill:shard=1,round=1,rank=1"])
-    s, ds = train_with_watchdog(p)
+    s, ds = train_with_watchdog(p, timeout_s=TIMEOUT)
     check_run(s["run_url"], None, clean_r2)
     rows = {(r["shard"], r["round"]): r for r in s["recoveries"]}
     assert sorted(rows) == [(1, 1)] and rows[(1, 1)]["kind"] == "crash", s["recoveries"]
@@ -123,12 +125,10 @@ def test_groups_in_dask_worker_processes_survive_a_killed_rank_and_reach_the_cle
 
 
 @pytest.mark.prefect
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: every shard round is a fresh flow-run process that starts 2 rank processes
 def test_groups_as_flow_runs_of_a_work_pool_reach_the_clean_digest(clean_r2, tmp_path):
     """`--task-runner pool:train-shard/<name> --ranks-per-shard 2`: each shard's round is a flow run a
     Prefect worker starts in a fresh process, which starts its group's 2 rank processes."""
-    from test_scale_out import worker_env
-
     from deployments.shard_pool import PrefectWorkers, deploy_shard_flow
 
     runner = deploy_shard_flow("test-rank-shards", name="ranks")

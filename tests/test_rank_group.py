@@ -13,6 +13,8 @@ import pytest
 from ckptlib import Checkpointer, FencedError, commit
 from ckptlib.distributed import GroupFragment
 from ckptlib.heartbeat import read_rank_heartbeats
+from tests.runs import rank_spec as spec
+from tests.runs import step_zero
 from trainrun import rank_group
 from trainrun.chaos import check_runner, parse_chaos, read_strike
 from trainrun.documents import Cut
@@ -20,20 +22,6 @@ from trainrun.errors import RankGroupFailed, RankGroupRefused
 from trainrun.rank_group import end_groups, train_shard_group
 from trainrun.recovery import read_recoveries
 from trainrun.spec import RunSpec
-from trainrun.step_zero import write_step_zero
-
-EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
-
-
-def spec(ranks: int = 2, **kw) -> RunSpec:
-    return RunSpec(**{"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "steps_per_round": 6,
-                      "ranks_per_shard": ranks, **kw})
-
-
-def step_zero(url: str, s: RunSpec) -> Checkpointer:
-    ck = Checkpointer(url)
-    write_step_zero(ck, s)
-    return ck
 
 
 def alive(pid: int) -> bool:

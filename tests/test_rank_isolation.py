@@ -204,7 +204,8 @@ def test_a_rank_groups_rendezvous_is_private_and_its_sockets_listen_on_loopback_
     listens off 127.0.0.1, and ending the group removes the folder."""
     import psutil
 
-    from tests.test_rank_group import spec, step_zero
+    from tests.runs import rank_spec as spec
+    from tests.runs import step_zero
     from trainrun.documents import Cut
     from trainrun.rank_group import _WARM, end_groups, train_shard_group
 

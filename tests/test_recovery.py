@@ -10,7 +10,7 @@ digest at every step, and each recovery recomputes at most N steps (plus, for a 
 between the last beat and the kill).
 
 Settings are tiny (tinylm with one layer of width 32, 2 shards, 40 steps per round, a shard
-checkpoint every 10 steps, a beat every 0.5 s, a watchdog timeout of 4 s).
+checkpoint every 10 steps, a beat every 0.5 s, a watchdog timeout of 2 s: ``tests/drills.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import torch
 
 from ckptlib import Checkpointer, CorruptCheckpoint, FencedError, RetentionPolicy, commit
 from ckptlib.store import Store
+from tests.drills import DRILL, TIMEOUT
+from tests.drills import train_with_watchdog as beside
+from tests.runs import ENV, EXTRA, digests
 from trainrun.chaos import parse_chaos
 from trainrun.documents import Cut
 from trainrun.local_tier import LocalTier
@@ -39,13 +42,9 @@ from trainrun.shard_round import train_shard_round
 from trainrun.spec import RunSpec
 from trainrun.step_zero import write_step_zero
 
-EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
 N = 10
 SPEC = RunSpec(workload="tinylm", workload_extra=EXTRA, shards=2, steps_per_round=40)
-TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=40, seed=0,
-            heartbeat_every_s=0.5, retry_delay_s=0.2, validation_runner="threads", shard_checkpoint_every=N)
-TIMEOUT, POLL = 4.0, 0.5
-TESTS = Path(__file__).resolve().parent
+TINY = {**DRILL, "shard_checkpoint_every": N}
 
 
 def state(seed: float) -> dict:
@@ -319,25 +318,16 @@ def params(**kw):
     return TrainParams(**{**TINY, **kw})
 
 
-def digests(url: str) -> dict[int, str]:
-    with Checkpointer(url) as ck:
-        return {s: ck.manifest(s).digest for s in ck.steps()}
-
-
 def train_with_watchdog(p):
     """``train_run(p)`` with the watchdog beside it (as ``ckpt train`` runs it)."""
-    from test_watchdog import train_with_watchdog as beside
-
     return beside(p, timeout_s=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
-def clean(prefect_harness, tmp_path_factory):
-    from flows.train import train_run
-
-    s = train_run(params(store=str(tmp_path_factory.mktemp("clean")), run_id="clean"))
-    assert s["recoveries"] == [] and s["shard_checkpoints"]["count"] == 2 * 3 * 3  # k10, k20, k30 each round
-    return digests(s["run_url"])
+def clean(prefect_harness, clean_digests):
+    """The reference digests (the drills' settings less their shard checkpoints, which change no digest;
+    ``test_a_run_killed_mid_round...`` checks a clean run's own recoveries and checkpoints)."""
+    return clean_digests(SPEC, TINY["rounds"])
 
 
 def check_recoveries(rows: list[dict], expected: dict[tuple[int, int], str], *, slack: int = 0) -> dict:
@@ -409,11 +399,12 @@ def test_a_run_killed_mid_round_resumes_from_its_shard_checkpoints(prefect_harne
 
     workload = "slow_steps:build"  # tinylm, with a sleep per step taken from the environment
     ref = train_run(params(store=str(tmp_path / "ref"), run_id="ref", workload=workload))
+    # a clean run's summary: no recovery, a shard checkpoint at k10, k20 and k30 of each round
+    assert ref["recoveries"] == [] and ref["shard_checkpoints"]["count"] == 2 * 3 * 3
     from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home"),
-           "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "CKPT_TEST_STEP_SLEEP": "0.05",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    env = {**ENV, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home"),
+           "CKPT_TEST_STEP_SLEEP": "0.05"}
     (tmp_path / "home").mkdir()
     store = str(tmp_path / "store")
     args = [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", "killed", "--workload", workload,
@@ -466,7 +457,7 @@ def test_the_soak_schedule_is_seeded_and_each_failure_can_strike():
     from trainrun.chaos import RoundSpan, soak_schedule
 
     spans = [RoundSpan(r, (r - 1) * 4.0, 4.0, 3.6) for r in range(1, 31)]
-    kw = dict(fail_every_s=3.0, kinds=["crash", "hang", "kill"], shards=2, steps_per_round=150)
+    kw = {"fail_every_s": 3.0, "kinds": ["crash", "hang", "kill"], "shards": 2, "steps_per_round": 150}
     a, b = soak_schedule(spans, **kw, seed=1), soak_schedule(spans, **kw, seed=1)
     assert a == b and a != soak_schedule(spans, **kw, seed=2) and 20 <= len(a) <= 60
     by: dict = {}

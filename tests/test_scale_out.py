@@ -23,10 +23,12 @@ import pytest
 from ckptlib import Checkpointer
 from ckptlib.heartbeat import read_heartbeats
 from ckptlib.store import Store
+from tests.drills import TIMEOUT
+from tests.runs import EXTRA, digests, worker_env
+from trainrun.spec import RunSpec
 
-EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
-SETTINGS = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=2, steps_per_round=60, seed=0,
-                heartbeat_every_s=0.1, retry_delay_s=0.2, validation_runner="threads")
+SETTINGS = {"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "rounds": 2, "steps_per_round": 60, "seed": 0,
+            "heartbeat_every_s": 0.1, "retry_delay_s": 0.2, "validation_runner": "threads"}
 
 
 def params(**kw):
@@ -35,29 +37,11 @@ def params(**kw):
     return TrainParams(**{**SETTINGS, **kw})
 
 
-def digests(url: str, storage_options: dict | None = None) -> dict[int, str]:
-    with Checkpointer(url, storage_options) as ck:
-        return {s: ck.manifest(s).digest for s in ck.steps()}
-
-
 @pytest.fixture(scope="module")
-def clean(prefect_harness, tmp_path_factory):
-    """The reference: a clean run (threads, local store; the digest does not depend on validation)."""
-    from flows.train import train_run
-
-    s = train_run(params(store=str(tmp_path_factory.mktemp("clean")), run_id="clean", validate_checkpoints=False))
-    return digests(s["run_url"])
-
-
-def worker_env(storage_options: dict) -> dict[str, str]:
-    """A worker machine's environment: the project, the Prefect API, the store's credentials."""
-    from prefect.settings import PREFECT_API_URL
-
-    from bench.common import ROOT
-
-    return {"PYTHONPATH": str(ROOT), "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1",
-            "CKPT_STORAGE_OPTIONS": json.dumps(storage_options), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "1", "AWS_EC2_METADATA_DISABLED": "true"}
+def clean(prefect_harness, clean_digests):
+    """The reference digests (plain calls, computed once per session; the same as a Prefect run's)."""
+    return clean_digests(RunSpec(**{k: v for k, v in SETTINGS.items() if k in RunSpec.model_fields}),
+                         SETTINGS["rounds"])
 
 
 class KillMidRound(threading.Thread):
@@ -119,7 +103,7 @@ def test_dask_cli_workers_on_s3_survive_a_killed_worker_and_reshard(clean, s3_ur
     assert r["committed"] == [3] and {k: v for k, v in digests(url, so).items() if k <= 2} == clean
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: Prefect workers start a process (torch imported) per shard round
 @pytest.mark.prefect
 def test_work_pool_shards_survive_a_killed_prefect_worker(clean, s3_url, tmp_path, monkeypatch):
     from ckpt.beside import BesideWatchdog
@@ -135,7 +119,7 @@ def test_work_pool_shards_survive_a_killed_prefect_worker(clean, s3_url, tmp_pat
         url = f"{store}/pool"
         killer = KillMidRound(Store.from_url(url, so), {0: None, 1: None}, workers.pids, workers.kill)
         p = params(store=store, run_id="pool", task_runner=runner, validate_checkpoints=False)  # digests only
-        guard = BesideWatchdog(p, timeout_s=4.0).start()  # the machine died: its shard is silent
+        guard = BesideWatchdog(p, timeout_s=TIMEOUT).start()  # the machine died: its shard is silent
         killer.start()
         try:
             s = train_run(p)

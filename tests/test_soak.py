@@ -10,19 +10,19 @@ import subprocess
 import sys
 
 import pytest
-from test_watchdog import _cli_env
 
+from tests.runs import cli_env
 from trainrun.shard_checkpoint import AUTO_MAX_STEPS
 
 
 @pytest.mark.prefect
-@pytest.mark.slow
+@pytest.mark.slow  # over 60 s on CI: two runs of rounds long enough for 2 automatic shard checkpoints each
 def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step_bound(prefect_harness, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "ckpt", "soak", "--rounds", "2", "--failures", "2", "--kinds", "crash,stall",
            "--steps-per-round", str(2 * AUTO_MAX_STEPS + 10), "--seed", "3", "--store", str(tmp_path / "runs"),
-           "--json", str(out)]
-    p = subprocess.run(cmd, env=_cli_env(tmp_path), capture_output=True, text=True, timeout=540)
+           "--watchdog-timeout", "2", "--json", str(out)]  # 2 s: the beats' jitter allows it (tests/drills.py)
+    p = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=540)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["failures_scheduled"] == 2 and r["failures_struck"] == 2, r["schedule"]
