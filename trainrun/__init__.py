@@ -8,11 +8,13 @@ This package is all of that as plain Python: ``tasks/`` wraps its functions as P
     layout       names and keys of a run in its store, run ids, finding runs
     spec         RunSpec (the trajectory) and RunSettings (everything else a run is told)
     documents    what the run's processes exchange: Cut, ShardInfo, CoordinatorInfo (a beat's meta)
-    errors       RunRefused, RerunRefused, ChaosCrash (ckptlib's CheckpointError tree)
+    errors       RunRefused, RerunRefused, ChaosCrash, Preempted (ckptlib's CheckpointError tree)
     credentials  how a process reaches the store without a secret in any record
     resume       where a run starts: the resume rules (RunRefused)
     step_zero    the first checkpoint: every shard's fresh state and the coordinator's
-    shard_round  one shard's round: load the cut, build the workload, train with beats, write
+    failures     the failures vocabulary: what failed, how it was seen, what is decided
+    attempt      one attempt at a shard's round, whoever hosts it: start, build, train with beats, write
+    shard_round  one shard's round hosted in this process (rank_round: as a rank of a group)
     outer        the outer step that combines the shards
     reshard      a cut of another shard count: which old shards a new one starts from
     cut          the coordinator's cut of one round (gather, combine, commit)
@@ -23,7 +25,7 @@ This package is all of that as plain Python: ``tasks/`` wraps its functions as P
     watchdog/    judge (the rules), decisions, reruns, the watchdog's state machine
 
 Reading a run (the watchdog, ``ckpt status``) loads no torch: ``documents``, ``resume`` and
-``watchdog/`` import none; the modules that train (``shard_round``, ``step_zero``, ``cut``) do.
+``watchdog/`` import none; the modules that train (``attempt``, ``shard_round``, ``step_zero``, ``cut``) do.
 
 docs/architecture.md shows how the packages depend on each other.
 """

@@ -34,7 +34,8 @@ from .metrics import finite_metrics
 from .outer import ShardMean, outer_step
 from .reshard import cut_shards, reshard_state
 from .results import CutResult
-from .shard_round import ShardRNG, apply_threads, read_cut_part
+from .shard_attempt import ShardRNG, apply_threads
+from .shard_round import read_cut_part
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from .timing import Stopwatch
 

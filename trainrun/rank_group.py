@@ -35,7 +35,7 @@ it, is of the old generation: never gathered, never committed.
 A preemption stops the group together: this process asked to stop (its SIGTERM, a cancel:
 ``trainrun.preemption``) sends SIGTERM to every rank; a rank that gets SIGTERM, from here or from
 outside, makes its whole group stop after one step the ranks agree on, checkpoint there and exit
-``EXIT_PREEMPTED`` (``trainrun.rank_round``); this raises ``Preempted``. While the group trains,
+``RankExit.PREEMPTED`` (``trainrun.rank_round``); this raises ``Preempted``. While the group trains,
 this process counts as a training loop, so its own SIGTERM waits for that stop (within the grace).
 
 Rank 0 beats as the shard (``heartbeats/<part>.json``, so the watchdog judges the group as it
@@ -69,10 +69,11 @@ from . import preemption
 from .beats import start_meta, starting
 from .documents import Cut
 from .errors import Preempted, RankGroupFailed, RankGroupRefused
+from .failures import RankExit
 from .layout import shard_part
 from .local_tier import LocalTier
-from .rank_round import EXIT_FENCED, EXIT_PREEMPTED, RankJob
-from .recovery import Failure
+from .rank_round import RankJob
+from .recovery import recognise_failure
 from .results import ShardResult
 from .resume_point import resume_point
 from .shard_checkpoint import Every
@@ -243,7 +244,8 @@ def train_shard_group(ck: Checkpointer, storage_options: dict[str, Any] | None, 
     generation = ck.live_generation(part)
     resume = resume_point(ck.store, part, round_no, generation) if checkpoint_every else None  # the same start for every rank
     key = group_key(ck, part, spec, group_timeout_s)
-    failure = group_failure(ck, spec, shard, round_no, cut, generation, attempt)  # before the group's first beat
+    # the failure it recovers from: recognised before any beat of the group (its spawn beat) hides it
+    failure = recognise_failure(ck.store, part, round_no, cut.step, generation)
     group = take_warm(key) if warm else None
     t0 = time.perf_counter()
     if group is None:
@@ -293,15 +295,6 @@ def run_group(ck: Checkpointer, part: str, generation: int, group: Group, jobs: 
     supervise(ck, part, generation, group.ranks, jobs, every_s=heartbeat_every_s, on_beat=on_beat)
 
 
-def group_failure(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, generation: int,
-                  attempt: int) -> Failure | None:
-    """The failure this attempt recovers from (``trainrun.recovery``), recognised by the supervisor
-    before any beat of the attempt (its spawn beat, its ranks' start beats) hides the earlier one."""
-    from .shard_round import ShardAttempt, recognise_failure
-
-    return recognise_failure(ShardAttempt(ck, spec, shard, round_no, cut, generation, attempt))
-
-
 def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank], jobs: Sequence[RankJob], *,
               every_s: float, on_beat: Callable[[Beat], None] | None) -> None:
     """Return once every rank is done with its job; raise at the first rank that failed (or ended
@@ -316,7 +309,7 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
     with ExitWatch(ranks) as exits:
         while True:
             # a rank the forwarded SIGTERM caught before its handler was set ended as SIGTERM ends a process
-            stopped = (EXIT_PREEMPTED, -signal.SIGTERM) if forwarded else (EXIT_PREEMPTED,)
+            stopped = (RankExit.PREEMPTED, -signal.SIGTERM) if forwarded else (RankExit.PREEMPTED,)
             codes = [r.process.poll() for r in ranks]
             failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None and c not in stopped]
             if failed:
@@ -441,9 +434,9 @@ def finish_failed_beats(ck: Checkpointer, part: str, generation: int, attempt: i
 
 def group_error(part: str, generation: int, ranks: Sequence[Rank], failed: list[tuple[Rank, int]]) -> BaseException:
     """The error of a group whose ranks ``failed`` exited with these codes: the first (in time) named."""
-    if all(code == EXIT_FENCED for _, code in failed):
+    if all(code == RankExit.FENCED for _, code in failed):
         return FencedError(f"{part} generation {generation} was fenced: its ranks found a newer generation")
-    first, code = next(((r, c) for r, c in failed if c != EXIT_FENCED), failed[0])
+    first, code = next(((r, c) for r, c in failed if c != RankExit.FENCED), failed[0])
     tail = first.error_tail()
     how = (f"was killed by signal {-code}" if code < 0 else f"exited with {code}" if code else
            "ended before its job was done")

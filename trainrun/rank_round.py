@@ -2,7 +2,8 @@
 
 ``trainrun.rank_group`` starts R of these processes (``python -m trainrun.rank_round``, the jobs on
 stdin, one JSON line each: credentials never show in a process listing) and keeps them warm from
-round to round. Each one::
+round to round. Each job is an attempt run by ``trainrun.attempt.run_attempt``, hosted as this rank
+(``rank_host``: the group agrees on its start, its checkpoint steps and its stop). Each rank::
 
     init_process_group("gloo", store=FileStore(<the group's rendezvous>), rank, R)   # once, gloo on loopback
     for each job (a round's attempt), until stdin closes or stays idle:
@@ -22,8 +23,9 @@ Every rank holds the same replica (DDP), so the group fragment stores the model 
 and the cut reads it as it reads one process's fragment. The round's loss is the mean over the
 ranks of their local means (one all_reduce at the end of the round: the same on every rank).
 
-What a rank's exit says to the supervisor: 0 its stdin closed or stayed idle (every job done), 3 fenced
-(a newer generation owns the shard), 4 preempted (below), 1 anything else (its traceback on stderr).
+What a rank's exit says to the supervisor is a ``trainrun.failures.RankExit``: 0 its stdin closed or
+stayed idle (every job done), 3 fenced (a newer generation owns the shard), 4 preempted (below), 1
+anything else (its traceback on stderr).
 
 A preemption stops the group together. A rank that gets SIGTERM (from outside, or forwarded by its
 supervisor when the supervisor's own process got one) sets its process's flag
@@ -38,41 +40,39 @@ group timeout) or is ended by the supervisor, which watches them all.
 from __future__ import annotations
 
 import json
-import math
 import os
 import select
 import signal
-import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat
 from ckptlib.store import Store
 
 from . import preemption
-from .beats import start_meta, started, starting
-from .chaos import for_attempt, strike
+from .beats import start_meta, starting
+from .chaos import for_attempt
 from .documents import Cut
 from .errors import Preempted
+from .failures import RankExit
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier, copy_name
-from .recovery import Failure, write_recovery
+from .recovery import Failure
 from .results import ShardResult
 from .spec import RunSpec
 from .timing import Stopwatch
 
 if TYPE_CHECKING:
-    from .shard_checkpoint import ShardCheckpoints, Start
-    from .shard_round import ShardAttempt, ShardRNG
+    from .attempt import Host
+    from .shard_attempt import ShardAttempt
+    from .shard_checkpoint import Every, Start
 
-EXIT_FENCED = 3
-EXIT_PREEMPTED = 4  # the group stopped on a preemption, its state checkpointed (rank 0 wrote ``preempted_path``)
 # a preemption's reason as one integer, so that the ranks agree on it with one all_reduce(MAX) a step
 STOP_CODES = {"SIGTERM": 1, "cancel": 2}
 STOP_REASONS = {code: reason for reason, code in STOP_CODES.items()}
@@ -109,7 +109,7 @@ class RankJob:
 
     @property
     def preempted_path(self) -> str:
-        """Where rank 0 says where the group stopped, when it was preempted (``EXIT_PREEMPTED``)."""
+        """Where rank 0 says where the group stopped, when it was preempted (``RankExit.PREEMPTED``)."""
         return f"{self.result_path}.preempted"
 
     @property
@@ -196,84 +196,54 @@ def start_in_group(a: ShardAttempt, job: RankJob, reader: Checkpointer, signatur
 
 
 def train_rank_round(job: RankJob) -> ShardResult:
-    """This rank's part of the round (torch.distributed initialised); the group's result."""
+    """This rank's part of the round (torch.distributed initialised): the attempt run by
+    ``trainrun.attempt.run_attempt`` as this rank of the group (``rank_host``); the group's result."""
     import torch.distributed as dist
 
-    from .reshard import cut_shards
-    from .shard_checkpoint import Every, ShardCheckpoints, cut_signature
-    from .shard_round import ShardAttempt, ShardRNG, apply_threads
+    from .attempt import run_attempt
+    from .shard_attempt import ShardAttempt, apply_threads
 
     clock = Stopwatch()
     started_at = time.time()
-    spec, cut, part = RunSpec.from_dict(job.spec), Cut.from_dict(job.cut), shard_part(job.shard)
+    spec, cut = RunSpec.from_dict(job.spec), Cut.from_dict(job.cut)
     apply_threads(spec)
     ck = Checkpointer(job.url, job.storage_options, process_group=dist.group.WORLD, group_timeout_s=job.group_timeout_s)
     reader = Checkpointer(ck.store)
-    a = ShardAttempt(ck, spec, job.shard, job.round_no, cut, job.generation, job.attempt)
+    a = ShardAttempt(ck, spec, job.shard, job.round_no, cut, job.generation, job.attempt,
+                     for_attempt(job.chaos, job.shard, job.round_no, job.attempt, job.rank))
     tier = LocalTier(job.url, job.local_tier, job.local_tier_max_bytes) if job.local_tier else None
     # the supervisor recognised it before the group's first beat (its spawn beat)
     failure = Failure.from_dict(job.failure) if job.rank == 0 and job.failure is not None else None
     hb = job_heartbeat(job, ck.store)
     starting(hb, "load")
     clock.lap("setup")  # the checkpointer's own gloo group, the first beat
-    loss = float("nan")
-    saver: ShardCheckpoints | None = None
+    every: Every = "auto" if job.checkpoint_every == "auto" else int(job.checkpoint_every)
     try:
-        signature = cut_signature(a)
-        start = start_in_group(a, job, reader, signature, tier)
-        clock.lap("load")
-        starting(hb, "build")
-        wl = build_rank_workload(spec, job, start.state)
-        del start.state
-        rng = ShardRNG(spec.seed, job.shard, job.round_no)
-        if start.rng is not None:
-            rng.set_state(start.rng)
-        every: Every = "auto" if job.checkpoint_every == "auto" else int(job.checkpoint_every)
-        saver = ShardCheckpoints(a, every, signature, tier, start.round_step, copy=copy_name(part, job.rank),
-                                 agree=group_max)
-        clock.lap("build")  # the workload in a fresh process, DDP's first broadcast
-        started(hb)
-        hb.rebase(int(wl.data_position) - start.round_step)
-        hb.beat(step=int(wl.data_position), force=True)
-        training_at = time.time()
-        if failure is not None:
-            write_recovery(ck.store, failure.recovery(
-                part=part, round_no=job.round_no, generation=job.generation, attempt=job.attempt,
-                started_at=started_at, training_at=training_at, resumed_at_step=start.round_step,
-                source=start.source, checkpoint=start.checkpoint.key if start.checkpoint else None))
-        loss = group_mean(rank_steps(job, spec, wl, hb, ck, start, rng, saver))
-        saver.finish()
-        clock.lap("train")
-        if start.round_step and cut_shards(reader, cut) == spec.shards:
-            read_part(ck, cut, part, adopt=True)  # the round's fragment: the delta a clean attempt writes
-        state = {**wl.checkpoint_state(), "rng": ShardRNG(spec.seed, job.shard, job.round_no).state(),
-                 "round": job.round_no, "loss": loss}
-        frag = ck.write_fragment(job.round_no, part, state, generation=job.generation, config_hash=spec.config_hash(),
-                                 meta={"round": job.round_no, "loss": loss, "attempt": job.attempt, "ranks": job.ranks,
-                                       "host": socket.gethostname(), "setup_s": clock.spent("setup"),
-                                       "load_s": clock.spent("load"), "build_s": clock.spent("build"),
-                                       "train_s": clock.spent("train"), "resumed_at_step": start.round_step,
-                                       "start_source": start.source, **saver.stats()})
-        clock.lap("write")
-    except BaseException as e:
-        if saver is not None:
-            saver.abandon()
-        hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
-        raise
+        result = run_attempt(a, rank_host(job, a, reader, tier), hb, failure=failure, every=every, tier=tier,
+                             clock=clock, started_at=started_at)
     finally:
         reader.close()
-    hb.finish("finished", loss=loss)
-    if tier is not None:
-        tier.drop(copy_name(part, job.rank))  # the next round starts from the cut
     ck.close()
-    return ShardResult(shard=job.shard, round=job.round_no, part=part, status="finished", generation=job.generation,
-                       attempt=job.attempt, loss=loss, data_position=int(wl.data_position),
-                       bytes_written=frag.bytes_written, logical_bytes=frag.logical_bytes, chunks=dict(frag.stats),
-                       digest=frag.digest, seconds={**clock.seconds(), "ckpt_blocked": round(saver.blocked_s, 4),
-                                                    "ckpt_write": round(saver.write_s, 4)},
-                       resumed_at_step=start.round_step, start_source=start.source,
-                       shard_checkpoints=saver.count, shard_checkpoint_bytes=saver.bytes_written,
-                       started_at=started_at, training_at=training_at)
+    return result
+
+
+def rank_host(job: RankJob, a: ShardAttempt, reader: Checkpointer, tier: LocalTier | None) -> Host:
+    """The attempt as this rank of its group runs it: the group agrees on its start, its checkpoint
+    steps and its stop; it builds its workload as this rank, beats its start phases, keeps its own
+    copy in the local tier, and its loss is the group's mean."""
+    from .attempt import Host
+    from .reshard import cut_shards
+
+    def read_base() -> None:  # this rank's own fragment of the cut's part: no collective call
+        if cut_shards(reader, a.cut) == a.spec.shards:
+            read_part(a.ck, a.cut, a.part, adopt=True)
+
+    return Host(start=lambda signature: start_in_group(a, job, reader, signature, tier),
+                build=lambda state: build_rank_workload(a.spec, job, state),
+                stop_vote=lambda: STOP_REASONS.get(group_max(stop_code())), read_base=read_base,
+                loss=group_mean, phase=starting, copy=copy_name(a.part, job.rank), agree=group_max,
+                meta=lambda clock: {"ranks": job.ranks, "setup_s": clock.spent("setup")},
+                kept_in=f"its group of {job.ranks} ranks checkpointed it")
 
 
 def job_heartbeat(job: RankJob, store: Store) -> Heartbeat:
@@ -307,44 +277,6 @@ def stop_code() -> int:
     """This rank's vote on stopping now: 0 go on, else why it was asked to (``STOP_CODES``)."""
     why = preemption.requested()
     return 0 if why is None else STOP_CODES.get(why, 1)
-
-
-def rank_steps(job: RankJob, spec: RunSpec, wl: Any, hb: Heartbeat, ck: Checkpointer, start: Start, rng: ShardRNG,
-               saver: ShardCheckpoints) -> float:
-    """The round's steps on this rank after ``start.round_step``, a beat after each, the group's
-    shard checkpoint when one is due (at the same steps on every rank: a collective write), chaos
-    aimed at this rank striking; the mean of this rank's losses (over all the round's steps)."""
-    chaos = for_attempt(job.chaos, job.shard, job.round_no, job.attempt, job.rank)
-    strikes = {c.strike_step(spec.steps_per_round): c for c in chaos}
-    losses = list(start.losses)
-    for k in range(start.round_step + 1, spec.steps_per_round + 1):
-        if stop := group_max(stop_code()):  # asked to stop? Between steps, agreed by every rank
-            stop_group(job, wl, rng, saver, losses, k - 1, start.round_step, STOP_REASONS[stop])
-        losses.append(float(wl.train_step()))
-        if k in strikes:
-            strike(strikes[k], part=shard_part(job.shard), round_step=k, heartbeat=hb, checkpointer=ck,
-                   generation=job.generation)
-        hb.beat(step=int(wl.data_position), loss=losses[-1])
-        if saver.due(k, wl):
-            saver.take(k, wl, rng, losses)
-            hb.meta["checkpoint_step"] = saver.newest
-    return math.fsum(losses) / len(losses)
-
-
-def stop_group(job: RankJob, wl: Any, rng: ShardRNG, saver: ShardCheckpoints, losses: list[float], round_step: int,
-               started_at: int, why: str) -> NoReturn:
-    """The group agreed to stop after ``round_step`` steps (a rank, or its supervisor, was asked to:
-    ``trainrun.preemption``): every rank checkpoints that state together (unless the newest
-    checkpoint, or the start, holds it), waits for the write and raises Preempted."""
-    saver.finish()  # the write in flight settled on every rank: the same ``newest`` everywhere
-    if saver.enabled and round_step > started_at and saver.newest != round_step:
-        saver.take(round_step, wl, rng, losses)
-        saver.finish()  # stored (or FencedError: a newer generation owns the shard)
-    kept = saver.newest if saver.newest is not None else started_at
-    part = shard_part(job.shard)
-    raise Preempted(f"{part} round {job.round_no} stopped at step {round_step} ({why}): its group of {job.ranks} ranks "
-                    f"checkpointed it at step {kept}; a rerun (ckpt train --resume, a retry, another worker) continues "
-                    "from there", part=part, round_no=job.round_no, round_step=kept, reason=why)
 
 
 def die_with(supervisor_pid: int) -> None:
@@ -381,7 +313,7 @@ class JobReader:
         return RankJob.from_json(line.decode())
 
 
-def run_job(job: RankJob) -> int:
+def run_job(job: RankJob) -> RankExit:
     """One round's job in the live group; the exit code it would end the process with (0: done,
     the done file written, the result first on rank 0)."""
     try:
@@ -392,18 +324,18 @@ def run_job(job: RankJob) -> int:
                 f.write(result.to_json().decode())
         with open(job.done_path, "w", encoding="utf-8"):
             pass
-        return 0
+        return RankExit.DONE
     except FencedError as e:
         print(f"fenced: {e}", file=sys.stderr)
-        return EXIT_FENCED
+        return RankExit.FENCED
     except Preempted as e:
         if job.rank == 0:  # what the supervisor raises: its own Preempted (trainrun.rank_group.preempted)
             Path(job.preempted_path).write_text(json.dumps({"message": str(e), "round_step": e.round_step,
                                                             "reason": e.reason}), encoding="utf-8")
-        return EXIT_PREEMPTED
+        return RankExit.PREEMPTED
     except BaseException:  # noqa: BLE001 - the supervisor reports the traceback's last line
         traceback.print_exc()
-        return 1
+        return RankExit.FAILED
 
 
 def main() -> int:
@@ -416,13 +348,13 @@ def main() -> int:
     reader = JobReader()
     job = reader.next()
     if job is None:
-        return 0
+        return RankExit.DONE
     die_with(job.supervisor_pid)
     try:  # torch is imported: the group's start goes on to its rendezvous (timed apart: trainrun.beats)
         starting(job_heartbeat(job, Store.from_url(job.url, job.storage_options)), "rendezvous")
     except FencedError as e:
         print(f"fenced: {e}", file=sys.stderr)
-        return EXIT_FENCED
+        return RankExit.FENCED
     try:
         # a FileStore, not a TCPStore: no socket a stranger may reach or write to (docs/security.md);
         # gloo binds the interface GLOO_SOCKET_IFNAME names, for this group and the checkpointer's
@@ -434,14 +366,14 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - the supervisor reports it
         print(f"rendezvous failed: rank {job.rank} of {job.ranks} could not join the group at {job.rendezvous}: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return RankExit.FAILED
     try:
         while job is not None:
             code = run_job(job)
             if code:
                 return code
             job = reader.next(job.idle_s)
-        return 0
+        return RankExit.DONE
     finally:
         try:
             dist.destroy_process_group()
@@ -454,7 +386,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     agree on (``rank_steps``); between jobs the rank ends at once."""
     preemption.request("SIGTERM")
     if not preemption.training_now():
-        raise SystemExit(EXIT_PREEMPTED)
+        raise SystemExit(RankExit.PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""What each recovery of a shard cost: recognising one, its row (``Recovery``), where rows are kept.
+"""What each recovery of a shard cost: recognising one (``recognise_failure``), its row (``Recovery``), where rows are kept.
 
 A shard attempt that starts where an earlier attempt of the same round failed is a recovery. It
 recognises that from what it finds before its own first beat (``Failure.recognise``): the earlier
 attempt's last beat (``heartbeats/<part>.json``), the fence of its own generation when a watchdog
-fenced the earlier one, and the chaos strike that hit it in a drill. Kinds:
+fenced the earlier one, and the chaos strike that hit it in a drill. The row's ``kind`` is a
+``trainrun.failures.FailureKind`` (what failed, how it was seen, what was decided):
 
 ``crash``         the earlier attempt raised (its last beat says ``failed``); Prefect retried the task.
                   Also a group whose rank died or crashed: its supervisor ends the group, writes the
@@ -12,7 +13,8 @@ fenced the earlier one, and the chaos strike that hit it in a drill. Kinds:
                   (a killed Dask worker, a shard task killed with its ranks); Dask or Prefect ran the
                   task again
 ``silent``, ``stalled``, ``lost``, ``missing``
-                  a watchdog judged it so, fenced it and reran the shard as a new generation
+                  a watchdog judged it so, fenced it and reran the shard as a new generation (the
+                  fence's ``state``; ``fenced`` when its fence names none: the quorum flow's)
 ``run-died``      the whole run died mid-round and was resumed (``flows/summary.py`` writes these rows,
                   from the beats the dead run left, since a resumed attempt may start several rounds
                   earlier)
@@ -42,12 +44,13 @@ from typing import Any
 from ckptlib import commit
 from ckptlib.documents import Document, DocumentError
 from ckptlib.errors import ObjectNotFound, StoreError
-from ckptlib.heartbeat import Beat
+from ckptlib.heartbeat import Beat, read_heartbeat
 from ckptlib.store import Store
 
 from .chaos import read_strike
 from .documents import ShardInfo
-from .layout import recovery_key, shard_index
+from .failures import FailureKind, kind_of_fence
+from .layout import COORDINATOR, recovery_key, shard_index
 
 log = logging.getLogger("trainrun.recovery")
 
@@ -121,11 +124,11 @@ class Failure:
             if strike is None and f.get("failure_time") is not None:
                 failed_at = float(f["failure_time"])
             detected = f.get("detected", f.get("time"))
-            return cls(str(f.get("state") or "fenced"), max(steps), failed_at,
+            return cls(kind_of_fence(f.get("state")), max(steps), failed_at,
                        float(detected) if detected is not None else None, cause)
         if prior.status == "failed":
-            return cls("crash", max(steps), failed_at, prior.time, cause)
-        return cls("process-died", max(steps), failed_at, None, cause)
+            return cls(FailureKind.CRASH, max(steps), failed_at, prior.time, cause)
+        return cls(FailureKind.PROCESS_DIED, max(steps), failed_at, None, cause)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,6 +152,24 @@ class Failure:
                         back_to_training_s=round(max(0.0, training_at - detected), 3), part=part,
                         generation=generation, attempt=attempt, cause=self.cause, source=source,
                         checkpoint=checkpoint, failed_at=self.failed_at, detected_at=detected, training_at=training_at)
+
+
+def recognise_failure(store: Store, part: str, round_no: int, cut_step: int, generation: int) -> Failure | None:
+    """The failure of an earlier attempt of ``part``'s round ``round_no`` (from the cut of step
+    ``cut_step``) that an attempt of ``generation`` recovers from, if any: read before the attempt
+    beats (its first beat replaces the earlier attempt's last). A store that cannot be read gives
+    None, logged: the report must never stop the recovery itself."""
+    try:
+        prior = read_heartbeat(store, part)
+        if prior is None or prior.round != round_no:
+            return None
+        coordinator = read_heartbeat(store, COORDINATOR)
+        fence = commit.read_fence(store, part, generation) if generation > 0 else None
+        return Failure.recognise(store, prior, coordinator, round_no=round_no, cut_step=cut_step,
+                                 generation=generation, fence=fence)
+    except Exception as e:  # noqa: BLE001 - a report: it must never stop the recovery itself
+        log.warning("%s round %d: cannot tell whether this attempt is a recovery: %s", part, round_no, e)
+        return None
 
 
 def write_recovery(store: Store, rec: Recovery) -> None:
@@ -192,7 +213,7 @@ def fence_recoveries(store: Store, round_no: int, known: set[tuple[str, int]], *
                 continue  # an earlier session's
             failed_at = float(doc.get("failure_time") or fenced_at)
             step = int(doc.get("round_step") or 0)
-            rows.append(Recovery(shard=shard_index(part) or 0, round=round_no, kind=str(doc.get("state") or "fenced"),
+            rows.append(Recovery(shard=shard_index(part) or 0, round=round_no, kind=kind_of_fence(doc.get("state")),
                                  failed_at_step=step, resumed_at_step=0, steps_recomputed=step,
                                  detect_s=round(max(0.0, fenced_at - failed_at), 3), back_to_training_s=None,
                                  part=part, generation=generation, failed_at=failed_at, detected_at=fenced_at))

@@ -1,5 +1,8 @@
 """Where a run starts: the resume rules (``docs/training.md``, *Resume rules*), without Prefect or torch.
 
+(Where one shard attempt continues *within* its round, from a shard checkpoint, is
+``trainrun.resume_point``'s.)
+
 ``where_to_start`` reads the run's committed steps, its verdicts and the configuration stored in a
 checkpoint, and either says where the run starts, and with which trajectory, or refuses
 (``RunRefused``) with the fix. The CLI asks before Prefect starts (fast refusals); the flow's

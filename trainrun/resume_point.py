@@ -1,5 +1,7 @@
 """Where a shard attempt continues its round: the newest shard checkpoint its generation may use.
 
+(Where a whole run starts, from which committed step, is ``trainrun.resume``'s: the resume rules.)
+
 A shard checkpoint (``trainrun.shard_checkpoint``) is the sub-step fragment
 ``fragments/<round>/<part>.g<gen>.k<k>.json`` (``ckptlib.commit.substep_key``): the shard's complete
 state after ``k`` steps of round ``round``, written by generation ``gen`` while it trained. An

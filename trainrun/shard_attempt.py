@@ -1,6 +1,7 @@
-"""One attempt at one shard's round (``ShardAttempt``) and the shard's own generators (``ShardRNG``):
-what every step of a round (``trainrun.shard_round``) and its shard checkpoints
-(``trainrun.shard_checkpoint``) take. Loads torch (the generators)."""
+"""What one attempt at one shard's round is (``ShardAttempt``), the shard's own generators
+(``ShardRNG``) and the process's thread count (``apply_threads``): what every step of an attempt
+(``trainrun.attempt``, which runs it) and its shard checkpoints (``trainrun.shard_checkpoint``)
+take. Loads torch (the generators)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from .chaos import Chaos
     from .documents import Cut
     from .spec import RunSpec
+
+
+def apply_threads(spec: RunSpec) -> None:
+    """``torch.set_num_threads`` is process-wide: every task of a run sets the same value."""
+    if torch.get_num_threads() != spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
 
 
 class ShardRNG:

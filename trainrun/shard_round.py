@@ -4,15 +4,14 @@
 exchanges is small (URLs, ints, a ``Cut``), never tensors. What the fragment holds is the contract
 in ``docs/run-layout.md``.
 
-The round is a short driver over named steps, each a function of the attempt (``ShardAttempt``:
-which shard, which round, from which cut, as which generation)::
+The round is one attempt (``ShardAttempt``: which shard, which round, from which cut, as which
+generation) run by ``trainrun.attempt.run_attempt`` in this process; what is this host's own::
 
-    failure = recognise_failure(attempt)       # an earlier attempt of this round failed? (trainrun.recovery)
-    hb      = start_heartbeat(attempt)         # heartbeats/shard-<i>.json, its meta a ShardInfo
-    start   = start_round(attempt, ...)        # its newest shard checkpoint (trainrun.resume_point), else the cut
+    failure = recognise_failure(...)          # an earlier attempt of this round failed? (trainrun.recovery)
+    hb      = start_heartbeat(attempt)        # heartbeats/shard-<i>.json, its meta a ShardInfo
+    start   = start_round(attempt, ...)       # its newest shard checkpoint (trainrun.resume_point), else the cut
     wl      = build_workload_from(attempt, start.state)
-    loss    = train_steps(attempt, wl, hb, start, saver)   # the rest of the round: beats, shard checkpoints, chaos
-    frag    = write_round_fragment(attempt, wl, loss, clock)   # fragments/<round>/shard-<i>.g<gen>.json
+    run_attempt(attempt, host, hb, ...)       # train with beats, shard checkpoints, chaos; write the fragment
 
 Guarantees
 ----------
@@ -39,31 +38,25 @@ Guarantees
 from __future__ import annotations
 
 import logging
-import math
-import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ckptlib import Checkpointer, FencedError, commit
-from ckptlib.distributed.documents import AnyFragment
-from ckptlib.heartbeat import Beat, Heartbeat, read_heartbeat
+from ckptlib import Checkpointer
+from ckptlib.heartbeat import Beat, Heartbeat
 
 from . import preemption
-from .chaos import Chaos, strike
+from .attempt import Host, run_attempt
+from .chaos import Chaos
 from .documents import Cut, ShardInfo
-from .errors import Preempted
 from .layout import COORDINATOR, shard_part
 from .local_tier import LocalTier
-from .metrics import finite_metrics
-from .recovery import Failure, write_recovery
+from .recovery import recognise_failure
 from .reshard import cut_shards, reshard_state
 from .results import ShardResult
 from .resume_point import resume_point
-from .shard_attempt import ShardAttempt, ShardRNG
-from .shard_checkpoint import Every, ShardCheckpoints, Start, cut_signature, load_checkpoint
+from .shard_attempt import ShardAttempt, apply_threads
+from .shard_checkpoint import Every, Start, load_checkpoint
 from .spec import RunSpec
 from .timing import Stopwatch
 
@@ -71,12 +64,6 @@ if TYPE_CHECKING:
     from workloads import Workload
 
 log = logging.getLogger("trainrun.shard_round")
-
-
-def apply_threads(spec: RunSpec) -> None:
-    """``torch.set_num_threads`` is process-wide: every task of a run sets the same value."""
-    if torch.get_num_threads() != spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
 
 
 def read_cut_part(ck: Checkpointer, cut: Cut, part: str) -> Any:
@@ -105,86 +92,29 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
     spec = spec.trajectory()
     apply_threads(spec)
     a = ShardAttempt(ck, spec, shard, round_no, cut, ck.live_generation(shard_part(shard)), attempt, chaos)
-    failure = recognise_failure(a)  # before this attempt's first beat replaces the earlier attempt's last
+    # before this attempt's first beat replaces the earlier attempt's last
+    failure = recognise_failure(ck.store, a.part, round_no, cut.step, a.generation)
+    host = Host(start=lambda signature: start_round(a, checkpoint_every, local_tier, signature),
+                build=lambda state: build_workload_from(a, state), stop_vote=preemption.requested,
+                read_base=lambda: base_from_cut(a))
     # a SIGTERM waits (within its grace) until this attempt has checkpointed and said where it stopped
     with preemption.training():
         hb = start_heartbeat(a, every_s=heartbeat_every_s, on_beat=on_beat)
-        loss = float("nan")
-        saver: ShardCheckpoints | None = None
-        try:
-            start, signature = start_round(a, checkpoint_every, local_tier)
-            clock.lap("load")
-            wl = build_workload_from(a, start.state)
-            rng = ShardRNG(spec.seed, shard, round_no)
-            if start.rng is not None:
-                rng.set_state(start.rng)
-            saver = ShardCheckpoints(a, checkpoint_every, signature, local_tier, start.round_step)
-            del start.state
-            # loaded and built: say so now (its round step), so that a watchdog times the steps from here
-            # (before this beat it allows the start timeout: loading is slow in a fresh process)
-            hb.rebase(int(wl.data_position) - start.round_step)
-            hb.beat(step=int(wl.data_position), force=True)
-            training_at = time.time()
-            clock.lap("build")
-            if failure is not None:
-                write_recovery(ck.store, failure.recovery(
-                    part=a.part, round_no=round_no, generation=a.generation, attempt=attempt, started_at=started_at,
-                    training_at=training_at, resumed_at_step=start.round_step, source=start.source,
-                    checkpoint=start.checkpoint.key if start.checkpoint else None))
-            loss = train_steps(a, wl, hb, start, rng, saver)
-            saver.finish()
-            clock.lap("train")
-            if start.round_step:
-                with clock.timing("load_base"):
-                    base_from_cut(a)
-            frag = write_round_fragment(a, wl, loss, clock, start, saver)
-            clock.lap("write")
-        except BaseException as e:
-            if saver is not None:
-                saver.abandon()
-            hb.finish("fenced" if isinstance(e, FencedError) else "failed", error=f"{type(e).__name__}: {e}")
-            raise
-        hb.finish("finished", loss=loss)
-    if local_tier is not None:
-        local_tier.drop(a.part)  # the next round starts from the cut
-    return ShardResult(shard=shard, round=round_no, part=a.part, status="finished", generation=a.generation,
-                       attempt=attempt, loss=loss, data_position=int(wl.data_position),
-                       bytes_written=frag.bytes_written, logical_bytes=frag.logical_bytes, chunks=dict(frag.stats),
-                       digest=frag.digest, seconds={**clock.seconds(), "ckpt_blocked": round(saver.blocked_s, 4),
-                                                    "ckpt_write": round(saver.write_s, 4)},
-                       resumed_at_step=start.round_step, start_source=start.source,
-                       shard_checkpoints=saver.count, shard_checkpoint_bytes=saver.bytes_written,
-                       started_at=started_at, training_at=training_at)
+        return run_attempt(a, host, hb, failure=failure, every=checkpoint_every, tier=local_tier, clock=clock,
+                           started_at=started_at)
 
 
-def recognise_failure(a: ShardAttempt) -> Failure | None:
-    """The failure of an earlier attempt of this round that this attempt recovers from, if any
-    (``trainrun.recovery``): read before this attempt beats."""
-    try:
-        prior = read_heartbeat(a.ck.store, a.part)
-        if prior is None or prior.round != a.round_no:
-            return None
-        coordinator = read_heartbeat(a.ck.store, COORDINATOR)
-        fence = commit.read_fence(a.ck.store, a.part, a.generation) if a.generation > 0 else None
-        return Failure.recognise(a.ck.store, prior, coordinator, round_no=a.round_no, cut_step=a.cut.step,
-                                 generation=a.generation, fence=fence)
-    except Exception as e:  # noqa: BLE001 - a report: it must never stop the recovery itself
-        log.warning("%s round %d: cannot tell whether this attempt is a recovery: %s", a.part, a.round_no, e)
-        return None
-
-
-def start_round(a: ShardAttempt, checkpoint_every: Every,
-                local_tier: LocalTier | None) -> tuple[Start, dict[str, Any]]:
-    """Where the attempt starts (its newest usable shard checkpoint of this round, else the cut)
-    and the cut's signature its own checkpoints record."""
-    signature = cut_signature(a)
+def start_round(a: ShardAttempt, checkpoint_every: Every, local_tier: LocalTier | None,
+                signature: dict[str, Any]) -> Start:
+    """Where the attempt starts: its newest usable shard checkpoint of this round (written from the
+    cut of ``signature``), else the cut."""
     ref = resume_point(a.ck.store, a.part, a.round_no, a.generation) if checkpoint_every != 0 else None
     start = load_checkpoint(a, ref, signature, local_tier) if ref is not None else None
     if start is not None:
         log.info("%s round %d: continues from its shard checkpoint at step %d (%s, from %s)", a.part, a.round_no,
                  start.round_step, ref.key if ref else "", start.source)
-        return start, signature
-    return Start(load_cut(a)), signature
+        return start
+    return Start(load_cut(a))
 
 
 def base_from_cut(a: ShardAttempt) -> None:
@@ -223,52 +153,3 @@ def build_workload_from(a: ShardAttempt, state: dict[str, Any]) -> Workload:
     wl = build_workload(a.spec.workload_config(), a.shard, a.spec.shards)
     wl.load_state_dict(state)
     return wl
-
-
-def train_steps(a: ShardAttempt, wl: Workload, hb: Heartbeat, start: Start, rng: ShardRNG,
-                saver: ShardCheckpoints) -> float:
-    """The round's steps after ``start.round_step``, a beat after each (written at most every
-    ``every_s``), a shard checkpoint when one is due, the attempt's chaos striking at its step; the
-    round's mean loss (over all its steps: the losses of the steps before ``start`` come with it)."""
-    strikes = {c.strike_step(a.spec.steps_per_round): c for c in a.chaos}
-    losses = list(start.losses)
-    for k in range(start.round_step + 1, a.spec.steps_per_round + 1):
-        if (why := preemption.requested()) is not None:  # between steps: the state is whole
-            stop_preempted(a, wl, rng, saver, losses, k - 1, start.round_step, why)
-        losses.append(float(wl.train_step()))
-        if k in strikes:
-            strike(strikes[k], part=a.part, round_step=k, heartbeat=hb, checkpointer=a.ck, generation=a.generation)
-        hb.beat(step=int(wl.data_position), loss=losses[-1])
-        if saver.due(k, wl):
-            saver.take(k, wl, rng, losses)
-            hb.meta["checkpoint_step"] = saver.newest
-    return math.fsum(losses) / len(losses)
-
-
-def stop_preempted(a: ShardAttempt, wl: Workload, rng: ShardRNG, saver: ShardCheckpoints, losses: list[float],
-                   round_step: int, started_at: int, why: str) -> NoReturn:
-    """The process is asked to stop (``trainrun.preemption``): checkpoint the state after
-    ``round_step`` steps (unless the attempt's newest checkpoint, or its start, already holds it),
-    wait for the write, and raise Preempted: a rerun continues from exactly here."""
-    if saver.enabled and round_step > started_at and saver.newest != round_step:
-        saver.take(round_step, wl, rng, losses)
-    saver.finish()  # stored (or FencedError: a newer generation owns the shard)
-    kept = saver.newest if saver.newest is not None else started_at
-    raise Preempted(f"{a.part} round {a.round_no} stopped at step {round_step} ({why}): its state is in a shard "
-                    f"checkpoint at step {kept}; a rerun (ckpt train --resume, a retry, another worker) continues "
-                    "from there", part=a.part, round_no=a.round_no, round_step=kept, reason=why)
-
-
-def write_round_fragment(a: ShardAttempt, wl: Workload, loss: float, clock: Stopwatch, start: Start,
-                         saver: ShardCheckpoints) -> AnyFragment:
-    """``fragments/<round>/<part>.g<generation>.json``: the workload's state, the shard's generators,
-    its round and loss (``docs/run-layout.md``); timings, host and how the attempt started in
-    ``meta``, outside the digest."""
-    state = {**wl.checkpoint_state(), "rng": ShardRNG(a.spec.seed, a.shard, a.round_no).state(),
-             "round": a.round_no, "loss": loss}
-    return a.ck.write_fragment(a.round_no, a.part, state, generation=a.generation, config_hash=a.spec.config_hash(),
-                               meta={"round": a.round_no, **finite_metrics(loss=loss), "attempt": a.attempt,
-                                     "host": socket.gethostname(), "load_s": clock.spent("load"),
-                                     "build_s": clock.spent("build"), "train_s": clock.spent("train"),
-                                     "resumed_at_step": start.round_step, "start_source": start.source,
-                                     **saver.stats()})

@@ -16,7 +16,7 @@ from ckptlib import Checkpointer
 from .layout import COORDINATOR, shard_part
 from .outer import outer_optimizer
 from .results import CutResult
-from .shard_round import ShardRNG, apply_threads
+from .shard_attempt import ShardRNG, apply_threads
 from .spec import DEFAULT_COMMIT_TIMEOUT_S, RunSpec
 from .timing import Stopwatch
 

@@ -2,6 +2,9 @@
 
 What counts as dead (one shard attempt)
 ---------------------------------------
+The failures a watchdog's timeout sees (``trainrun.failures.WATCHDOG_KINDS``): the part's state,
+then the ``state`` of the fence it gets and the ``kind`` of its rerun's recovery row.
+
 ``silent``   its last beat (status running) is older than ``timeout_s`` (``start_timeout_s`` while it
              is still starting: its beat has no ``round_step`` until the attempt has loaded the cut
              and built its workload, which take seconds in a fresh process on a busy machine; a
@@ -43,6 +46,7 @@ from ckptlib.store import Store
 
 from ..beats import start_phase
 from ..documents import CoordinatorInfo
+from ..failures import WATCHDOG_KINDS, FailureKind
 from ..layout import COORDINATOR, run_name, shard_part
 from .decisions import read_fence
 from .memory import Memory
@@ -50,7 +54,6 @@ from .memory import Memory
 DEFAULT_TIMEOUT_S = 30.0  # the default workload beats every 2 s and steps every few ms: 15 beats missed
 DEFAULT_POLL_S = 2.0
 BEAT_READERS = 32  # beats read at once: a look at 1,000 shards on S3 is ~1,000 GETs, latency-bound
-DEAD_STATES = ("silent", "stalled", "lost", "missing")
 ABANDONED_AFTER_MIN_S = 600.0
 # The least time each start phase of a group (trainrun.beats.START_PHASES) is given, whatever the
 # start timeout: measured on 2 cores shared by 5 test runs (load 6-8), a 2-rank group of tinylm took
@@ -104,7 +107,7 @@ class PartView:
 
     @property
     def dead(self) -> bool:
-        return self.state in DEAD_STATES
+        return self.state in WATCHDOG_KINDS
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
@@ -246,7 +249,7 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
     # judged phase by phase (trainrun.beats.START_PHASES), each phase against the start timeout
     limit = _limit(beat, timeout_s, start_timeout_s)
     if age > limit:
-        view.state = "silent"
+        view.state = FailureKind.SILENT
         view.reason = f"no heartbeat for {age:.1f} s ({_limit_text(beat, limit)}): {_evidence(beat, now, since)}"
         view.failure_time = beat.time
         return view
@@ -254,7 +257,7 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
         session_start = coordinator.beat.started if coordinator is not None and coordinator.beat is not None else None
         lagging = _silent_rank(look.store, beat, now, timeout_s, start_timeout_s, session_start)
         if lagging is not None:
-            view.state = "silent"
+            view.state = FailureKind.SILENT
             view.reason = (f"no heartbeat for {lagging.age(now):.1f} s "
                            f"({_limit_text(lagging, _limit(lagging, timeout_s, start_timeout_s))}): "
                            f"{_evidence(lagging, now, None)}")
@@ -262,7 +265,7 @@ def _assess_shard(look: _Look, part: str, beat: Beat | None, coordinator: PartVi
             return view
     since = beat.time if since is None else since
     if beat.time - since > timeout_s:
-        view.state = "stalled"
+        view.state = FailureKind.STALLED
         view.reason = (f"beats but no progress for {beat.time - since:.1f} s (timeout {timeout_s:g} s): "
                        f"{_evidence(beat, now, since)}")
         view.failure_time = since
@@ -311,7 +314,7 @@ def _waiting(look: _Look, part: str, live: int, prior: Beat | None, coordinator:
         if look.fragment_done(c_round, part, live):
             view.state = "done"
         elif waited > start_timeout_s:
-            view.state = "missing"
+            view.state = FailureKind.MISSING
             view.round = c_round
             view.reason = (f"round {c_round} started {waited:.1f} s ago and {part} has not beaten in it "
                            f"(start timeout {start_timeout_s:g} s)")
@@ -335,7 +338,7 @@ def _replaced(look: _Look, view: PartView, beat: Beat, coordinator: PartView | N
     if look.fragment_done(beat.round, part, live):
         view.state, view.reason = "done", None
     elif (coordinator is None or coord_running) and now - since > start_timeout_s:
-        view.state = "lost"
+        view.state = FailureKind.LOST
         view.reason = (f"generation {live} was started {now - since:.1f} s ago and never beat "
                        f"(start timeout {start_timeout_s:g} s)")
         view.failure_time = since

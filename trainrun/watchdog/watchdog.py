@@ -45,6 +45,7 @@ from ckptlib.heartbeat import read_heartbeat
 from ckptlib.store import Store
 
 from ..chaos import Strike, parse_chaos, read_strike
+from ..failures import FailureKind
 from ..layout import COORDINATOR, child_url, find_runs, run_dead_key, run_name, shard_index
 from ..results import ShardResult
 from ..resume import stored_config
@@ -198,7 +199,9 @@ class Watchdog:
         if request is None:
             return [decision]
         attempt = pv.attempt or 1
-        request = replace(request, generation=new_gen, attempt_offset=attempt if pv.state != "lost" else attempt + 1)
+        # a lost rerun never beat: its attempt number is the one after the dead attempt's
+        request = replace(request, generation=new_gen,
+                          attempt_offset=attempt if pv.state != FailureKind.LOST else attempt + 1)
         self._reran[(url, pv.part, request.round)] = self._reran.get((url, pv.part, request.round), 0) + 1
         try:
             key = self.rerun(request)  # type: ignore[misc]  # not None: checked above
@@ -293,7 +296,8 @@ class Watchdog:
                      round_step=pv.round_step, steps_per_round=pv.steps_per_round, dead_generation=pv.generation,
                      dead_attempt=pv.attempt, generation=generation, last_beat=pv.beat.time if pv.beat else None,
                      failure_time=failure_time, detected=now, detection_latency_s=round(now - failure_time, 3),
-                     steps_lost=(pv.round_step or 0) if pv.state in ("silent", "stalled") else 0, by=self.by)
+                     steps_lost=(pv.round_step or 0) if pv.state in (FailureKind.SILENT, FailureKind.STALLED) else 0,
+                     by=self.by)
         store = self.runs.get(url)
         if store is not None and pv.round is not None and pv.attempt is not None and shard_index(pv.part) is not None:
             strike = read_strike(store, pv.part, pv.round, pv.attempt)
