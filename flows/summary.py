@@ -26,6 +26,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from trainrun.failures import FailureKind
 from trainrun.metrics import finite_or_none
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ class Ledger:
             log.warning("recoveries of round %d not read: %s", r, e)
         for part, beat in self.dead_session.items():
             if self.start < r <= beat.round:
-                self.recoveries[(r, part, "run-died")] = self._run_died(part, beat, r)
+                self.recoveries[(r, part, FailureKind.RUN_DIED)] = self._run_died(part, beat, r)
 
     def _run_died(self, part: str, beat: Beat, r: int) -> Recovery:
         """The row of ``part``'s round ``r`` in a run resumed after it died in ``beat.round``: the
@@ -189,7 +190,7 @@ class Ledger:
             beat.round_step or 0)
         failed_at = max(failed_at, at)  # it checkpointed step ``at`` after its last beat: it got that far
         training_at = mine[0].get("training_at") if mine else None
-        return Recovery(shard=shard, round=r, kind="run-died", failed_at_step=failed_at, resumed_at_step=at,
+        return Recovery(shard=shard, round=r, kind=FailureKind.RUN_DIED, failed_at_step=failed_at, resumed_at_step=at,
                         steps_recomputed=failed_at - at, detect_s=round(self.wall0 - beat.time, 3),
                         back_to_training_s=round(training_at - self.wall0, 3) if training_at else None, part=part,
                         generation=beat.generation, attempt=beat.attempt, failed_at=beat.time,

@@ -122,11 +122,13 @@ def test_a_fence_names_the_rank_the_true_step_and_the_evidence(tmp_path):
     url = str(tmp_path / "run")
     store = Store.from_url(url)
     coordinator = _coordinator(store)
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, url, str(r)], stdout=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    ranks: list[subprocess.Popen] = []
     try:
-        for p in ranks:
-            assert p.stdout is not None and p.stdout.readline().strip() == "hung"
+        # rank 0 hangs first, so its beat is the older one: the fence names it (started together, a
+        # loaded machine may start rank 1 seconds earlier, and then rank 1's beat goes stale first)
+        for r in (0, 1):
+            ranks.append(subprocess.Popen([sys.executable, "-c", RANK, url, str(r)], stdout=subprocess.PIPE, text=True))
+            assert ranks[-1].stdout is not None and ranks[-1].stdout.readline().strip() == "hung"
         wd = Watchdog(url, timeout_s=1.0)
         deadline = time.monotonic() + 20
         decisions: list = []
