@@ -279,7 +279,11 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
     # a stop of the run reaches this attempt wherever it runs: its beats read the run's stop document
     on_beat = _both(forward, progress_reporter(part, round_no), preemption.StopWatch(ck.store))
     try:
+        generation = None
         if quorum:  # (the marks cost store requests: only a quorum run's flow reads them)
+            # the generation first: a flow that marks and fences the shard after the check below
+            # stops this attempt at its first beat, instead of letting it train as the new generation
+            generation = ck.live_generation(part)
             if _left_out(ck.store, part, round_no):  # a retry that starts after the flow cut the round without it
                 return left_out_state(shard, round_no, attempt)  # type: ignore[return-value]
             _mark_earlier_failure(ck.store, part, round_no, cut)
@@ -298,7 +302,7 @@ def train_shard(run_url: str, spec: RunSpec, shard: int, round_no: int, cut: Cut
                                        heartbeat_every_s=heartbeat_every_s, on_beat=on_beat,
                                        checkpoint_every=RunSettings(shard_checkpoint_every=shard_checkpoint_every)
                                        .shard_checkpoint_every,
-                                       local_tier=LocalTier(run_url) if local_tier else None)
+                                       local_tier=LocalTier(run_url) if local_tier else None, generation=generation)
     except Preempted as e:  # a stop is no failure: its rerun continues from its checkpoint
         logger.warning("%s", e)
         if preemption.ending():  # this process's SIGTERM: it ends in a moment; its task is rerun elsewhere

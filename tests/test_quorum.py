@@ -92,3 +92,24 @@ def test_bad_min_shards_is_refused_naming_the_flag(tmp_path):
     r = CliRunner().invoke(app, ["train", "--store", str(tmp_path), "--shards", "2", "--min-shards", "3"])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "min_shards (--min-shards)" in r.output
     assert "Traceback" not in r.output and r.output.count("\n") == 1
+
+
+def test_an_attempt_runs_as_the_generation_it_was_given_so_a_fence_after_its_quorum_check_stops_it(tmp_path):
+    """The race a quorum cut closes: a retry checks the left-out mark, then the flow marks and fences
+    the shard. The attempt was given its generation before that check, so the fence stops it (it
+    never trains, or writes, as the generation the cut writes the carried part as)."""
+    from ckptlib import FencedError, commit
+    from trainrun.documents import Cut
+    from trainrun.layout import shard_part
+    from trainrun.shard_round import train_shard_round
+    from trainrun.step_zero import write_step_zero
+
+    spec = RunSpec.model_validate({k: v for k, v in TINY.items() if k in RunSpec.model_fields})
+    url = str(tmp_path / "run")
+    with Checkpointer(url) as ck:
+        write_step_zero(ck, spec)
+        generation = ck.live_generation(shard_part(1))  # read before the quorum check, as the task does
+        assert commit.fence(ck.store, shard_part(1), generation + 1, by="test", reason="left out")
+        with pytest.raises(FencedError):
+            train_shard_round(ck, spec, 1, 1, Cut.of_step(0), generation=generation, heartbeat_every_s=0.1)
+        assert not [k for k in ck.store.list("fragments/1/") if shard_part(1) in k]

@@ -77,11 +77,13 @@ def read_cut_part(ck: Checkpointer, cut: Cut, part: str) -> Any:
 def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int, cut: Cut, *,
                       attempt: int = 1, chaos: Sequence[Chaos] = (), heartbeat_every_s: float = 2.0,
                       on_beat: Callable[[Beat], None] | None = None, checkpoint_every: Every = "auto",
-                      local_tier: LocalTier | None = None) -> ShardResult:
+                      local_tier: LocalTier | None = None, generation: int | None = None) -> ShardResult:
     """Train shard ``shard``'s round ``round_no`` (from its newest shard checkpoint of this round,
     else from ``cut``), checkpointing it every ``checkpoint_every`` steps (``"auto"``: at about 2%
-    of the training time; 0: never), then write its fragment of step ``round_no`` with its live
-    generation. ``local_tier``: where shard checkpoints are also kept on this host (None: not).
+    of the training time; 0: never), then write its fragment of step ``round_no`` as ``generation``
+    (None: the shard's live generation, read now; a caller that decided to train from what it read
+    before passes the generation it read then, so a fence since stops this attempt).
+    ``local_tier``: where shard checkpoints are also kept on this host (None: not).
     Returns the loss, sizes and timings (``finished``).
 
     Raises FencedError (from a heartbeat, a shard checkpoint or the fragment write) when a newer
@@ -91,7 +93,9 @@ def train_shard_round(ck: Checkpointer, spec: RunSpec, shard: int, round_no: int
     started_at = time.time()
     spec = spec.trajectory()
     apply_threads(spec)
-    a = ShardAttempt(ck, spec, shard, round_no, cut, ck.live_generation(shard_part(shard)), attempt, chaos)
+    if generation is None:
+        generation = ck.live_generation(shard_part(shard))
+    a = ShardAttempt(ck, spec, shard, round_no, cut, generation, attempt, chaos)
     # before this attempt's first beat replaces the earlier attempt's last
     failure = recognise_failure(ck.store, a.part, round_no, cut.step, a.generation)
     host = Host(start=lambda signature: start_round(a, checkpoint_every, local_tier, signature),
