@@ -98,6 +98,39 @@ def test_the_supervisors_preemption_is_forwarded_to_its_ranks(clean, tmp_path, m
     assert again.resumed_at_step == k and again.digest == clean.digest
 
 
+def test_a_rank_group_stops_at_the_runs_stop_document_and_the_rerun_recomputes_nothing(clean, tmp_path,
+                                                                                         monkeypatch):
+    """A cancel or a coordinator's SIGTERM reaches a rank group as it reaches a thread shard: the
+    supervisor's beats read ``control/stop.json`` (``StopWatch``, as ``tasks.shard`` passes it), its
+    process is asked to stop, and it stops its ranks at one agreed step with a shard checkpoint."""
+    monkeypatch.setenv("CKPT_TEST_STEP_SLEEP", "0.2")  # the ranks inherit it: the document lands mid-round
+    ck = _store(str(tmp_path / "d"))
+
+    def stop_at_step_2() -> None:
+        deadline = time.monotonic() + 120
+        while ((b := read_heartbeat(ck.store, "shard-0")) is None or (b.round_step or 0) < 2) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        preemption.write_stop(ck.store, "cancel", by="test", round_no=1)  # what the coordinator writes
+
+    th = threading.Thread(target=stop_at_step_2)
+    th.start()
+    try:
+        with pytest.raises(Preempted, match=r"cancel"):
+            train_shard_group(ck, None, SPEC, 0, 1, Cut.of_step(0), heartbeat_every_s=0.1, checkpoint_every=NEVER,
+                              on_beat=preemption.StopWatch(ck.store))
+    finally:
+        th.join()
+        preemption.forget_stop_document()
+        preemption.reset()
+    k = _stopped_at(ck)
+    assert 2 <= k < 8
+    ck.store.delete(preemption.STOP_KEY)  # a resumed run starts without it
+    monkeypatch.delenv("CKPT_TEST_STEP_SLEEP")
+    again = train_shard_group(ck, None, SPEC, 0, 1, Cut.of_step(0), attempt=2, checkpoint_every=NEVER)
+    assert again.resumed_at_step == k and again.digest == clean.digest
+
+
 def test_a_killed_rank_is_detected_at_its_exit(tmp_path):
     ck = _store(str(tmp_path / "k"))
     chaos = ["kill:shard=0,round=1,rank=1,step=3"]

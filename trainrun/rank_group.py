@@ -395,8 +395,10 @@ def preempted(part: str, job: RankJob) -> Preempted:
     try:
         with open(job.preempted_path, "rb") as f:
             doc = json.loads(f.read(PREEMPTED_MAX_BYTES))
-        return Preempted(str(doc["message"]), part=part, round_no=job.round_no, round_step=int(doc["round_step"]),
-                         reason=str(why or doc["reason"]))
+        message, reason = str(doc["message"]), str(why or doc["reason"])
+        # the ranks know only the SIGTERM this process forwarded; the request itself may be a cancel
+        message = message.replace(f"({doc['reason']})", f"({reason})", 1)
+        return Preempted(message, part=part, round_no=job.round_no, round_step=int(doc["round_step"]), reason=reason)
     except (OSError, ValueError, KeyError, TypeError) as e:
         return Preempted(f"{part} round {job.round_no}: its group stopped on a preemption but rank 0 did not say "
                          f"where ({type(e).__name__}: {e}); a rerun continues from its newest shard checkpoint",
