@@ -18,10 +18,10 @@ from ckpt.cli import app
 
 def test_the_soak_schedule_maps_to_a_rank_and_a_global_step_and_says_what_it_cannot_map():
     specs = ["crash:shard=1,round=2,step=7", "stall:shard=2,round=1,step=3", "zombie:shard=0,round=1,step=4",
-             "kill:shard=0,round=3,step=1", "stop:shard=1,round=1"]
+             "kill:shard=0,round=3,step=1", "stop:shard=1,round=1", "preempt:shard=1,round=2,step=2"]
     strikes, unmapped = from_soak(specs, steps_per_round=10, ranks=2)
     assert [(s.kind, s.rank, s.step) for s in strikes] == [
-        ("hang", 0, 3), ("hang", 1, 5), ("crash", 1, 17), ("crash", 0, 21)]
+        ("hang", 0, 3), ("hang", 1, 5), ("preempt", 1, 12), ("crash", 1, 17), ("crash", 0, 21)]
     assert unmapped == ["zombie:shard=0,round=1,step=4"]
     assert loads(dumps(strikes)) == strikes
     with pytest.raises(ValueError, match="not a strike"):

@@ -9,7 +9,11 @@ same shards' batches as ranks, so it is struck on rank ``s % ranks`` after globa
   thread: a frozen host). Not a loop stuck while its threads live on: torchft's heartbeat thread
   would beat on, and with two replicas its lighthouse then never forms a quorum again (fewer than
   half of the heartbeating replicas joined: docs/recovery.md), which measures nothing;
-- ``zombie``, ``preempt``: not mapped (no counterpart that strikes a peer the same way).
+- ``preempt`` -> ``preempt``: the process gets ``SIGTERM`` (sent to itself, as a spot reclaim, a
+  Kubernetes eviction or a worker shut down sends it). Neither peer's script handles it (the
+  baseline users run: no handler that checkpoints on SIGTERM), so its default disposition ends the
+  process and the peer recovers as from a crash;
+- ``zombie``: not mapped (no counterpart that strikes a peer the same way).
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from typing import Any
 
 from trainrun.chaos import parse_chaos
 
-KIND_MAP = {"crash": "crash", "kill": "crash", "hang": "hang", "stall": "hang", "stop": "hang"}
+KIND_MAP = {"crash": "crash", "kill": "crash", "hang": "hang", "stall": "hang", "stop": "hang", "preempt": "preempt"}
 
 
 @dataclass(frozen=True)
 class Strike:
-    kind: str  # crash | hang
+    kind: str  # crash | hang | preempt
     rank: int
     step: int  # the global step after which it strikes
     source: str  # the soak spec it maps
@@ -54,7 +58,7 @@ def loads(text: str) -> list[Strike]:
     """Strikes from ``dumps`` (a worker's argument): only the four known fields, of their types."""
     out = []
     for d in json.loads(text):
-        if set(d) != {"kind", "rank", "step", "source"} or d["kind"] not in ("crash", "hang") \
+        if set(d) != {"kind", "rank", "step", "source"} or d["kind"] not in ("crash", "hang", "preempt") \
                 or not isinstance(d["rank"], int) or not isinstance(d["step"], int):
             raise ValueError(f"not a strike: {d!r}: pass what bench.compare.schedule.dumps wrote")
         out.append(Strike(**d))
@@ -74,4 +78,7 @@ def strike_if_due(strikes: list[Strike], rank: int, step: int, run_dir: str, log
         log("strike", rank=rank, step=step, what=s.kind, source=s.source)
         if s.kind == "crash":
             os._exit(1)
+        if s.kind == "preempt":
+            os.kill(os.getpid(), signal.SIGTERM)  # its default disposition ends the process here
+            return
         os.kill(os.getpid(), signal.SIGSTOP)  # hang: frozen until the system (or the harness) kills it
