@@ -53,7 +53,7 @@ def test_a_rank_whose_loss_diverges_writes_its_round_as_a_process_does(tmp_path,
 def test_the_failure_kinds_are_the_strings_of_the_format(tmp_path):
     """A recovery row's ``kind`` and a fence's ``state`` are written and read back byte-identical
     (docs/run-layout.md); a fence that names no state (the quorum flow's) is a ``fenced`` recovery."""
-    assert [str(k) for k in FailureKind] == ["crash", "process-died", "silent", "stalled", "lost", "missing",
+    assert [str(k) for k in FailureKind] == ["crash", "preempted", "process-died", "silent", "stalled", "lost", "missing",
                                              "fenced", "run-died"]
     assert WATCHDOG_KINDS == ("silent", "stalled", "lost", "missing")
     assert all(PartView("shard-0", k, 0).dead for k in WATCHDOG_KINDS)

@@ -40,6 +40,7 @@ from tests.runs import (
     wait_for_round,
 )
 from trainrun.documents import Cut
+from trainrun.recovery import read_recoveries
 from trainrun.shard_round import train_shard_round
 from trainrun.step_zero import write_step_zero
 
@@ -99,6 +100,8 @@ def test_a_sigterm_mid_round_checkpoints_where_it_was_and_the_rerun_recomputes_n
         again = train_shard_round(ck, SPEC, 0, 1, Cut.of_step(0), attempt=2, checkpoint_every=NEVER)
     assert (again.resumed_at_step, again.start_source) == (k, "store")  # 0 steps recomputed
     assert again.digest == clean.digest
+    [row] = read_recoveries(Store.from_url(root), 1)  # recorded as what it was: a preemption, not a crash
+    assert (row.kind, row.failed_at_step, row.steps_recomputed) == ("preempted", k, 0), row
 
 
 # --- real Prefect: ckpt train preempted, and cancelled through the API ------------------------------

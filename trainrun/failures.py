@@ -5,6 +5,9 @@ Every failure the runtime tells apart is one ``FailureKind``::
     kind            what failed                  how it was seen                           what is decided
     crash           a shard attempt (a group's:   its own error: its final ``failed`` beat  retry (Prefect), from the same
                     one of its ranks failed)      (a group's: its supervisor writes it)     cut or its newest shard checkpoint
+    preempted       a shard attempt (its process  its own stop: its final ``failed`` beat   retry, from the shard checkpoint
+                    asked to stop: SIGTERM, a     says ``Preempted`` (a group's: its        it wrote as it stopped (0 steps
+                    cancel)                       supervisor's)                             recomputed)
     process-died    a shard attempt               its process's end: its last beat still    retry (Dask or Prefect runs the
                                                   says ``running`` when the task runs again task again)
     silent          a shard attempt               a watchdog's timeout: no beat             fence and rerun
@@ -64,6 +67,7 @@ class FailureKind(StrEnum):
     """One kind of failure (the module docstring's table): the recovery row's ``kind``, the fence's ``state``."""
 
     CRASH = "crash"
+    PREEMPTED = "preempted"
     PROCESS_DIED = "process-died"
     SILENT = "silent"
     STALLED = "stalled"
@@ -87,6 +91,7 @@ class FailureKind(StrEnum):
 
 _MEANING: dict[FailureKind, tuple[Failed, Seen, Decided]] = {
     FailureKind.CRASH: (Failed.ATTEMPT, Seen.OWN_ERROR, Decided.RETRY),
+    FailureKind.PREEMPTED: (Failed.ATTEMPT, Seen.OWN_ERROR, Decided.RETRY),
     FailureKind.PROCESS_DIED: (Failed.ATTEMPT, Seen.EXIT, Decided.RETRY),
     FailureKind.SILENT: (Failed.ATTEMPT, Seen.TIMEOUT, Decided.RERUN),
     FailureKind.STALLED: (Failed.ATTEMPT, Seen.TIMEOUT, Decided.RERUN),

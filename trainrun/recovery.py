@@ -9,6 +9,8 @@ fenced the earlier one, and the chaos strike that hit it in a drill. The row's `
 ``crash``         the earlier attempt raised (its last beat says ``failed``); Prefect retried the task.
                   Also a group whose rank died or crashed: its supervisor ends the group, writes the
                   final beats the ranks did not (``trainrun.rank_group.finish_failed_beats``) and raises
+``preempted``     the earlier attempt was asked to stop (SIGTERM, a cancel): it checkpointed where it
+                  was and raised ``Preempted`` (its last beat says ``failed``, ``Preempted: ...``)
 ``process-died``  its last beat says ``running`` and no newer generation exists: its process died
                   (a killed Dask worker, a shard task killed with its ranks); Dask or Prefect ran the
                   task again
@@ -49,6 +51,7 @@ from ckptlib.store import Store
 
 from .chaos import read_strike
 from .documents import ShardInfo
+from .errors import Preempted
 from .failures import FailureKind, kind_of_fence
 from .layout import COORDINATOR, recovery_key, shard_index
 
@@ -126,8 +129,10 @@ class Failure:
             detected = f.get("detected", f.get("time"))
             return cls(kind_of_fence(f.get("state")), max(steps), failed_at,
                        float(detected) if detected is not None else None, cause)
-        if prior.status == "failed":
-            return cls(FailureKind.CRASH, max(steps), failed_at, prior.time, cause)
+        if prior.status == "failed":  # it raised: a preemption says so in its final beat
+            stopped = (prior.error or "").startswith(f"{Preempted.__name__}:")
+            return cls(FailureKind.PREEMPTED if stopped else FailureKind.CRASH, max(steps), failed_at, prior.time,
+                       cause)
         return cls(FailureKind.PROCESS_DIED, max(steps), failed_at, None, cause)
 
     def to_dict(self) -> dict[str, Any]:
