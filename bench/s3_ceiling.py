@@ -7,7 +7,9 @@ in ``CKPT_STORAGE_OPTIONS``, never on a command line), so one's freed memory is 
 baseline:
 
 * ``ckptlib``: ``Checkpointer(url).save(0, state)`` (durable when it returns), then a fresh
-  ``Checkpointer(url).restore(0, into=state)``: in place, as a job resumes into its model.
+  ``Checkpointer(url).restore(0, into=state)``: in place, as a job resumes into its model. With
+  ``keyframe_every`` (``--s3-keyframe-every 32,1`` when run as ``python -m bench.s3_ceiling``), one
+  row per value, each Checkpointer made with it: ``1`` is the low-memory mode (no delta base kept).
 * ``s3fs-parallel``: the ceiling on this machine. The same bytes, cut into objects of ckptlib's chunk
   size (``auto_chunk_bytes``), uploaded with s3fs's ``pipe_file`` from as many threads as
   ckptlib's pool has (``default_threads``), then downloaded with ``cat_file`` from as many and
@@ -78,19 +80,24 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def run_s3_ceiling(size_mib: int = 1024, endpoint: str = "local", progress: Progress = lambda _m: None,
-                   timeout: float = 1800) -> list[dict[str, Any]]:
+                   timeout: float = 1800, keyframe_every: tuple[int | None, ...] = (None,)) -> list[dict[str, Any]]:
     """One row per system (``SYSTEMS``) on one S3 server: SeaweedFS started on loopback for the run
     (``endpoint="local"``), or ``AWS_ENDPOINT_URL`` with the environment's credentials ("env"; its
-    bucket ``BUCKET`` must exist)."""
+    bucket ``BUCKET`` must exist). ckptlib: a row per ``keyframe_every`` (None: the default)."""
     if size_mib < 1:
         raise ValueError(f"--s3-size-mib must be at least 1, got {size_mib}")
+    if not keyframe_every or any(k is not None and (not isinstance(k, int) or k < 1) for k in keyframe_every):
+        raise ValueError(f"--s3-keyframe-every must list positive integers, got {keyframe_every!r}")
+    runs = [(system, k) for system in SYSTEMS for k in (keyframe_every if system == "ckptlib" else (None,))]
     with s3_server(endpoint, "ckpt-bench-ceiling-", progress, BUCKET) as (options, _work):
         rows = []
-        for system in SYSTEMS:
-            progress(f"{system}: save and restore of {size_mib} MiB ...")
-            cfg = {"system": system, "size_mib": size_mib, "url": f"s3://{BUCKET}/{system}-{uuid.uuid4().hex[:8]}"}
+        for system, k in runs:
+            name = system if k is None else f"{system} (keyframe_every={k})"
+            progress(f"{name}: save and restore of {size_mib} MiB ...")
+            cfg = {"system": system, "size_mib": size_mib, "url": f"s3://{BUCKET}/{system}-{uuid.uuid4().hex[:8]}",
+                   "keyframe_every": k}
             rows.append(_run_child(cfg, options, timeout))
-            progress(f"{system}: save {rows[-1]['save_s']:.2f} s, restore {rows[-1]['restore_s']:.2f} s, "
+            progress(f"{name}: save {rows[-1]['save_s']:.2f} s, restore {rows[-1]['restore_s']:.2f} s, "
                      f"peak +{rows[-1]['peak_extra_mib']:.0f} MiB")
         return rows
 
@@ -115,20 +122,26 @@ def render(rows: list[dict[str, Any]]) -> str:
              f"{first['chunk_bytes'] >> 10} KiB chunks, {first['threads']} threads",
              head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['system']:<14} {r['save_s']:>8.2f} {r['restore_s']:>9.2f} {r['peak_extra_mib']:>9.1f} "
+        lines.append(f"{_label(r):<14} {r['save_s']:>8.2f} {r['restore_s']:>9.2f} {r['peak_extra_mib']:>9.1f} "
                      f"{r['peak_restore_extra_mib']:>9.1f} {r['bytes']:>13,} {r['objects']:>7}")
-    by = {r["system"]: r for r in rows}
-    ours, ceiling = by.get("ckptlib"), by.get("s3fs-parallel")
-    if ours and ceiling:
+    ceiling = next((r for r in rows if r["system"] == "s3fs-parallel"), None)
+    for ours in (r for r in rows if r["system"] == "ckptlib"):
         lines.append("")
-        lines.append(f"ckptlib / s3fs-parallel: save {ours['save_s'] / ceiling['save_s']:.2f}x, "
-                     f"restore {ours['restore_s'] / ceiling['restore_s']:.2f}x, peak "
-                     f"{ours['peak_extra_mib'] / max(ceiling['peak_extra_mib'], 1e-9):.2f}x, bytes stored "
-                     f"{ours['bytes'] / max(ceiling['bytes'], 1):.2f}x")
+        if ceiling:
+            lines.append(f"{_label(ours)} / s3fs-parallel: save {ours['save_s'] / ceiling['save_s']:.2f}x, "
+                         f"restore {ours['restore_s'] / ceiling['restore_s']:.2f}x, peak "
+                         f"{ours['peak_extra_mib'] / max(ceiling['peak_extra_mib'], 1e-9):.2f}x, bytes stored "
+                         f"{ours['bytes'] / max(ceiling['bytes'], 1):.2f}x")
         frac = ours["peak_extra_mib"] / (ours["state_bytes"] / 2**20)
         met = "met" if frac <= TARGET_PEAK_FRACTION else "NOT met"
-        lines.append(f"ckptlib peak above baseline: {frac:.2f}x the state (target <= {TARGET_PEAK_FRACTION}x: {met})")
+        lines.append(f"{_label(ours)} peak above baseline: {frac:.2f}x the state (target <= {TARGET_PEAK_FRACTION}x: "
+                     f"{met})")
     return "\n".join(lines)
+
+
+def _label(row: dict[str, Any]) -> str:
+    k = row.get("keyframe_every")
+    return row["system"] if k is None else f"{row['system']} k={k}"
 
 
 # ------------------------------------------------------------------------------- one system's run
@@ -208,13 +221,16 @@ def _ceiling(state: dict[str, torch.Tensor], store: Any, threads: int, chunk_byt
     return (lambda: opened(put)), (lambda: opened(get))
 
 
-def _ckptlib(state: dict[str, torch.Tensor], url: str, options: dict) -> tuple[Phase, Phase]:
+def _ckptlib(state: dict[str, torch.Tensor], url: str, options: dict, keyframe_every: int | None) -> tuple[Phase, Phase]:
     """``save`` then ``restore(into=)``, each by a Checkpointer opened (untimed) for it alone and
-    closed (timed: a close waits for what is in flight)."""
+    closed (timed: a close waits for what is in flight); ``keyframe_every``: its option (None: the
+    default)."""
     from ckptlib import Checkpointer
 
+    extra = {} if keyframe_every is None else {"keyframe_every": keyframe_every}
+
     def opened(work: Callable[[Checkpointer], Any]) -> Callable[[], None]:
-        ck = Checkpointer(url, options)
+        ck = Checkpointer(url, options, **extra)
 
         def run() -> None:
             with ck:
@@ -236,7 +252,7 @@ def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
     store = Store.from_url(cfg["url"], options)
     threads, chunk_bytes = default_threads(store), auto_chunk_bytes(nbytes)
     if cfg["system"] == "ckptlib":
-        save, restore = _ckptlib(state, cfg["url"], options)
+        save, restore = _ckptlib(state, cfg["url"], options, cfg.get("keyframe_every"))
     elif cfg["system"] == "s3fs-parallel":
         save, restore = _ceiling(state, store, threads, chunk_bytes)
     else:
@@ -244,8 +260,33 @@ def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
     row = {"system": cfg["system"], **_measure(state, save, restore)}
     stored = list(store.scan())
     return {**row, "bytes": sum(o.size for o in stored), "objects": len(stored), "state_bytes": nbytes,
-            "tensors": len(state), "chunk_bytes": chunk_bytes, "threads": threads}
+            "tensors": len(state), "chunk_bytes": chunk_bytes, "threads": threads,
+            "keyframe_every": cfg.get("keyframe_every")}
+
+
+def main(argv: list[str]) -> None:
+    """``python -m bench.s3_ceiling [--s3-size-mib N] [--s3-endpoint local|env] [--s3-keyframe-every
+    32,1]``: the benchmark with ckptlib's rows per ``keyframe_every`` (what ``ckpt bench --s3`` runs
+    with the default only); a JSON config instead: one system's run (the child)."""
+    if argv and argv[0].startswith("{"):
+        print(json.dumps(child_main(json.loads(argv[0]))), flush=True)
+        return
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.s3_ceiling", description=__doc__.splitlines()[0])
+    parser.add_argument("--s3-size-mib", type=int, default=1024)
+    parser.add_argument("--s3-endpoint", choices=("local", "env"), default="local")
+    parser.add_argument("--s3-keyframe-every", default="default",
+                        help="comma-separated values of ckptlib's keyframe_every, a row each ('default': its own)")
+    args = parser.parse_args(argv)
+    try:
+        ks = tuple(None if k == "default" else int(k) for k in args.s3_keyframe_every.split(","))
+    except ValueError:
+        parser.error(f"--s3-keyframe-every must list positive integers or 'default', got {args.s3_keyframe_every!r}")
+    rows = run_s3_ceiling(args.s3_size_mib, args.s3_endpoint, lambda m: print(m, file=sys.stderr, flush=True),
+                          keyframe_every=ks)
+    print(render(rows))
 
 
 if __name__ == "__main__":
-    print(json.dumps(child_main(json.loads(sys.argv[1]))), flush=True)
+    main(sys.argv[1:])

@@ -5,8 +5,10 @@ fragment (every chunk found there is referenced, not rewritten), which unit held
 where known, the chunks' raw bytes (what deltas are taken against). ``DeltaBases`` is that
 bookkeeping: it finds a part's base (its own last save or restore, else the latest committed
 checkpoint's table, without bytes), adopts a save's result once it is published, and forgets the
-bytes of a save that failed. Memory: one copy of the state at most (``retain_unit`` writes a
-synchronous save's bytes into the old base's buffers instead of holding old and new side by side).
+bytes of a save that failed. Memory: one copy of the state at most (``Retainer`` writes a
+synchronous save's bytes into the old base's buffers instead of holding old and new side by side),
+and only of units whose next save may take a delta: with ``keyframe_every=1`` a base holds digests
+(all an unchanged chunk's dedup needs) and no bytes.
 
 ``BufferPool`` is where snapshots write: the buffers of the last snapshot that the base did not
 keep (units written as keyframes keep no base bytes: ``encoding.UnitHint``) are handed to the
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .chunking import DEFAULT_CHUNK_BYTES, Unit, plan_units
-from .encoding import Previous, UnitHint
+from .encoding import EncodedUnit, Previous, UnitHint, takes_delta
 from .manifest import Blob, Fragment
 
 
@@ -107,28 +109,33 @@ _MAPPED_ABOVE = 64 << 10
 class Retainer:
     """Which bytes of a new save the next base holds, one unit at a time (thread-safe per unit).
 
-    A snapshot's own copy becomes the base (not the old buffer even when unchanged: a view keeps its
+    Bytes are kept only where the unit's next save may take a delta: not when its chain is at its
+    bound (``keyframe_every``: with 1, never), nor when its hint says no delta will pay. A
+    snapshot's own copy becomes the base (not the old buffer even when unchanged: a view keeps its
     whole buffer alive, and old and new buffers must not both stay). A unit read in place from the
     caller's memory is copied into the old base's buffer of that unit when no other unit still
     needs it, else into a new buffer."""
 
-    def __init__(self, base: Base | None):
+    def __init__(self, base: Base | None, keyframe_every: int):
         self.base = base
+        self.keyframe_every = keyframe_every
         # a buffer may be written over in place only if no other unit still needs it as its base
         self._shared = Counter(base.units.values()) if base is not None else Counter()
 
-    def keep(self, unit: Unit, view: np.ndarray, owned: bool, digest: str, hint: UnitHint,
-             position: int) -> np.ndarray | None:
-        """The buffer holding ``unit``'s bytes for the next base, or None when its next save will
-        not take a delta (``hint``): then its snapshot buffer goes back to the pool."""
-        if not hint.keep_bytes(position):
+    def keep(self, unit: Unit, view: np.ndarray, owned: bool, enc: EncodedUnit, position: int) -> np.ndarray | None:
+        """The buffer holding ``unit``'s bytes (``view``, just encoded as ``enc``) for the next base,
+        or None when its next save will not take a delta: then its snapshot buffer goes back to the
+        pool, and the base holds only its digest."""
+        # an unchanged unit's blob is the base's (it is unchanged because the base's table holds it)
+        blob = enc.blob if enc.blob is not None else self.base.blobs[enc.digest]  # type: ignore[union-attr]
+        if not (enc.hint.keep_bytes(position) and takes_delta(blob.depth, self.keyframe_every, position)):
             return None
         if owned:
             return view
         prev = self.base.units.get(unit.ident) if self.base is not None else None
         old = self.base.raw.get(prev) if self.base is not None and prev is not None else None
         if prev is not None and old is not None and old.nbytes == view.nbytes:
-            if prev == digest:
+            if prev == enc.digest:
                 return old  # the base holds these bytes already
             if self._shared[prev] == 1:  # read in place: copy into the old buffer
                 old[:] = view

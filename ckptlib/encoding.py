@@ -18,7 +18,8 @@ Which byte planes to code is measured on a sample of each chunk (a function of i
 same chunk is always the same object). Whether a delta paid is remembered per unit (``UnitHint``)
 and spares the next save work that cannot pay: a unit whose dense delta did not pay is written as
 keyframes from then on, and its writer keeps no base bytes for it (a delta is tried again every
-``PROBE_EVERY`` saves, staggered by position); nor for a unit found unchanged twice in a row.
+``PROBE_EVERY`` saves, staggered by position); nor for a unit found unchanged twice in a row; nor
+for one whose chain is at its bound (``takes_delta``: with ``keyframe_every=1``, none is kept).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def encode_unit(view: np.ndarray, unit: Unit, position: int, known: dict[str, Bl
         return EncodedUnit(digest, "unchanged", hint=replace(hint, still=hint.still + 1))
     hint = replace(hint, still=0, patched=previous is None or previous.changes is not None)
     if (previous is not None and (opts.compress or previous.changes is not None)
-            and previous.blob.depth + 1 < chain_cap(opts.keyframe_every, position)):
+            and takes_delta(previous.blob.depth, opts.keyframe_every, position)):
         chosen, payload, base, hint = _delta_or_keyframe(view, unit, previous, known, opts, hint)
     else:
         (chosen, payload), base = keyframe(view, unit, opts.zstd_level if opts.compress else None), None
@@ -233,6 +234,13 @@ def chain_cap(keyframe_every: int, position: int) -> int:
     again; staggered, the keyframes spread over a quarter of the cycle. Never above the bound."""
     spread = keyframe_every // 4
     return keyframe_every - position % spread if spread > 1 else keyframe_every
+
+
+def takes_delta(depth: int, keyframe_every: int, position: int) -> bool:
+    """Whether the next version of the unit at ``position``, stored now as a blob ``depth`` links
+    from its keyframe, may be a delta against it (else that save writes a keyframe, whatever its
+    bytes: a writer need not keep these)."""
+    return depth + 1 < chain_cap(keyframe_every, position)
 
 
 def blob_key(raw_digest: str, base: str | None, codec_configs: list[dict[str, Any]]) -> str:

@@ -18,8 +18,9 @@ Called by ``Checkpointer`` (the only caller). The phases are the code of ``encod
 3. Each leaf's digest and place (chunks, or an offset in a pack) and the blob table (every object
    the part needs, delta chains included) make the ``Fragment``. It writes no fragment and no
    manifest; publishing is ``commit``'s job.
-4. With ``retain``, the bytes of every unit are kept as the next save's delta base
-   (``bases.Retainer``: one base at a time, never two).
+4. With ``retain``, the digest of every unit, and the bytes of those whose next save may take a
+   delta, are kept as the next save's delta base (``bases.Retainer``: one base at a time, never
+   two; with ``keyframe_every=1`` no bytes at all).
 """
 
 from __future__ import annotations
@@ -403,7 +404,7 @@ def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: Write
     save's memory), uploads outside that bound (many requests in flight)."""
     known = base.blobs if base else {}
     slots = threading.Semaphore(os.cpu_count() or 2)
-    retainer = Retainer(base) if retain else None
+    retainer = Retainer(base, opts.keyframe_every) if retain else None
     enc_opts = opts.encoding
 
     def one(u: int) -> _UnitDone:
@@ -415,7 +416,7 @@ def _encode_units(snap: Snapshot, base: Base | None, pool: Executor, opts: Write
         with slots:
             enc: EncodedUnit = encode_unit(view, unit, u, known, previous, enc_opts, hint)
         written = uploader.put(enc)  # outside a slot: many uploads in flight
-        kept = retainer.keep(unit, view, snap.owned[u], enc.digest, enc.hint, u) if retainer is not None else None
+        kept = retainer.keep(unit, view, snap.owned[u], enc, u) if retainer is not None else None
         return _UnitDone(enc.digest, enc.kind, enc.blob, written, kept, enc.hint)
 
     return _run_all(pool, one, len(snap.units), uploader.failed)

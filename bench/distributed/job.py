@@ -187,7 +187,8 @@ def main(cfg: dict[str, Any]) -> None:
         root.mkdir(parents=True)
     dist.barrier()
     result: dict[str, Any] = {"rank": rank, "world": world}
-    with Checkpointer(str(root / "ckptlib"), process_group=dist.group.WORLD) as ck:
+    options = {"keyframe_every": cfg["keyframe_every"]} if cfg.get("keyframe_every") else {}
+    with Checkpointer(str(root / "ckptlib"), process_group=dist.group.WORLD, **options) as ck:
         result["saves"] = save_series(cfg, wl, ck, dcp_group, root)
     last = cfg["saves"]
     result["saved_digest"] = full_digest(wl)
