@@ -264,6 +264,17 @@ def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
             "keyframe_every": cfg.get("keyframe_every")}
 
 
+def keyframe_values(text: str) -> tuple[int | None, ...]:
+    """``"default,1"`` -> ``(None, 1)``: the ``keyframe_every`` of each ckptlib row (None: the default)."""
+    try:
+        ks = tuple(None if k.strip() == "default" else int(k) for k in text.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or any(k is not None and k < 1 for k in ks):
+        raise ValueError(f"--s3-keyframe-every must list positive integers or 'default', got {text!r}")
+    return ks
+
+
 def main(argv: list[str]) -> None:
     """``python -m bench.s3_ceiling [--s3-size-mib N] [--s3-endpoint local|env] [--s3-keyframe-every
     32,1]``: the benchmark with ckptlib's rows per ``keyframe_every`` (what ``ckpt bench --s3`` runs
@@ -280,9 +291,9 @@ def main(argv: list[str]) -> None:
                         help="comma-separated values of ckptlib's keyframe_every, a row each ('default': its own)")
     args = parser.parse_args(argv)
     try:
-        ks = tuple(None if k == "default" else int(k) for k in args.s3_keyframe_every.split(","))
-    except ValueError:
-        parser.error(f"--s3-keyframe-every must list positive integers or 'default', got {args.s3_keyframe_every!r}")
+        ks = keyframe_values(args.s3_keyframe_every)
+    except ValueError as e:
+        parser.error(str(e))
     rows = run_s3_ceiling(args.s3_size_mib, args.s3_endpoint, lambda m: print(m, file=sys.stderr, flush=True),
                           keyframe_every=ks)
     print(render(rows))

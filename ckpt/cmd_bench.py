@@ -56,6 +56,9 @@ def bench(
     s3_state: Annotated[str, typer.Option(
         "--s3-state", help="With --s3: dense, or resnet (a ResNet-50 state, ckptlib against torch.save + upload "
                            "/ download + torch.load: bench/checkpoint/s3.py).")] = "dense",
+    s3_keyframe_every: Annotated[str, typer.Option(
+        "--s3-keyframe-every", help="With --s3: ckptlib's keyframe_every values, a row each (default: the "
+                                    "library's default; 1: keyframes only, the low-memory mode).")] = "default",
     s3_endpoint: Annotated[str, typer.Option(
         "--s3-endpoint", help="local (start SeaweedFS) or env (AWS_ENDPOINT_URL and credentials).")] = "local",
     distributed: Annotated[bool, typer.Option(
@@ -75,7 +78,7 @@ def bench(
     """Save a series of checkpoints of real training with every system, side by side; print ratios."""
     with command_errors():
         if s3:
-            _bench_s3(s3_state, s3_size_mib, s3_endpoint, json_out)
+            _bench_s3(s3_state, s3_size_mib, s3_endpoint, json_out, s3_keyframe_every)
             return
         if distributed:
             _bench_distributed(workloads, ranks, saves, steps_between, size, store, json_out)
@@ -111,7 +114,7 @@ def bench(
         _print_results(cfg, records, json_out)
 
 
-def _bench_s3(state: str, size_mib: int, endpoint: str, json_out: str | None) -> None:
+def _bench_s3(state: str, size_mib: int, endpoint: str, json_out: str | None, keyframe_every: str = "default") -> None:
     if endpoint not in ("local", "env"):
         raise ValueError(f"--s3-endpoint must be local or env, got {endpoint!r}")
     def progress(message: str) -> None:
@@ -126,9 +129,9 @@ def _bench_s3(state: str, size_mib: int, endpoint: str, json_out: str | None) ->
         return
     if state != "dense":
         raise ValueError(f"--s3-state must be dense or resnet, got {state!r}")
-    from bench.s3_ceiling import render, run_s3_ceiling
+    from bench.s3_ceiling import keyframe_values, render, run_s3_ceiling
 
-    rows = run_s3_ceiling(size_mib, endpoint, progress=progress)
+    rows = run_s3_ceiling(size_mib, endpoint, progress=progress, keyframe_every=keyframe_values(keyframe_every))
     _write_json(json_out, rows)
     typer.echo(render(rows))
 
