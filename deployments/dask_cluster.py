@@ -116,15 +116,16 @@ class DaskCluster:
 
     def worker_pids(self, i: int) -> set[int]:
         """Process ids of worker ``i``'s process group (its nanny and its worker process)."""
+        import psutil
+
         pgid = self.procs[f"worker-{i}"].pid
         pids = set()
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    if os.getpgid(int(d.name)) == pgid:
-                        pids.add(int(d.name))
-                except OSError:
-                    continue
+        for pid in psutil.pids():
+            try:
+                if os.getpgid(pid) == pgid:
+                    pids.add(pid)
+            except OSError:
+                continue
         return pids
 
     def kill_worker(self, i: int) -> None:

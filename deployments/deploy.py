@@ -334,7 +334,7 @@ def _watchdog_extras(dep_id: str, store: str, a: argparse.Namespace) -> int:
               flush=True)
         if not a.no_watchdog_run:
             with PrefectAPI(os.environ["PREFECT_API_URL"]) as api:
-                started = ensure_watchdog(api, api._call("GET", f"/deployments/{dep_id}"), alive_within_s=within)
+                started = ensure_watchdog(api, api.deployment(dep_id), alive_within_s=within)
             print(f"  ok      watchdog of {store}: " + (f"started (flow run {started})" if started else
                                                          "already running"), flush=True)
     except Exception as e:  # noqa: BLE001
@@ -345,28 +345,24 @@ def _watchdog_extras(dep_id: str, store: str, a: argparse.Namespace) -> int:
 
 def _refusal(api_url: str) -> str | None:
     """Why the API at ``api_url`` will not take our calls (it does not answer, or refuses our
-    credentials), or None when it will."""
-    import base64
-    import urllib.error
-    import urllib.request
+    credentials), or None when it will. Prefect's client, with the credentials of our environment as
+    ``main`` left it (``PREFECT_API_AUTH_STRING`` for a server with basic auth, as the stack's;
+    ``PREFECT_API_KEY`` for Prefect Cloud)."""
+    import httpx
+    from prefect.client.orchestration import SyncPrefectClient
 
-    headers = {}
-    if os.environ.get("PREFECT_API_KEY"):  # Prefect Cloud
-        headers["Authorization"] = f"Bearer {os.environ['PREFECT_API_KEY']}"
-    elif os.environ.get("PREFECT_API_AUTH_STRING"):  # a server with basic auth (the stack's)
-        token = base64.b64encode(os.environ["PREFECT_API_AUTH_STRING"].encode()).decode()
-        headers["Authorization"] = f"Basic {token}"
+    auth, key = os.environ.get("PREFECT_API_AUTH_STRING"), os.environ.get("PREFECT_API_KEY")
     try:  # not /health: it answers without credentials
-        with urllib.request.urlopen(urllib.request.Request(f"{api_url.rstrip('/')}/admin/version", headers=headers),
-                                    timeout=10):
-            return None
-    except urllib.error.HTTPError as e:
-        if e.code == 401:
-            return (f"the Prefect API at {api_url} refused " + ("these credentials" if headers else "a call without "
+        with SyncPrefectClient(api_url, auth_string=auth, api_key=key, httpx_settings={"timeout": 10}) as client:
+            client.api_version()
+        return None
+    except httpx.HTTPStatusError as e:
+        if e.response.status_code == 401:
+            return (f"the Prefect API at {api_url} refused " + ("these credentials" if auth or key else "a call without "
                     "credentials") + ": set PREFECT_API_AUTH_STRING to its user:password (`set -a; . .stack/env; "
                     "set +a` does for the local stack; --stack-dir finds the stack's by itself)")
         return None  # it answered (Prefect Cloud has no /admin): what else is wrong, Prefect's client says
-    except OSError:
+    except (httpx.TransportError, OSError):
         return (f"the Prefect API at {api_url} does not answer: start the stack (`make stack`) or set "
                 "PREFECT_API_URL to a running server")
 

@@ -128,21 +128,15 @@ class PrefectWorkers:
         """Process ids of worker ``i`` and of every process below it: the flow runs it started run in
         sessions of their own (Prefect starts them with ``start_new_session``), so they are found by
         parent, not by session."""
-        children: dict[int, list[int]] = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(d.name))
-        out, todo = set(), [self.procs[i].pid]
-        while todo:
-            pid = todo.pop()
-            if pid not in out:
-                out.add(pid)
-                todo.extend(children.get(pid, []))
-        return out if self.procs[i].poll() is None else set()
+        import psutil
+
+        if self.procs[i].poll() is not None:
+            return set()
+        try:
+            worker = psutil.Process(self.procs[i].pid)
+            return {worker.pid, *(p.pid for p in worker.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return set()
 
     def kill(self, i: int) -> None:
         """SIGKILL worker ``i`` and every flow run it started (a machine that dies): the worker's

@@ -59,8 +59,9 @@
   prints the path of ``env`` and the command that loads it, ``status --json`` masks the secrets, and
   none is in a command line (``ps`` shows those to every user): services get them in their environment.
 
-Linux and macOS; only the standard library plus ``psutil`` when it is installed (it is, through
-``distributed``), so ``down`` also works from a bare ``python3``.
+Linux and macOS. Processes are psutil's (a dependency of the pipeline); the Prefect API is
+Prefect's own client (``deployments/client.py``), imported only where the API is called, so ``down``
+needs psutil alone; the database URL is SQLAlchemy's (``make_url``, which masks its password).
 """
 
 from __future__ import annotations
@@ -69,18 +70,22 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from deployments.local_services import prefect_cli
+
+if TYPE_CHECKING:
+    from deployments.client import PrefectAPI
 
 DEFAULT_DIR = ".stack"
 DEFAULT_HOST = "127.0.0.1"
@@ -93,17 +98,28 @@ DEFAULT_PREFIX = "runs"
 DEFAULT_POOL = "local-pool"
 MARKER = "CKPT_STACK_ID"
 AUTH_VAR = "PREFECT_API_AUTH_STRING"  # the API's credentials, user:password, as Prefect's clients read them
-# Stop order. The supervisor first: once it is gone, nothing starts the worker again.
+# Stop order (of the pid files). The supervisor first: once it is gone, nothing starts the worker again.
 SERVICES = ("supervisor", "worker", "reports", "server", "seaweedfs")
-# The report server binds its port before SeaweedFS picks its own internal ports, so they cannot take it.
-# "worker" is started as its supervisor, which starts the worker and starts it again whenever it dies.
-START_ORDER = ("server", "reports", "seaweedfs", "worker")
 RESTART_BACKOFF_S = (1.0, 60.0)  # the supervisor's first and longest delay before it starts the worker again
 
 
-def _process_of(service: str) -> str:
-    """The process the stack starts for ``service``: the supervisor for the worker."""
-    return "supervisor" if service == "worker" else service
+@dataclass(frozen=True)
+class Service:
+    """One service as ``up`` and ``restart`` name it: the process the stack starts for it (its pid file:
+    the supervisor for the worker) and the ``Stack`` method that starts it and waits until it answers."""
+
+    name: str
+    process: str
+    start: str
+
+
+# In start order. The report server binds its port before SeaweedFS picks its own internal ports, so
+# they cannot take it. "worker" is started as its supervisor, which starts it again whenever it dies.
+SPECS = {s.name: s for s in (Service("server", "server", "_start_server"),
+                             Service("reports", "reports", "_start_reports"),
+                             Service("seaweedfs", "seaweedfs", "_start_seaweedfs"),
+                             Service("worker", "supervisor", "_start_worker"))}
+START_ORDER = tuple(SPECS)
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -135,58 +151,42 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "(no log)"
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 30.0,  # a busy server is slow
-          auth: str | None = None) -> Any:
-    """JSON over HTTP; ``auth`` (``user:password``) goes as Prefect's basic auth."""
-    import base64
+def _api(info: dict[str, Any], timeout: float = 30.0) -> PrefectAPI:  # a busy server is slow
+    """Prefect's client of the stack's API, with the stack's credentials (none for a stack made before it
+    had any)."""
+    from deployments.client import PrefectAPI
 
-    headers = {"Content-Type": "application/json"}
-    if auth:
-        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
-    return json.loads(raw) if raw else None
+    return PrefectAPI(info["api_url"], timeout=timeout, auth=info.get("env", {}).get(AUTH_VAR) or "")
 
 
-class _Api:
-    """The stack's Prefect API as this module calls it: its URL and the stack's credentials (None for a
-    stack made before it had any)."""
-
-    def __init__(self, info: dict[str, Any]):
-        self.url = info["api_url"]
-        self._auth = info.get("env", {}).get(AUTH_VAR)
-
-    def __repr__(self) -> str:  # never the credentials, in a traceback either
-        return f"_Api({self.url!r})"
-
-    def call(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
-        return _http(method, self.url + path, body, timeout, auth=self._auth)
-
-
-def database_url(env: dict[str, str] | None = None, sqlite_path: Path | None = None) -> str:
+def database_url(env: Mapping[str, str] | None = None, sqlite_path: Path | None = None) -> str:
     """The server's database: the configured URL (Postgres via asyncpg) or SQLite under the stack."""
-    env = os.environ if env is None else env
-    url = env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or env.get("DATABASE_URL")
-    if not url:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    given: Mapping[str, str] = os.environ if env is None else env
+    name = next((n for n in ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "DATABASE_URL") if given.get(n)), None)
+    if name is None:
         if sqlite_path is None:
             raise ValueError("no database URL configured and no SQLite path given")
         return f"sqlite+aiosqlite:///{sqlite_path}"
-    for plain in ("postgres://", "postgresql://"):
-        if url.startswith(plain):  # Prefect's server needs the async driver
-            return "postgresql+asyncpg://" + url[len(plain):]
-    return url
+    try:
+        url = make_url(given[name])
+    except (ArgumentError, ValueError):  # (a message that may quote the URL, password and all)
+        url = None
+    if url is None or "@" in (url.host or ""):  # a bare "@" in the password: its end would be taken for the host
+        raise ValueError(f"{name} is not a database URL: write it as postgresql://user:password@host:port/db "
+                         "(an @ in the password as %40), or unset it for SQLite in the stack folder")
+    if url.drivername in ("postgres", "postgresql"):  # Prefect's server needs the async driver
+        url = url.set(drivername="postgresql+asyncpg")
+    return url.render_as_string(hide_password=False)
 
 
 def _masked(url: str) -> str:
-    """``scheme://user:***@host/db``: never print a database password."""
-    if "://" not in url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if ":" in creds else url
+    """``url`` with its password as ``***``: never print a database password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
 
 
 # --------------------------------------------------------------------------- processes
@@ -194,105 +194,70 @@ def _masked(url: str) -> str:
 def _environ_of(pid: int) -> dict[str, str] | None:
     """Environment of process ``pid`` (None if gone or unreadable)."""
     try:
-        import psutil
-
-        try:
-            return psutil.Process(pid).environ()
-        except (psutil.Error, OSError):
-            return None
-    except ImportError:
-        pass
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
         return None
-    env = {}
-    for item in raw.split(b"\0"):
-        if b"=" in item:
-            k, v = item.split(b"=", 1)
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
-    return env
-
-
-def _all_pids() -> list[int]:
-    try:
-        import psutil
-
-        return psutil.pids()
-    except ImportError:
-        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
 def _ancestors() -> set[int]:
     """This process and its ancestors: never signalled, even if they carry the marker."""
-    pids = {os.getpid()}
-    try:
-        import psutil
-
-        pids |= {p.pid for p in psutil.Process().parents()}
-    except ImportError:
-        pids.add(os.getppid())
-    return pids
+    return {os.getpid(), *(p.pid for p in psutil.Process().parents())}
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie is gone for our purposes; one we may not look at, alive)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is gone for our purposes
-        import psutil
-
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except ImportError:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-        except OSError:
-            return False
-    except Exception:  # noqa: BLE001 - psutil's NoSuchProcess, AccessDenied, ...: gone for our purposes
+    except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True
 
 
 def stack_processes(stack_id: str) -> list[int]:
     """Pids of every live process carrying ``CKPT_STACK_ID=<stack_id>`` (not this one or its parents)."""
     mine = _ancestors()
-    found = []
-    for pid in _all_pids():
-        if pid in mine:
-            continue
-        env = _environ_of(pid)
-        if env and env.get(MARKER) == stack_id and _alive(pid):
-            found.append(pid)
-    return sorted(found)
+    return sorted(p.pid for p in psutil.process_iter(["environ", "status"])
+                  if p.pid not in mine and (p.info["environ"] or {}).get(MARKER) == stack_id
+                  and p.info["status"] != psutil.STATUS_ZOMBIE)
 
 
 def _owned(pid: int, stack_id: str) -> bool:
     env = _environ_of(pid)
-    return bool(env) and env.get(MARKER) == stack_id and _alive(pid)
+    return env is not None and env.get(MARKER) == stack_id and _alive(pid)
 
 
 def _terminate(pids: list[int], grace: float) -> list[int]:
-    """SIGTERM ``pids``, wait up to ``grace`` s, SIGKILL the rest; return those still alive after that."""
+    """SIGTERM ``pids``, wait up to ``grace`` s, SIGKILL the rest; return those still alive after that.
+    (psutil signals a ``Process`` only while it is the process it was: a pid reused since is left alone.)"""
+    procs = []
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.NoSuchProcess:
             pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    for pid in pids:
-        if _alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    left = _wait_gone(procs, grace)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in _wait_gone(left, 10.0)]
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``procs`` still running after up to ``timeout`` s. A zombie is gone for us: ``wait_procs``
+    alone waits until its parent reaps it, and an init that reaps orphans late (this container's: about
+    once a second) would add that to every service ``down`` stops."""
+    deadline = time.monotonic() + timeout
+    left = procs
+    while left:
+        _, left = psutil.wait_procs(left, timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+        left = [p for p in left if _alive(p.pid)]
+        if time.monotonic() >= deadline:
+            break
+    return left
 
 
 # --------------------------------------------------------------------------- the stack
@@ -342,14 +307,16 @@ class Stack:
         for name in SERVICES:
             pid = self.pid(name)
             services[name] = {"pid": pid, "running": bool(pid) and _owned(pid, sid)}
-        services["server"]["answers"] = services["server"]["running"] and _api_healthy(info["api_url"])
+        services["server"]["answers"] = services["server"]["running"] and _api_healthy(info)
         services["seaweedfs"]["answers"] = services["seaweedfs"]["running"] and _tcp_open(
             info["host"], info["s3_port"])
         services["reports"]["answers"] = services["reports"]["running"] and _reports_answer(
             info["host"], info.get("reports_port") or 0)
         services["supervisor"]["answers"] = services["supervisor"]["running"]
-        api_status = _worker_status(_Api(info), info["pool"], info["worker_name"]) \
-            if services["server"]["answers"] else None
+        api_status = None
+        if services["server"]["answers"]:
+            with _api(info) as api:
+                api_status = _worker_status(api, info["pool"], info["worker_name"])
         services["worker"]["api_status"] = api_status
         services["worker"]["answers"] = services["worker"]["running"] and api_status == "ONLINE"
         running = all(s["running"] and s["answers"] for s in services.values())
@@ -468,11 +435,12 @@ class Stack:
                     # Its supervisor first (killed, it does not pass the signal on), or it would start it again.
                     _terminate([pid], 0.0 if service == "worker" else 10.0)
         # a worker lives as long as its supervisor does: one that died is the supervisor's to start again
-        dead = [s for s in START_ORDER if s in restart or not self._lives(_process_of(s), info["stack_id"])]
+        dead = [s for s in START_ORDER if s in restart or not self._lives(SPECS[s].process, info["stack_id"])]
         if not dead:
             return {**current, "restarted": []}
         for service in dead:
-            _log(f"starting {service} (its {'supervisor' if service == 'worker' else 'process'} is not running)")
+            _log(f"starting {service} (its {SPECS[service].process if service == 'worker' else 'process'} is not "
+                 "running)")
             self._start(service, info, timeout)
         self._write_info(info)
         return {**self.status(), "restarted": dead}
@@ -493,74 +461,76 @@ class Stack:
         return env
 
     def _wait_api(self, info: dict[str, Any], timeout: float) -> None:
-        self._wait("Prefect API", lambda: _api_healthy(info["api_url"]), timeout, "server",
-                   self.logs / "prefect-server.log")
+        with _api(info, timeout=2) as api:
+            self._wait("Prefect API", api.healthy, timeout, "server", self.logs / "prefect-server.log")
 
     def _start(self, service: str, info: dict[str, Any], timeout: float, wait: bool = True) -> None:
         """Start one service of ``info``'s stack and (``wait``) wait until it answers."""
-        host = info["host"]
-        if service == "server":
-            try:
-                db_url = self.db_url_path.read_text().strip()
-            except OSError:  # a stack from before the file existed: SQLite unless the environment says otherwise
-                db_url = database_url(sqlite_path=self.dir / "prefect" / "prefect.db")
-            env = {**self._base_env(info), "PREFECT_SERVER_API_HOST": host,
-                   "PREFECT_SERVER_API_PORT": str(info["api_port"]),
-                   "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url, "PREFECT_UI_API_URL": info["api_url"]}
-            if info["env"].get(AUTH_VAR):  # every call but /health and /ready needs it; the UI asks for it
-                env["PREFECT_SERVER_API_AUTH_STRING"] = env[AUTH_VAR] = info["env"][AUTH_VAR]
-            self._spawn("server", [*prefect_cli(), "server", "start", "--host", host, "--port",
-                                   str(info["api_port"])], env, self.logs / "prefect-server.log")
-            if wait:
-                self._wait_api(info, timeout)
-        elif service == "seaweedfs":
-            from deployments.local_services import SeaweedFS
-
-            env = info["env"]
-            os.environ[MARKER] = info["stack_id"]  # its process inherits our environment: mark it
-            try:
-                s3 = SeaweedFS.start(self.dir / "seaweedfs", host=host, s3_port=info["s3_port"], timeout=timeout,
-                                     filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"),
-                                     admin=(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
-                                     reader=tuple(info["reader"]) if info.get("reader") else s3_reader(), locked=True)
-            finally:
-                os.environ.pop(MARKER, None)
-            self.pid_path("seaweedfs").write_text(str(s3.detach()))
-            info["seaweedfs_ports"] = s3.ports
-            link = self.logs / "seaweedfs.log"
-            if not link.is_symlink():
-                link.unlink(missing_ok=True)
-                link.symlink_to(os.path.relpath(s3.log_path, self.logs))
-            s3.create_bucket(info["bucket"])
-        elif service == "reports":
-            key, secret = info["reader"] if info.get("reader") else s3_reader()
-            env = {**self._base_env(info), "AWS_ENDPOINT_URL": info["s3_endpoint"], "AWS_ACCESS_KEY_ID": key,
-                   "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
-                   "AWS_EC2_METADATA_DISABLED": "true"}
-            self._spawn("reports", [sys.executable, "-m", "deployments.report_server", "--host", host,
-                                    "--port", str(info["reports_port"]), "--bucket", info["bucket"],
-                                    "--prefix", info.get("prefix") or DEFAULT_PREFIX],
-                        env, self.logs / "reports.log", cwd=Path(__file__).resolve().parent.parent)
-            # Its own answer, not just an open port: a port taken by another process (CI saw a browser
-            # get SeaweedFS's gRPC bytes there) must fail the start, not make a stack with dead report links.
-            self._wait("report server", lambda: _reports_answer(host, info["reports_port"]), timeout, "reports",
-                       self.logs / "reports.log")
-        elif service == "worker":
-            self._start_worker(info, timeout)
-        else:
+        if service not in SPECS:
             raise ValueError(f"unknown service {service!r}: one of {list(START_ORDER)}")
+        getattr(self, SPECS[service].start)(info, timeout, wait)
 
-    def _start_worker(self, info: dict[str, Any], timeout: float) -> None:
+    def _start_server(self, info: dict[str, Any], timeout: float, wait: bool) -> None:
+        host = info["host"]
+        try:
+            db_url = self.db_url_path.read_text().strip()
+        except OSError:  # a stack from before the file existed: SQLite unless the environment says otherwise
+            db_url = database_url(sqlite_path=self.dir / "prefect" / "prefect.db")
+        env = {**self._base_env(info), "PREFECT_SERVER_API_HOST": host,
+               "PREFECT_SERVER_API_PORT": str(info["api_port"]),
+               "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url, "PREFECT_UI_API_URL": info["api_url"]}
+        if info["env"].get(AUTH_VAR):  # every call but /health and /ready needs it; the UI asks for it
+            env["PREFECT_SERVER_API_AUTH_STRING"] = env[AUTH_VAR] = info["env"][AUTH_VAR]
+        self._spawn("server", [*prefect_cli(), "server", "start", "--host", host, "--port",
+                               str(info["api_port"])], env, self.logs / "prefect-server.log")
+        if wait:
+            self._wait_api(info, timeout)
+
+    def _start_seaweedfs(self, info: dict[str, Any], timeout: float, wait: bool) -> None:
+        from deployments.local_services import SeaweedFS
+
+        env = info["env"]
+        os.environ[MARKER] = info["stack_id"]  # its process inherits our environment: mark it
+        try:
+            s3 = SeaweedFS.start(self.dir / "seaweedfs", host=info["host"], s3_port=info["s3_port"], timeout=timeout,
+                                 filer_port=info["filer_port"], ports=info.get("seaweedfs_ports"),
+                                 admin=(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]),
+                                 reader=tuple(info["reader"]) if info.get("reader") else s3_reader(), locked=True)
+        finally:
+            os.environ.pop(MARKER, None)
+        self.pid_path("seaweedfs").write_text(str(s3.detach()))
+        info["seaweedfs_ports"] = s3.ports
+        link = self.logs / "seaweedfs.log"
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(os.path.relpath(s3.log_path, self.logs))
+        s3.create_bucket(info["bucket"])
+
+    def _start_reports(self, info: dict[str, Any], timeout: float, wait: bool) -> None:
+        host = info["host"]
+        key, secret = info["reader"] if info.get("reader") else s3_reader()
+        env = {**self._base_env(info), "AWS_ENDPOINT_URL": info["s3_endpoint"], "AWS_ACCESS_KEY_ID": key,
+               "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+        self._spawn("reports", [sys.executable, "-m", "deployments.report_server", "--host", host,
+                                "--port", str(info["reports_port"]), "--bucket", info["bucket"],
+                                "--prefix", info.get("prefix") or DEFAULT_PREFIX],
+                    env, self.logs / "reports.log", cwd=Path(__file__).resolve().parent.parent)
+        # Its own answer, not just an open port: a port taken by another process (CI saw a browser
+        # get SeaweedFS's gRPC bytes there) must fail the start, not make a stack with dead report links.
+        self._wait("report server", lambda: _reports_answer(host, info["reports_port"]), timeout, "reports",
+                   self.logs / "reports.log")
+
+    def _start_worker(self, info: dict[str, Any], timeout: float, wait: bool = True) -> None:
         """The work pool (made if missing) and its worker, under a supervisor that starts it again
         whenever it dies (``deployments/supervisor.py``); wait until the worker polls the pool."""
-        api, pool = _Api(info), info["pool"]
+        with _api(info) as api:
+            self._start_supervised_worker(api, info, timeout)
+
+    def _start_supervised_worker(self, api: PrefectAPI, info: dict[str, Any], timeout: float) -> None:
+        pool = info["pool"]
         env = {**self._base_env(info), **info["env"]}
-        if not _pool_exists(api, pool):
-            out = subprocess.run([*prefect_cli(), "work-pool", "create", pool, "--type", "process"],
-                                 env=env, capture_output=True, text=True, timeout=120)
-            if out.returncode != 0 and not _pool_exists(api, pool):
-                raise RuntimeError(f"could not create work pool {pool!r}: {out.stdout}{out.stderr}")
-        detach_flow_runs(api, pool)
+        ensure_process_pool(api, pool)
         orphan = self.pid("worker")  # a worker whose supervisor died: the new supervisor starts its own
         if orphan and _owned(orphan, info["stack_id"]):
             _terminate([orphan], 0.0)  # SIGKILL: its flow runs go on (see repair)
@@ -668,11 +638,9 @@ def _shell_quote(value: str) -> str:
     return shlex.quote(value)
 
 
-def _api_healthy(api_url: str) -> bool:
-    try:
-        return _http("GET", f"{api_url}/health", timeout=2) is True
-    except (OSError, ValueError, urllib.error.URLError):
-        return False
+def _api_healthy(info: dict[str, Any]) -> bool:
+    with _api(info, timeout=2) as api:
+        return api.healthy()
 
 
 def _tcp_open(host: str, port: int) -> bool:
@@ -699,58 +667,68 @@ def _reports_answer(host: str, port: int) -> bool:
         conn.close()
 
 
-def _pool_exists(api: _Api, pool: str) -> bool:
+def ensure_process_pool(api: PrefectAPI, pool: str) -> None:
+    """The process work pool ``pool``, made (with Prefect's default template for the type) if missing,
+    its flow runs detached from the worker (``detach_flow_runs``)."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
     try:
-        api.call("GET", f"/work_pools/{pool}")
-        return True
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return False
-        raise
+        api.client.read_work_pool(pool)
+    except ObjectNotFound:
+        try:
+            api.client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                                       base_job_template=ProcessWorker.get_default_base_job_template()))
+        except ObjectAlreadyExists:
+            pass  # another `up` made it meanwhile
+    detach_flow_runs(api, pool)
 
 
 def worker_name(pool: str) -> str:
     return f"{pool}-worker"
 
 
-def _worker_record(api: _Api, pool: str, name: str) -> dict[str, Any] | None:
+def _worker_record(api: PrefectAPI, pool: str, name: str) -> Any:
+    """The API's record of worker ``name`` of ``pool`` (a ``Worker``), or None (unknown, or no API)."""
+    import httpx
+
     try:
-        workers = api.call("POST", f"/work_pools/{pool}/workers/filter", {})
-    except (OSError, ValueError, urllib.error.URLError):
+        workers = api.client.read_workers_for_work_pool(pool)
+    except (httpx.HTTPError, RuntimeError, OSError):
         return None
-    return next((w for w in workers or [] if w.get("name") == name), None)
+    return next((w for w in workers if w.name == name), None)
 
 
-def _worker_status(api: _Api, pool: str, name: str) -> str | None:
+def _worker_status(api: PrefectAPI, pool: str, name: str) -> str | None:
     """What the API says of the worker: ONLINE, OFFLINE, or None (unknown to it, or no API)."""
     record = _worker_record(api, pool, name)
-    return record.get("status") if record else None
+    return record.status.value if record else None
 
 
-def _worker_beat_time(api: _Api, pool: str, name: str, online: bool = False) -> float | None:
+def _worker_beat_time(api: PrefectAPI, pool: str, name: str, online: bool = False) -> float | None:
     """The wall time of the worker's last heartbeat as the API has it (None: none, or not ONLINE when
     ``online``)."""
-    from datetime import datetime
-
-    record = _worker_record(api, pool, name) or {}
-    beat = record.get("last_heartbeat_time")
-    if not beat or (online and record.get("status") != "ONLINE"):
+    record = _worker_record(api, pool, name)
+    if record is None or not record.last_heartbeat_time or (online and record.status.value != "ONLINE"):
         return None
-    return datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp()
+    return record.last_heartbeat_time.timestamp()
 
 
-def detach_flow_runs(api: _Api, pool: str) -> None:
+def detach_flow_runs(api: PrefectAPI, pool: str) -> None:
     """Make flow runs of ``pool`` independent of the worker that starts them: the default of the process
     pool's ``stream_output`` job variable becomes false. With output streamed (Prefect's default) a
     flow-run process writes into a pipe the worker reads; once the worker dies, its next write raises
     BrokenPipeError and the run crashes. Without, its output goes nowhere (its logs still reach the
     API: the UI and ``prefect flow-run logs`` show them) and it outlives the worker."""
-    template = api.call("GET", f"/work_pools/{pool}")["base_job_template"]
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    template = api.client.read_work_pool(pool).base_job_template
     prop = template.get("variables", {}).get("properties", {}).get("stream_output")
     if prop is None or prop.get("default") is False:
         return
     prop["default"] = False
-    api.call("PATCH", f"/work_pools/{pool}", {"base_job_template": template})
+    api.client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -195,10 +195,12 @@ def test_the_thresholds_form_has_ckptlib_defaults():
 
 
 class _Flaky:
-    """A loopback proxy in front of the real Prefect server that answers the first ``fail`` requests
-    with what Prefect itself sends for a retryable error (a busy database: 503), or ``status``."""
+    """A loopback proxy in front of the real Prefect server that answers the first ``fail`` requests to
+    ``path`` with what Prefect itself sends for a retryable error (a busy database: 503), or ``status``;
+    ``seen`` counts those requests (Prefect's client also asks others, e.g. for a CSRF token)."""
 
-    def __init__(self, upstream: str, fail: int, status: int = 503, retry_after: str | None = None):
+    def __init__(self, upstream: str, fail: int, status: int = 503, retry_after: str | None = None,
+                 path: str = "/deployments/filter"):
         import threading
         import urllib.parse
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -212,8 +214,8 @@ class _Flaky:
         class Handler(BaseHTTPRequestHandler):
             def _any(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                flaky.seen += 1
-                if flaky.seen <= fail:
+                flaky.seen += self.path.endswith(path)
+                if self.path.endswith(path) and flaky.seen <= fail:
                     status_, data, headers = status, b'{"exception_message":"Service Unavailable"}', {}
                     if retry_after is not None:
                         headers["Retry-After"] = retry_after
@@ -243,29 +245,56 @@ class _Flaky:
 
 def test_the_api_client_retries_what_prefect_says_to_retry(prefect_harness):
     """Prefect's server answers 503 for errors a client may retry (a busy database; in CI it failed
-    `deployments.deploy` once) and 429 when it sheds load. PrefectAPI retries both with backoff, and
-    reports a server that keeps answering so after its retries, naming the status. The real server,
-    behind a proxy that injects the first answers (fails without the retries: RuntimeError 503)."""
-    from prefect.settings import PREFECT_API_URL
+    `deployments.deploy` once) and 429 when it sheds load. PrefectAPI (Prefect's own client) retries
+    both, PREFECT_CLIENT_MAX_RETRIES times, as long as the server's Retry-After says, and reports a
+    server that keeps answering so after its retries, naming the status. The real server, behind a
+    proxy that injects the first answers."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
     from deployments.client import PrefectAPI
 
     upstream = PREFECT_API_URL.value()
     with PrefectAPI(upstream) as api:
         expected = sorted(d["id"] for d in api.deployments())
-    for status, retry_after in ((503, None), (429, "0")):
-        proxy = _Flaky(upstream, fail=2, status=status, retry_after=retry_after)
+    for status in (503, 429):
+        proxy = _Flaky(upstream, fail=2, status=status, retry_after="0")
         try:
-            with PrefectAPI(proxy.url, backoff_s=0.05) as api:
+            with PrefectAPI(proxy.url) as api:
                 assert sorted(d["id"] for d in api.deployments()) == expected
             assert proxy.seen == 3
         finally:
             proxy.close()
-    proxy = _Flaky(upstream, fail=100)
+    proxy = _Flaky(upstream, fail=100, retry_after="0")
     try:
-        with PrefectAPI(proxy.url, retries=2, backoff_s=0.05) as api:
-            with pytest.raises(RuntimeError, match=r"/deployments/filter -> 503 \(after 2 retries\)"):
-                api.deployments()
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 2}), PrefectAPI(proxy.url) as api, \
+                pytest.raises(RuntimeError, match=r"/deployments/filter -> 503 \(after 2 retries\)"):
+            api.deployments()
         assert proxy.seen == 3
     finally:
         proxy.close()
+
+
+def test_the_api_clients_credentials_are_in_no_error_or_repr(prefect_harness):
+    """A refusal (401) is one RuntimeError naming what to set, and neither it, its traceback nor the
+    client's repr holds the credentials, in clear or as the basic-auth token: Prefect's own error
+    carries its request, whose headers hold them, so the refusal keeps no reference to it."""
+    import base64
+    import traceback
+
+    from prefect.settings import PREFECT_API_URL
+
+    from deployments.client import PrefectAPI
+
+    auth = "ckpt:do-not-show-this-password"
+    secrets = ("do-not-show-this-password", base64.b64encode(auth.encode()).decode())
+    proxy = _Flaky(PREFECT_API_URL.value(), fail=100, status=401, path="/deployments/name/gc-store/gc")
+    try:
+        with PrefectAPI(proxy.url, auth=auth) as api:
+            with pytest.raises(RuntimeError) as refused:
+                api.run_deployment("gc-store/gc")
+            shown = "".join(traceback.format_exception(refused.value)) + repr(api) + repr(refused.value)
+    finally:
+        proxy.close()
+    assert "-> 401" in shown and "set PREFECT_API_AUTH_STRING" in shown, shown
+    assert not any(s in shown for s in secrets), shown
+    assert refused.value.__context__ is None and refused.value.__cause__ is None  # nothing that holds the request

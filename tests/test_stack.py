@@ -14,9 +14,11 @@ saying so, where there is none), SeaweedFS S3, a process work pool and worker, s
 command as ``make stack`` in a temporary stack folder on free ports (never 4200/8333/8888, so a
 developer's own stack is not disturbed), and a webhook receiver (a thread here). The stack tests
 run in order and share one stack (module fixture); the first test (the gc flow on local stores)
-uses the session's Prefect test harness instead. 21 minutes on 2 cores shared with two other test
-sessions (load average 6-7, a 2-round run took 150 s from trigger to Completed); most of it is
-flow-run processes starting and training on a loaded machine.
+uses the session's Prefect test harness instead. Waits follow events, not fixed sleeps (a flow run's
+state events through ``PrefectAPI.wait``, the worker's heartbeats, the supervisor's log), and the
+keeper's 30 s window passes while two tests that need no watchdog run. 4.7 minutes on 2 cores shared
+with other test sessions (load average 4-9), 7.9 at load 5-12; most of it is flow-run processes
+starting and training.
 
 Select with ``pytest tests/test_stack.py`` (marks: slow, prefect, s3).
 """
@@ -42,11 +44,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from prefect.client.schemas.filters import LogFilter, LogFilterLevel, LogFilterTaskRunId
+from prefect.client.schemas.sorting import LogSort
 
 from deployments.client import PrefectAPI
 from deployments.stack import Stack, free_port, stack_processes
 from flows.resume import RESWEEP_AFTER_S
 
+# slow, all of them: they share a real stack (a Prefect server on PostgreSQL, S3, a worker) that takes
+# 8-25 s to start, and the drills (Retry, the dead run, the killed worker, the hang) each wait on
+# flow-run processes that start and train: 20-60 s at load 4-9, more on a busier machine.
 pytestmark = [pytest.mark.slow, pytest.mark.prefect, pytest.mark.s3]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,6 +161,26 @@ def test_gc_flow_collects_every_run_under_a_root(tmp_path, prefect_harness):
         assert torch.equal(ck.restore(2)["w"], torch.full((4096,), 2.0))
         assert ck.verify(4) == []
     assert gc_store(str(tmp_path / "empty"), dry_run=True) == []
+
+
+def test_database_urls_are_parsed_and_a_bad_one_is_one_error(tmp_path):
+    """The server's database URL as SQLAlchemy parses it: postgres(ql):// gets the async driver, the
+    password is masked where the URL is shown, and a value that is no URL - or whose password has a
+    bare "@", which would make its end the host - is one error naming the variable and the fix, with
+    no part of the password (before: passed on to the server as it was)."""
+    from deployments.stack import _masked, database_url
+
+    url = database_url({"DATABASE_URL": "postgres://u:p%40ss@db:5432/prefect"})
+    assert url == "postgresql+asyncpg://u:p%40ss@db:5432/prefect"
+    assert _masked(url) == "postgresql+asyncpg://u:***@db:5432/prefect"
+    assert database_url({}, sqlite_path=tmp_path / "p.db") == f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    for bad in ("prefect:hunter2@db/prefect", "postgresql://prefect:hunter2@db:port/prefect",
+                "postgresql://prefect:hun@ter2@db/prefect"):
+        with pytest.raises(ValueError, match=r"PREFECT_SERVER_DATABASE_CONNECTION_URL is not a database URL.*%40"):
+            database_url({"PREFECT_SERVER_DATABASE_CONNECTION_URL": bad})
+        with pytest.raises(ValueError) as refused:
+            database_url({"DATABASE_URL": bad})
+        assert "DATABASE_URL" in str(refused.value) and "ter2" not in str(refused.value)
 
 
 # --------------------------------------------------------------------------- PostgreSQL, a webhook receiver
@@ -320,8 +347,8 @@ def test_up_answers_and_tells_where_everything_is(stack):
     assert "checkpoints" in [b["Name"] for b in s3_client(stack).list_buckets()["Buckets"]]
     # Flow runs of the pool do not pipe their output to the worker (they must outlive it).
     with _api(stack) as api:
-        pool = api._call("GET", f"/work_pools/{stack['pool']}")
-        assert pool["base_job_template"]["variables"]["properties"]["stream_output"]["default"] is False
+        template = api.client.read_work_pool(stack["pool"]).base_job_template
+        assert template["variables"]["properties"]["stream_output"]["default"] is False
     # A second `up` of a running stack is a no-op.
     again = stack_cli("up", "--dir", stack["dir"], "--api-port", str(stack["api_port"]))
     assert again.returncode == 0 and "already running" in again.stdout
@@ -409,7 +436,7 @@ def test_deploy_registers_typed_deployments(stack, webhook):
         assert limit == 1 and not watchdog["schedules"], watchdog
         assert watchdog["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
         assert watchdog["parameters"]["duration_s"] == 0 and watchdog["parameters"]["timeout_s"] == 8
-        automations = {a["name"] for a in api._call("POST", "/automations/filter", {})}
+        automations = {a.name for a in api.client.read_automations()}
         assert {"ckpt-watchdog-keeper", "ckpt-notify-validation-failed", "ckpt-notify-watchdog-gave-up",
                 "ckpt-notify-run-not-completed"} <= automations, automations
         # the long-lived watchdog runs (started by deploy); deploying again starts no second one
@@ -592,7 +619,10 @@ def test_the_supervisor_starts_its_command_again_with_backoff_and_stops_cleanly(
         again_s = time.monotonic() - t0
         (tmp_path / "die").touch()
         os.kill(second, signal.SIGKILL)
-        time.sleep(3)  # 0.4 + 0.8 + 0.8 + ...: exits at once, each after a longer delay
+        deadline = time.monotonic() + 10  # 0.4, 0.8, 0.8: exits at once, each after a longer delay
+        while log.read_text().count("starting it again in") < 4:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
         (tmp_path / "die").unlink()
         third = next_pid(second)
         sup.send_signal(signal.SIGTERM)
@@ -731,7 +761,7 @@ def test_a_killed_worker_takes_no_run_with_it_and_one_command_restarts_it(stack)
         restarted_s = time.monotonic() - t_kill
         assert st.pid("server") == server_pid and st.pid("worker") != worker_pid
         assert st.pid("supervisor") != supervisor_pid
-        status = json.loads(stack_cli("status", "--dir", stack["dir"], "--json").stdout)
+        status = st.status()  # what `status --json` prints (its output is checked above and in the first test)
         assert status["running"], status["services"]
         fr = api.wait(fr["id"], timeout=300)
         assert fr["state_type"] == "COMPLETED", f"{fr['state_name']}: {fr['state']['message']}\n{logs_tail(stack)}"
@@ -801,7 +831,7 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
         deadline = time.monotonic() + 120
         resumed = []
         while not resumed and time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(0.5)
             resumed = [r for r in api.flow_runs(fr["deployment_id"]) if r["id"] != fr["id"]
                        and r["parameters"]["params"].get("run_id") == run_id]
         assert resumed, f"no resumed run within 120 s of the kill\n{logs_tail(stack)}"
@@ -818,13 +848,13 @@ def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
         while live := [t["name"] for t in api.task_runs(fr["id"]) if t["state_type"] in ("RUNNING", "PENDING")]:
             if time.monotonic() >= until:
                 trs = [t for t in api.task_runs(fr["id"]) if t["name"] in live]
-                hist = {t["name"]: [(x["type"], x["timestamp"], x.get("message")) for x in
-                                    api._call("GET", f"/task_run_states/?task_run_id={t['id']}")] for t in trs}
-                logs = api._call("POST", "/logs/filter", {"limit": 40, "sort": "TIMESTAMP_DESC",
-                                                          "logs": {"level": {"ge_": 20}}})
-                msgs = "\n".join(f"{x['timestamp']} {x['message'][:200]}" for x in logs)
+                hist = {t["name"]: [(x.type.value, x.timestamp, x.message) for x in
+                                    api.client.read_task_run_states(uuid.UUID(t["id"]))] for t in trs}
+                logs = api.client.read_logs(LogFilter(level=LogFilterLevel(ge_=20)), limit=40,
+                                            sort=LogSort.TIMESTAMP_DESC)
+                msgs = "\n".join(f"{x.timestamp} {x.message[:200]}" for x in logs)
                 raise AssertionError(f"task runs of the dead run still live: {live}\nstates: {hist}\nlogs:\n{msgs}")
-            time.sleep(2)
+            time.sleep(0.5)
         # the new run links the one it continues: tags, and its summary artifact (a link to its page)
         assert "resumed" in new["tags"] and f"resumes:{fr['id'][:8]}" in new["tags"], new["tags"]
         summary = next(a["data"] for a in api.artifacts(new["id"]) if a["key"] == f"train-{run_id}-summary")
@@ -854,30 +884,23 @@ def test_retry_of_a_failed_run_resumes_it(stack):
         assert fr["run_count"] == 2
         plan = next(t for t in api.task_runs(fr["id"]) if t["name"].startswith("plan-run")
                     and t["state_type"] == "COMPLETED")
-        logs = api._call("POST", "/logs/filter", {"logs": {"task_run_id": {"any_": [plan["id"]]}}, "limit": 50})
-        assert any("resuming from healthy step" in entry["message"] or "recomputed identically" in entry["message"]
-                   for entry in logs), [entry["message"] for entry in logs]
+        logs = api.client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[uuid.UUID(plan["id"])])), limit=50)
+        assert any("resuming from healthy step" in entry.message or "recomputed identically" in entry.message
+                   for entry in logs), [entry.message for entry in logs]
     assert digest(stack, run_id) == clean
 
 
 def test_the_keeper_starts_a_killed_watchdog_again(stack):
     """kill -9 of the long-lived watchdog's process: no sign of life for the keeper's window -> its flow
-    run is marked Crashed and another watchdog runs."""
+    run is marked Crashed and another watchdog runs. The window (KEEPER_WITHIN_S) passes while the
+    next two tests run (a re-validation, gc: neither needs the watchdog);
+    test_the_keeper_marked_the_killed_watchdog_crashed_and_another_runs checks what the keeper did."""
     _need(stack, "watchdog_run")
     with _api(stack) as api:
         old = _live_watchdog(stack, api)
     pid = _flow_run_pid(stack, old)
     os.killpg(os.getpgid(pid), signal.SIGKILL)
-    t_kill = time.monotonic()
-    with _api(stack) as api:
-        _wait_state(api, old, "CRASHED", 120)
-        crashed_s = time.monotonic() - t_kill
-        new = _wait_state(api, _only_live_watchdog(api, exclude=old)["id"], "RUNNING", 120)
-        running_s = time.monotonic() - t_kill
-        cancelled = [r for r in api.flow_runs(new["deployment_id"]) if r["state_type"] == "CANCELLED"]
-    stack["watchdog_run"] = new["id"]
-    print(f"keeper: the killed watchdog was marked Crashed {crashed_s:.1f} s after the kill (window "
-          f"{KEEPER_WITHIN_S} s), another one ran {running_s:.1f} s after it; {len(cancelled)} cancelled runs")
+    stack["killed_watchdog"] = (old, time.monotonic())
 
 
 def test_failed_revalidation_notifies_and_its_index_agrees(stack, webhook):
@@ -919,6 +942,20 @@ def test_gc_deployment_through_the_cli(stack):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs_tail(stack)
     keys = keys_under(s3_client(stack), "checkpoints", f"runs/{run_id}/manifests/")
     assert keys == [f"runs/{run_id}/manifests/{FINAL}.json"], keys  # step 0 dropped, the newest (healthy) kept
+
+
+def test_the_keeper_marked_the_killed_watchdog_crashed_and_another_runs(stack):
+    """The second half of test_the_keeper_starts_a_killed_watchdog_again, once its window has passed."""
+    old, t_kill = _need(stack, "killed_watchdog")
+    with _api(stack) as api:
+        _wait_state(api, old, "CRASHED", 120)
+        crashed_s = time.monotonic() - t_kill
+        new = _wait_state(api, _only_live_watchdog(api, exclude=old)["id"], "RUNNING", 120)
+        running_s = time.monotonic() - t_kill
+        cancelled = [r for r in api.flow_runs(new["deployment_id"]) if r["state_type"] == "CANCELLED"]
+    stack["watchdog_run"] = new["id"]
+    print(f"keeper: the killed watchdog was marked Crashed {crashed_s:.1f} s after the kill (window "
+          f"{KEEPER_WITHIN_S} s), another one ran {running_s:.1f} s after it; {len(cancelled)} cancelled runs")
 
 
 def test_down_leaves_nothing_running(stack):
@@ -968,13 +1005,10 @@ def _api(stack: dict) -> PrefectAPI:
 
 def _beat_after(api: PrefectAPI, stack: dict, since: float) -> bool:
     """The stack's worker is ONLINE with a heartbeat sent after ``since`` (wall time)."""
-    from datetime import datetime
-
-    workers = api._call("POST", f"/work_pools/{stack['pool']}/workers/filter", {})
-    record = next((w for w in workers if w["name"] == stack["worker_name"]), {})
-    beat = record.get("last_heartbeat_time")
-    return record.get("status") == "ONLINE" and bool(beat) and \
-        datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() > since
+    record = next((w for w in api.client.read_workers_for_work_pool(stack["pool"]) if w.name == stack["worker_name"]),
+                  None)
+    return record is not None and record.status.value == "ONLINE" and record.last_heartbeat_time is not None \
+        and record.last_heartbeat_time.timestamp() > since
 
 def _need(stack: dict, key: str):
     if key not in stack:
