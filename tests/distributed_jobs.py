@@ -168,7 +168,12 @@ def fsdp_from_ddp(rank: int, url: str, out: Path) -> dict:
 # --- a rank killed mid-save: nothing committed, the next group saves -------------------------------
 
 def kill(rank: int, url: str, out: Path) -> dict:
-    """Step 1 commits; in the save of step 2, rank 1 is killed (SIGKILL) as it uploads its first chunk."""
+    """Step 1 commits; in the save of step 2, rank 1 is killed (SIGKILL) as it uploads its first chunk.
+    The leases' time to live is ``LEASE_TTL_S`` of the environment (the test's wait for the killed
+    rank's lease to expire, 30 s by default)."""
+    from ckptlib import leases
+
+    leases.DEFAULT_LEASE_TTL_S = float(os.environ.get("LEASE_TTL_S", leases.DEFAULT_LEASE_TTL_S))  # read at call time
     m, opt = fsdp()
     store = FaultyStore(Store.from_url(url, json.loads(os.environ.get("CKPT_STORAGE_OPTIONS", "null"))))
     with checkpointer(url, store) as ck:

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from ckptlib import Checkpointer, RetentionPolicy
-from ckptlib.leases import DEFAULT_LEASE_TTL_S, live_leases
+from ckptlib.leases import live_leases
 from ckptlib.testing.compare import first_difference
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+KILLED_LEASE_TTL_S = 12.0
 
 
 def _port() -> int:
@@ -31,11 +32,12 @@ def _port() -> int:
 
 
 def job(name: str, world: int, url: str, out: Path, options: dict | None = None,
-        expect: dict[int, int] | None = None) -> list[dict | None]:
+        expect: dict[int, int] | None = None, env: dict[str, str] | None = None) -> list[dict | None]:
     """Run job ``name`` of tests/distributed_jobs.py on ``world`` ranks; each rank's result (None for a
-    rank that wrote none). ``expect``: exit codes other than 0 expected of some ranks."""
+    rank that wrote none). ``expect``: exit codes other than 0 expected of some ranks; ``env``: more
+    environment for the ranks."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     if options:
         env["CKPT_STORAGE_OPTIONS"] = json.dumps(options)
     port = _port()
@@ -123,12 +125,20 @@ def test_ddp_writes_one_replica_keeps_per_rank_values_and_restores_into_fsdp2(tm
 
 def test_a_rank_killed_mid_save_commits_nothing_and_the_next_group_saves(tmp_path):
     url, out = str(tmp_path / "run"), tmp_path / "out"
-    killed = job("kill", 2, url, out, expect={1: -9})
+    # the killed rank's save lease lives KILLED_LEASE_TTL_S, not the default 30 s: long enough to be
+    # seen by the GC below, short enough that the wait for it to expire is mostly the next group's save
+    killed = job("kill", 2, url, out, expect={1: -9}, env={"LEASE_TTL_S": str(KILLED_LEASE_TTL_S)})
     assert killed[1] is None
     assert killed[0]["error"] == "GroupFailed" and "died" in killed[0]["message"], killed[0]
     with Checkpointer(url) as ck:
         assert ck.steps() == [1]  # all ranks or none
         dead = {p.name for p in (tmp_path / "run" / "fragments" / "2").iterdir()}
+        # the killed rank's save lease, renewed by nobody now, keeps GC from sweeping (the chunks the
+        # dead group's rank 0 wrote for step 2) until it expires, as any writer's that died would
+        leases = live_leases(ck.store)
+        report = ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=0.5)
+        assert report.deferred and "a save is in flight" in report.deferred, report
+        assert any(lease.id in report.deferred for lease in leases), (leases, report.deferred)
     again = job("save_again", 2, url, out)
     assert again[0]["info"]["committed"] and again[0]["info"]["digest"] == again[1]["info"]["digest"]
     with Checkpointer(url) as ck:
@@ -137,14 +147,9 @@ def test_a_rank_killed_mid_save_commits_nothing_and_the_next_group_saves(tmp_pat
         got = ck.restore(2)
         assert first_difference(dict(want["model"]), dict(got["model"])) is None
         assert first_difference(want["optim"], got["optim"]) is None
-        # the killed rank's save lease, renewed by nobody now, keeps GC from sweeping until it expires
-        # (within its 30 s time to live: ckptlib.leases), as any writer's that died would
-        if live_leases(ck.store):
-            report = ck.gc(RetentionPolicy(keep_last=2), grace_s=0, wait_s=0.5)
-            assert report.deferred and "a save is in flight" in report.deferred
-        deadline = time.monotonic() + DEFAULT_LEASE_TTL_S + 10
+        deadline = time.monotonic() + KILLED_LEASE_TTL_S + 10
         while live_leases(ck.store) and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
         assert live_leases(ck.store) == []  # ... then it expires by itself
         swept = set(ck.gc(RetentionPolicy(keep_last=2), grace_s=0).deleted_objects)
         assert {f"fragments/2/{name}" for name in dead} <= swept  # the dead group's rank fragment

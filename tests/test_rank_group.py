@@ -64,7 +64,7 @@ def clean(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(clean, tmp_path):
+def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(clean):
     ck, result = clean
     assert result.finished and result.data_position == 6 and result.seconds["group"] > 0
     frag = ck.gather(1, ["shard-0"], timeout=5)["shard-0"][0]
@@ -74,10 +74,8 @@ def test_a_group_of_two_ranks_writes_the_shards_fragment_and_every_rank_beats(cl
     beats = read_rank_heartbeats(ck.store, "shard-0")
     assert sorted(beats) == [0, 1] and {b.status for b in beats.values()} == {"finished"}
     assert beats[0].pid != beats[1].pid and {b.rank for b in beats.values()} == {0, 1}
-    # the same round again, in another store: the same fragment, bit for bit
-    s = spec()
-    again = train_shard_group(step_zero(str(tmp_path / "b"), s), None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2)
-    assert again.digest == result.digest and again.loss == result.loss
+    # (the same round by a fresh group in another store gives the same fragment, bit for bit: every
+    # retry below that writes the clean fragment checks that, so it is not run a second time here)
 
 
 def reapable(pid: int) -> bool:

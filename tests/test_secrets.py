@@ -99,9 +99,9 @@ def test_no_secret_anywhere_after_every_kind_of_run(vault, prefect_harness, tmp_
         # ckpt train with its watchdog: a hung shard is fenced and rerun by the watchdog
         train = subprocess.run(
             [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", "cli", "--shards", "2",
-             "--rounds", "2", "--steps-per-round", "6", "--workload-extra", json.dumps(EXTRA),
+             "--rounds", "1", "--steps-per-round", "6", "--workload-extra", json.dumps(EXTRA),
              "--storage-options", f"@{opts}", "--heartbeat-every", "0.2", "--watchdog-timeout", "2",
-             "--chaos", "hang:shard=0,round=2", "--json", str(tmp_path / "cli.json")],
+             "--chaos", "hang:shard=0,round=1", "--json", str(tmp_path / "cli.json")],
             env=env, capture_output=True, text=True, timeout=400)
         outputs.append(train.stdout + train.stderr)
         assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]

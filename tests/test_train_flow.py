@@ -22,8 +22,8 @@ from ckptlib import Checkpointer
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 EXTRA = {"d_model": 32, "n_layers": 1, "ctx": 16, "corpus_bytes": 65536}
-TINY = dict(workload="tinylm", workload_extra=EXTRA, shards=2, rounds=3, steps_per_round=4, seed=0,
-            heartbeat_every_s=0.2, retry_delay_s=0.2, validation_runner="threads")
+TINY = {"workload": "tinylm", "workload_extra": EXTRA, "shards": 2, "rounds": 3, "steps_per_round": 4, "seed": 0,
+        "heartbeat_every_s": 0.2, "retry_delay_s": 0.2, "validation_runner": "threads"}
 
 
 def params(**kw):
@@ -134,7 +134,7 @@ def test_resume_refuses_a_changed_config_and_an_existing_run_id(clean, monkeypat
 
 
 def test_kill_9_mid_run_then_resume_reaches_the_clean_digest(clean, tmp_path):
-    """SIGKILL of the `ckpt train` process alone (not its group) after a commit: every process it
+    """SIGKILL of the `ckpt train` process alone (not its group) after a commit (step 2 of 3): every process it
     started ends with it (its validation worker and multiprocessing's resource tracker lived on
     before). `ckpt train --resume --run-id R --store S` alone continues it (the trajectory and the
     rounds are the run's) to the clean digests, names the session it continues, and its watchdog
@@ -148,7 +148,7 @@ def test_kill_9_mid_run_then_resume_reaches_the_clean_digest(clean, tmp_path):
     children: list = []
     try:
         deadline = time.monotonic() + 180
-        while not (url / "manifests" / "1.json").exists() or not children:
+        while not (url / "manifests" / "2.json").exists() or not children:  # the resume trains round 3 only
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint committed in 180 s"
             children = psutil.Process(proc.pid).children(recursive=True)  # the validation worker, ...
