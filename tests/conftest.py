@@ -13,6 +13,7 @@ Fixtures:
 * ``any_store`` (function, parametrised local / memory / s3): a fresh Store of each kind; the s3
   case carries ``pytest.mark.s3``. Tests using ``seaweedfs`` or ``s3_url`` get the mark too, so
   ``-m "not s3"`` runs without starting SeaweedFS.
+* ``group`` (module): a gloo process group of one rank in this process, for a collective Checkpointer.
 * ``prefect_harness`` (session, not autouse): a temporary Prefect API (SQLite, own server process)
   for tests that run flows; request it explicitly.
 * ``api_env`` (session): the environment of a ``ckpt`` subprocess that reaches that API (and finds
@@ -165,3 +166,15 @@ def clean_digests(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a folder of the session's
         root = root.parent
     return functools.partial(digests_of, root / "clean-runs")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A gloo process group of one rank in this process (what a collective Checkpointer is built
+    over), for the tests of one module; destroyed after them."""
+    import torch.distributed as dist
+
+    where = tmp_path_factory.mktemp("pg")
+    dist.init_process_group("gloo", init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -28,17 +28,6 @@ def state(step: int) -> dict:
     return {"w": w, "b": b, "step": step}
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A gloo group of one rank in this process: what a collective Checkpointer is built over."""
-    import torch.distributed as dist
-
-    where = tmp_path_factory.mktemp("pg")
-    dist.init_process_group("gloo", init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def history(save_step):
     """make_store for the kits: a fresh memory store holding step 1, saved by ``save_step``."""
     def make() -> Store:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -42,6 +43,20 @@ def _store(url: str) -> Checkpointer:
 def clean(tmp_path_factory):
     ck = _store(str(tmp_path_factory.mktemp("clean")))
     return train_shard_group(ck, None, SPEC, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2, checkpoint_every=NEVER)
+
+
+def _at_round_step(ck: Checkpointer, k: int, act: Callable[[], None]) -> threading.Thread:
+    """A started thread that calls ``act`` once shard-0's beat says round step ``k`` (at most 120 s on)."""
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 120
+        while ((b := read_heartbeat(ck.store, "shard-0")) is None or (b.round_step or 0) < k) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        act()
+
+    th = threading.Thread(target=wait_then_act)
+    th.start()
+    return th
 
 
 def _stopped_at(ck: Checkpointer) -> int:
@@ -76,15 +91,7 @@ def test_the_supervisors_preemption_is_forwarded_to_its_ranks(clean, tmp_path, m
     monkeypatch.setenv("CKPT_TEST_STEP_SLEEP", "0.2")  # the ranks inherit it: the request lands mid-round
     ck = _store(str(tmp_path / "s"))
 
-    def preempt_at_step_2() -> None:
-        deadline = time.monotonic() + 120
-        while ((b := read_heartbeat(ck.store, "shard-0")) is None or (b.round_step or 0) < 2) \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        preemption.request("SIGTERM")  # what this process's SIGTERM handler does
-
-    th = threading.Thread(target=preempt_at_step_2)
-    th.start()
+    th = _at_round_step(ck, 2, lambda: preemption.request("SIGTERM"))  # what this process's SIGTERM handler does
     try:
         with pytest.raises(Preempted, match=r"\(SIGTERM\)"):
             train_shard_group(ck, None, SPEC, 0, 1, Cut.of_step(0), heartbeat_every_s=0.1, checkpoint_every=NEVER)
@@ -106,15 +113,7 @@ def test_a_rank_group_stops_at_the_runs_stop_document_and_the_rerun_recomputes_n
     monkeypatch.setenv("CKPT_TEST_STEP_SLEEP", "0.2")  # the ranks inherit it: the document lands mid-round
     ck = _store(str(tmp_path / "d"))
 
-    def stop_at_step_2() -> None:
-        deadline = time.monotonic() + 120
-        while ((b := read_heartbeat(ck.store, "shard-0")) is None or (b.round_step or 0) < 2) \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        preemption.write_stop(ck.store, "cancel", by="test", round_no=1)  # what the coordinator writes
-
-    th = threading.Thread(target=stop_at_step_2)
-    th.start()
+    th = _at_round_step(ck, 2, lambda: preemption.write_stop(ck.store, "cancel", by="test", round_no=1))
     try:
         with pytest.raises(Preempted, match=r"cancel"):
             train_shard_group(ck, None, SPEC, 0, 1, Cut.of_step(0), heartbeat_every_s=0.1, checkpoint_every=NEVER,

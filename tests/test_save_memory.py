@@ -71,16 +71,6 @@ def test_a_unit_at_the_end_of_its_chain_keeps_no_bytes(tmp_path):
         assert_same(state, Checkpointer(str(tmp_path)).restore())
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    import torch.distributed as dist
-
-    where = tmp_path_factory.mktemp("pg")
-    dist.init_process_group("gloo", init_method=f"file://{where}/rendezvous", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_a_collective_keyframes_only_save_keeps_no_bytes(tmp_path, group):
     """The collective Checkpointer writes through the same part writer: a rank's chain keeps its
     digests, not its bytes, and an unchanged state is written again as nothing."""

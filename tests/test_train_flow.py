@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptlib import Checkpointer
+from tests.runs import cli_env, digests
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -30,21 +31,6 @@ def params(**kw):
     from flows.params import TrainParams
 
     return TrainParams(**{**TINY, **kw})
-
-
-def digests(url: str, storage_options: dict | None = None) -> dict[int, str]:
-    with Checkpointer(url, storage_options) as ck:
-        return {s: ck.manifest(s).digest for s in ck.steps()}
-
-
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    """Environment of a `ckpt train` subprocess: the session's Prefect server, a throwaway home."""
-    from prefect.settings import PREFECT_API_URL
-
-    home = tmp_path / "prefect-home"
-    home.mkdir(exist_ok=True)
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def cli_args(store: str, run_id: str, *more: str) -> list[str]:
