@@ -2,10 +2,11 @@
 
 * ``threads``: the flow's own ThreadPoolTaskRunner (one process; shards are threads).
 * ``dask``: a temporary local Dask cluster of processes (``prefect_dask.DaskTaskRunner``), one worker
-  process per shard (at least 2) and one spare, one thread each; it lives as long as the flow run.
-  The spare is why a preempted or killed worker costs no process start: Dask runs its task again on
-  the spare at once while the nanny starts a new process (measured: back to training 8.4 s median
-  without it, a new worker's start and torch import on 2 loaded cores). In every
+  process per shard (at least 2), one thread each; it lives as long as the flow run. No spare
+  worker: one was tried (a preempted worker's task then reran at once, 0.55 s back to training
+  instead of 2-8 s), but Dask hands tasks to idle workers in turn, so a round's shard could land on
+  the spare cold and start seconds after the others (a CI run saw a shard finish its round before
+  the other had begun it). In every
   worker (either Dask kind) a SIGTERM is a preemption: its shard checkpoints where it is, then the
   worker ends and Dask runs the task again elsewhere, from that checkpoint (``preemptible_workers``).
 * ``dask://HOST:PORT``: an existing scheduler (``dask scheduler`` + ``dask worker`` on many
@@ -61,7 +62,7 @@ def shard_runner(spec: str, shards: int, preempt_grace_s: float = 30.0) -> Itera
     from prefect_dask import DaskTaskRunner
 
     if spec == "dask":
-        runner = DaskTaskRunner(cluster_kwargs={"n_workers": max(2, shards) + 1, "threads_per_worker": 1,
+        runner = DaskTaskRunner(cluster_kwargs={"n_workers": max(2, shards), "threads_per_worker": 1,
                                                 "processes": True, "dashboard_address": None})
     elif spec.startswith("dask://"):
         runner = DaskTaskRunner(address="tcp://" + spec[len("dask://"):])
@@ -86,7 +87,6 @@ def preemptible_workers(grace_s: float) -> Any:
 
             if not preemption.install(grace_s):
                 log.warning("dask worker %s: SIGTERM stays fatal (its plugins run off the main thread)", worker)
-            import torch  # noqa: F401 - as the worker joins, not when a task that replaces a lost one starts
 
     return Preemptible()
 

@@ -112,10 +112,21 @@ def _documented(heading: str) -> str:
     return text.split(f"## {heading}\n", 1)[1].split("```python\n", 1)[1].split("```\n", 1)[0]
 
 
+# torch 2.13's gloo teardown can abort a rank as its process exits, after its work is done (a
+# std::thread destroyed while joinable: "terminate called without an active exception"; seen once in
+# CI under load, never alone). A user's job would be restarted; the script is run again once then,
+# and only then: any other failure, or the same one twice, fails the test.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(script: Path, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), *args], env=env, cwd=script.parent, capture_output=True, text=True, timeout=300)
+    for attempt in (1, 2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), *args], env=env, cwd=script.parent, capture_output=True, text=True,
+                             timeout=300)
+        if run.returncode == 0 or TEARDOWN_ABORT not in run.stderr or attempt == 2:
+            break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
