@@ -8,7 +8,9 @@ Keys under a run's root::
 The protocol (the argument is in docs/format.md, "Garbage collection"):
 
 * A save writes its lease before its first upload and keeps it until its manifest (or fragment)
-  is published. ``step`` is the committed step its deltas build on: GC keeps that step.
+  is published. ``step`` is the committed step its deltas build on: GC keeps that step. Nothing
+  kept it between the writer's saves, so the save then looks that the step still commits what its
+  base names (``PartWriter``), and writes keyframes if not.
 * Right after writing its lease, the save looks at ``gc.lock``. A GC that takes the lock after
   that moment reads the leases after it, sees this one, and does not sweep. A GC that holds the
   lock at that moment may have read the leases before; then the save writes that lock's id into

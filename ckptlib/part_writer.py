@@ -32,7 +32,7 @@ import numpy as np
 from . import commit, damage
 from .bases import Base, DeltaBases, chain_origin
 from .chunking import auto_chunk_bytes
-from .errors import StoreError
+from .errors import CorruptCheckpoint, FormatVersionError, NoCheckpoint, StoreError
 from .leases import Lease
 from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_secure_snapshot, take_snapshot
 from .store import Store
@@ -123,6 +123,10 @@ class PartWriter:
                 suspects = damage.Suspects.of(found, self._confirmed) if found else None
             if suspects is not None:
                 base = suspects.clean(base)
+            if base is not None and not lease.gc_seen and not self._still_committed(base, origin if origin and not own_chain else key):
+                log.info("step %d, the base of this save of part '%s' of step %d, is no longer committed as it was "
+                         "(a garbage collection dropped it since): writing the part as keyframes", base.step, part, step)
+                base = None
             try:
                 enc = self._encode(snap, base, options, lease, suspects, step=step, part=part, **fragment)
                 yield enc
@@ -135,6 +139,27 @@ class PartWriter:
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
         # a sub-step chain's first base is the part's own: its buffers are never handed out as spares
         self.bases.adopt(key, enc.next_base, base, keep_spare and own_chain)  # type: ignore[arg-type]
+
+    def _still_committed(self, base: Base, key: str) -> bool:
+        """Whether the store still keeps every object ``base`` (chain ``key``'s) names. No lease kept
+        them between this writer's saves: a GC then may have dropped its step (when it was not the
+        newest: an older step saved again, one restored with ``keep_base``) and swept its objects.
+        It keeps them if ``base``'s step commits them for the chain's part, or if that step is newer
+        than every commit (a pending fragment's, e.g. a sub-step chain's: GC keeps those). Looked at
+        after this save's lease was written, which makes every later GC keep the step; a GC that
+        already held the lock then is covered by ``before_publish``."""
+        part = key.partition("#r")[0].removesuffix("/substeps")
+        try:
+            manifest = commit.read_manifest(self.store, base.step)
+        except NoCheckpoint:
+            return base.step > max(commit.committed_steps(self.store), default=-1)
+        except (CorruptCheckpoint, FormatVersionError):
+            return False
+        try:
+            blobs = commit.load_any_part(self.store, manifest, part).blobs
+        except (NoCheckpoint, CorruptCheckpoint, FormatVersionError):
+            return False
+        return all((b := blobs.get(digest)) is not None and b.key == blob.key for digest, blob in base.blobs.items())
 
     def _encode(self, snap: Snapshot, base: Base | None, options: WriteOptions, lease: Lease,
                 suspects: damage.Suspects | None, *, step: int, part: str, **fragment: Any) -> EncodedPart:
