@@ -8,7 +8,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 # The CPU build of torch (the machines here have it as a local wheel; pip prefers it to the CUDA one).
 TORCH_SPEC  ?= torch==2.13.0
-PYTEST_ARGS ?= -n 3 --dist loadfile  # three workers, whole files each (module-scoped stacks stay in one process)
+PYTEST_ARGS ?= -n 3 --dist loadfile --no-loadscope-reorder  # three workers, whole files each (module-scoped stacks stay in one process), slowest files first (tests/conftest.py)
 # The stack's folder (pids, logs, data, env) and extra options, e.g.
 #   make stack STACK_ARGS="--api-port 4300 --s3-port 8334"   (python -m deployments.stack up --help)
 STACK_DIR   ?= .stack

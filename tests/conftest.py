@@ -39,6 +39,10 @@ atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
+# One OpenMP thread per process: three xdist workers and the processes their tests start share two
+# cores, and torch's default (a thread per core, each spinning between parallel regions) spends CPU
+# on contention. A test that measures threads sets its own (``torch.set_num_threads``).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # botocore would otherwise probe the EC2 metadata endpoint for credentials (slow, off-network).
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
@@ -70,6 +74,10 @@ def _storage_options_env_stays_as_it_was():
 
 
 _FILE_SECONDS: dict[str, float] = {}
+# A test may run longer than this only if it is a drill that needs it, marked ``slow`` (the summary
+# lists every one with its time, and names any that is not marked).
+LONG_TEST_S = 60.0
+_LONG_TESTS: dict[str, tuple[float, bool]] = {}
 
 
 def pytest_runtest_logreport(report):
@@ -78,6 +86,8 @@ def pytest_runtest_logreport(report):
     each file on one worker."""
     name = report.nodeid.split("::")[0]
     _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    if report.when == "call" and report.duration > LONG_TEST_S:
+        _LONG_TESTS[report.nodeid] = (report.duration, "slow" in report.keywords)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -86,12 +96,30 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("slowest test files")
     for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+    if _LONG_TESTS:
+        terminalreporter.section(f"tests over {LONG_TEST_S:.0f} s")
+        for nodeid, (seconds, marked) in sorted(_LONG_TESTS.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}{'' if marked else '   NOT MARKED slow'}")
+
+
+# The files that take longest (wall seconds of a whole run at 3 xdist workers on 2 cores, 2026-12-07:
+# stack 301, rank drills 237, watchdog 210, ... hostile store 100; the rest under 75). `make test`
+# hands xdist whole files in collection order (``--dist loadfile --no-loadscope-reorder``), so these
+# go first: xdist's own order (most tests first) started them last, and a 36 s soak or a 237 s file
+# begun near the end of the run kept one worker busy alone for minutes.
+SLOWEST_FILES_FIRST = ("test_stack.py", "test_rank_drills.py", "test_watchdog.py", "test_rank_group.py",
+                       "test_preemption.py", "test_scale_out.py", "test_ui.py", "test_train_flow.py",
+                       "test_distributed_jobs.py", "test_recovery.py", "test_hostile_store.py",
+                       "test_soak_compare.py", "test_cancel_everywhere.py", "test_rank_fsdp.py",
+                       "test_rank_preemption.py", "test_bench.py", "test_validate.py", "test_gc_race.py")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if "seaweedfs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.s3)
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

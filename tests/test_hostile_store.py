@@ -967,7 +967,9 @@ BOMB_SCRIPT = textwrap.dedent("""
                 outcome[name] = "refused: " + type(e).__name__ + ": " + str(e)[:300]
             except BaseException as e:
                 outcome[name] = "RAW " + type(e).__name__ + ": " + str(e)[:300]
-    outcome["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # this process's own peak (VmHWM): Linux's ru_maxrss keeps the parent's peak across fork + exec,
+    # so a pytest worker grown past 1 GiB by earlier tests would be counted as this restore's
+    outcome["maxrss_kib"] = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
     print(json.dumps(outcome))
 """)
 

@@ -127,6 +127,7 @@ def shot(page, name: str, full_page: bool = True) -> Path:
     return path
 
 
+@pytest.mark.slow  # about 60 s on CI: a browser drives the UI through a whole run on the stack's worker
 def test_start_a_training_run_from_the_ui_and_find_its_validation(ui_stack, page):
     sync_api = _need_browser()
     expect = sync_api.expect
