@@ -131,6 +131,39 @@ def test_a_warm_group_trains_again_in_the_same_processes_on_a_fresh_groups_bits_
 
 
 @pytest.mark.slow
+def test_ranks_are_forked_by_one_launcher_that_ignores_sigterm_and_is_replaced_once_killed(clean, tmp_path):
+    """Every fresh group's ranks are forked by this process's one launcher (torch imported once:
+    trainrun.rank_launcher), whatever the run; the launcher ignores SIGTERM (a preemption signalled
+    to a whole process group is for the ranks, which checkpoint); killed, it takes its ranks with it,
+    which read as killed, and the next group starts a new launcher and trains the clean fragment."""
+    import psutil
+
+    s, clean = spec(), clean[1]
+    launchers = set()
+    for name in ("a", "b"):
+        ck = step_zero(str(tmp_path / name), s)
+        train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2, warm=True)
+        ranks = [psutil.Process(p) for p in rank_pids(ck).values() if p]
+        assert len(ranks) == 2
+        launchers |= {r.ppid() for r in ranks}
+        assert all("trainrun.rank_round" not in " ".join(r.cmdline()) for r in ranks)  # not started apart
+    [launcher_pid] = launchers  # one launcher for both groups
+    launcher = psutil.Process(launcher_pid)
+    assert launcher.ppid() == os.getpid() and "trainrun.rank_launcher" in launcher.cmdline()
+    group = rank_group._WARM[rank_group.group_key(ck, "shard-0", s, rank_group.GROUP_TIMEOUT_S)]
+    launcher.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert launcher.is_running() and all(r.process.poll() is None for r in group.ranks)
+    launcher.kill()
+    assert sorted(r.process.wait(timeout=20) for r in group.ranks) == [-signal.SIGKILL] * 2
+    assert not any(alive(r.process.pid) for r in group.ranks)
+    again = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), attempt=2, heartbeat_every_s=0.2, warm=True)
+    assert again.loss == clean.loss and again.digest == clean.digest
+    assert {psutil.Process(p).ppid() for p in rank_pids(ck).values() if p} - {launcher_pid}  # a new launcher
+    assert end_groups() == 2
+
+
+@pytest.mark.slow
 def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(clean, tmp_path):
     s, clean = spec(), clean[1]
     ck = step_zero(str(tmp_path / "k"), s)
@@ -348,8 +381,8 @@ def test_a_resume_may_change_ranks_per_shard_from_the_last_healthy_step_only(tmp
 
 @pytest.mark.slow
 def test_the_ranks_of_a_shard_task_killed_outright_end_with_it(tmp_path):
-    """kill -9 of the process that supervises a group (a shard task's): its ranks are not left
-    training (the kernel kills them: PR_SET_PDEATHSIG)."""
+    """kill -9 of the process that supervises a group (a shard task's): its ranks and their launcher
+    are not left running (the kernel kills them: PR_SET_PDEATHSIG)."""
     import signal
     import subprocess
     import sys
@@ -371,12 +404,17 @@ def test_the_ranks_of_a_shard_task_killed_outright_end_with_it(tmp_path):
             break  # both ranks train
         time.sleep(0.2)
     assert len(beats) == 2, "the group never trained"
+    import psutil
+
+    launchers = {psutil.Process(b.pid).ppid() for b in beats.values() if b.pid}  # the ranks' launcher
+    assert psutil.Process(*launchers).ppid() == supervisor.pid
     supervisor.send_signal(signal.SIGKILL)
     supervisor.wait()
+    pids = [b.pid for b in beats.values() if b.pid] + list(launchers)
     deadline = time.monotonic() + 30
-    while any(alive(b.pid) for b in beats.values() if b.pid) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(alive(b.pid) for b in beats.values() if b.pid)
+    assert not any(alive(p) for p in pids)  # nor their launcher
 
 
 def test_a_rank_still_loading_is_judged_by_the_start_timeout_though_rank_0_trains(tmp_path):

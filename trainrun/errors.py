@@ -27,6 +27,11 @@ class RankGroupFailed(CheckpointError, RuntimeError):
     failed (its other ranks were ended); a retry starts a fresh group from the same cut."""
 
 
+class LauncherError(CheckpointError, RuntimeError):
+    """The rank launcher (``trainrun.rank_launcher``) could not be started or could not fork a rank;
+    the group's ranks then start as their own processes."""
+
+
 class RankGroupRefused(CheckpointError, ValueError):
     """A rank of a shard's group refused its work (a workload or batch that cannot be split over the
     ranks): a retry would fail the same way; the message names the fix."""

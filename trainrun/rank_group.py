@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Beat, Heartbeat, heartbeat_key, read_heartbeat
@@ -68,10 +68,11 @@ from ckptlib.heartbeat import Beat, Heartbeat, heartbeat_key, read_heartbeat
 from . import preemption
 from .beats import start_meta, starting
 from .documents import Cut
-from .errors import Preempted, RankGroupFailed, RankGroupRefused
+from .errors import LauncherError, Preempted, RankGroupFailed, RankGroupRefused
 from .failures import RankExit
 from .layout import shard_part
 from .local_tier import LocalTier
+from .rank_launcher import LaunchedRank, launch_rank, launcher_supported
 from .rank_round import RankJob
 from .recovery import recognise_failure
 from .results import ShardResult
@@ -95,12 +96,15 @@ def rendezvous_path(workdir: Path) -> Path:
     return workdir / "rendezvous"
 
 
+RankProcess = subprocess.Popen[bytes] | LaunchedRank
+
+
 @dataclass
 class Rank:
     """One rank process of the group and where its stderr goes."""
 
     rank: int
-    process: subprocess.Popen
+    process: RankProcess
     stderr_path: Path
 
     def error_tail(self, lines: int = 3) -> str:
@@ -124,11 +128,23 @@ def _popen_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
     for job in jobs:
         err = workdir / f"rank-{job.rank}.stderr"
         with open(err, "wb") as stderr:
-            p = subprocess.Popen([sys.executable, "-m", "trainrun.rank_round"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-        ranks.append(Rank(job.rank, p, err))
+            ranks.append(Rank(job.rank, _start_rank(env, stderr), err))
     send_jobs(ranks, jobs)
     return ranks
+
+
+def _start_rank(env: dict[str, str], stderr: IO[bytes]) -> RankProcess:
+    """A rank forked by this process's launcher (torch imported once: ``trainrun.rank_launcher``);
+    where there is none (not Linux) or it cannot start, ``python -m trainrun.rank_round``."""
+    global _LAUNCHER_BROKEN
+    if launcher_supported() and not _LAUNCHER_BROKEN:
+        try:
+            return launch_rank(env, stderr.fileno())
+        except LauncherError as e:
+            _LAUNCHER_BROKEN = True
+            log.warning("rank groups: %s; ranks start as their own processes from now on (1-2 s each)", e)
+    return subprocess.Popen([sys.executable, "-m", "trainrun.rank_round"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=stderr, env=env)
 
 
 def send_jobs(ranks: Sequence[Rank], jobs: Sequence[RankJob]) -> None:
@@ -180,6 +196,7 @@ class Group:
 _WARM: dict[tuple[Any, ...], Group] = {}
 _WARM_LOCK = threading.Lock()
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rank-groups")
+_LAUNCHER_BROKEN = False  # the launcher failed to start once: plain processes from then on
 
 
 def group_key(ck: Checkpointer, part: str, spec: RunSpec, group_timeout_s: float) -> tuple[Any, ...]:
@@ -313,6 +330,8 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
             codes = [r.process.poll() for r in ranks]
             failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None and c not in stopped]
             if failed:
+                # the first to exit first: the others often failed because it did (a closed connection)
+                failed.sort(key=lambda rc: getattr(rc[0].process, "exit_order", None) or 0)
                 raise detected(group_error(part, generation, ranks, failed))
             if all(c in stopped for c in codes):
                 raise preempted(part, jobs[0])

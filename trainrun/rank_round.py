@@ -338,10 +338,11 @@ def run_job(job: RankJob) -> RankExit:
         return RankExit.FAILED
 
 
-def main() -> int:
+def main(parent_pid: int | None = None) -> int:
     """The rank process: the first job's rendezvous, then job after job in the same group (a warm
     group: ``trainrun.rank_group``) until stdin closes or stays idle; the first job that fails
-    ends the process, and its exit code says how (module docstring)."""
+    ends the process, and its exit code says how (module docstring). It dies with ``parent_pid``
+    (the rank launcher that forked it: ``trainrun.rank_launcher``), else with its job's supervisor."""
     import torch.distributed as dist
 
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -349,7 +350,7 @@ def main() -> int:
     job = reader.next()
     if job is None:
         return RankExit.DONE
-    die_with(job.supervisor_pid)
+    die_with(job.supervisor_pid if parent_pid is None else parent_pid)
     try:  # torch is imported: the group's start goes on to its rendezvous (timed apart: trainrun.beats)
         starting(job_heartbeat(job, Store.from_url(job.url, job.storage_options)), "rendezvous")
     except FencedError as e:
@@ -370,6 +371,8 @@ def main() -> int:
     try:
         while job is not None:
             code = run_job(job)
+            if code == RankExit.FAILED:  # its traceback is on stderr; it leaves first (below)
+                leave_at_once(code)
             if code:
                 return code
             job = reader.next(job.idle_s)
@@ -379,6 +382,18 @@ def main() -> int:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group cannot be destroyed cleanly
             pass
+
+
+def leave_at_once(code: int) -> None:
+    """End this failed rank now, its gloo group not destroyed: the kernel closes its connections, so
+    it exits before the ranks that fail because of it (the supervisor names the first rank to exit,
+    and a destroy here could let a peer see the closed connection, fail and exit first)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing more to say
+            pass
+    os._exit(code)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
