@@ -65,6 +65,10 @@ class TrainOptions:
     task_runner: Annotated[str, _opt("--task-runner", metavar="RUNNER", panel=WHERE,
                                      help="Where shard tasks run: threads, dask, dask://HOST:PORT or "
                                           "pool:FLOW/DEPLOYMENT (docs/scale.md).")] = "threads"
+    validation_runner: Annotated[str, _opt("--validation-runner", metavar="process|threads", panel=WHERE,
+                                           help="Where validations run: process (one worker process beside "
+                                                "training: no GIL contention) or threads (this process: no "
+                                                "worker to start).")] = "process"
     storage_options: Annotated[Optional[str], _opt("--storage-options", metavar="@FILE|JSON", panel=WHERE,
                                                    help=STORAGE_OPTIONS_HELP)] = None
     credentials_block: Annotated[Optional[str], _opt("--credentials-block", metavar="NAME", panel=WHERE,
@@ -150,7 +154,7 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "outer_momentum": "outer_momentum", "torch_threads": "torch_threads",
               "ranks_per_shard": "ranks_per_shard", "parallelism": "parallelism", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
-              "task_runner": "task_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
+              "task_runner": "task_runner", "validation_runner": "validation_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
               "shard_checkpoint_every": "shard_checkpoint_every", "preempt_grace": "preempt_grace_s", "min_shards": "min_shards",
               "storage_options": "storage_options", "credentials_block": "credentials_block",
               "store_block": "store_block"}

@@ -110,11 +110,12 @@ SLOW_SPEC = RunSpec(workload="slow_steps:build", workload_extra=EXTRA, shards=2,
 
 
 def train_args(store: str, run_id: str) -> list[str]:
-    """``ckpt train`` of ``SLOW_SPEC`` for 3 rounds, shard checkpoints only on a stop, no watchdog."""
+    """``ckpt train`` of ``SLOW_SPEC`` for 3 rounds, shard checkpoints only on a stop, no watchdog,
+    validations in its threads (a worker process would cost 6-8 CPU-seconds of imports a run)."""
     return [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", run_id, "--workload",
             SLOW_SPEC.workload, "--shards", "2", "--rounds", "3", "--steps-per-round", "40", "--workload-extra",
             json.dumps(EXTRA), "--heartbeat-every", "0.2", "--shard-checkpoint-every", str(NEVER), "--no-watchdog",
-            "--preempt-grace", "20"]
+            "--preempt-grace", "20", "--validation-runner", "threads"]
 
 
 def newest_checkpoint(root: str, round_no: int, part: str) -> int | None:

@@ -69,7 +69,7 @@ def test_a_killed_rank_and_a_hung_rank_reach_the_clean_digest_and_a_resume_with_
     # resize: one process per shard from the last healthy step on, as `ckpt train` is told (a form
     # cannot say 1: a value equal to the default reads as not given, and a resume keeps the run's)
     cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path), "--run-id", "kh", "--resume",
-           "--ranks-per-shard", "1", "--rounds", "3", "--no-watchdog"]
+           "--ranks-per-shard", "1", "--rounds", "3", "--no-watchdog", "--validation-runner", "threads"]
     p2 = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     with Checkpointer(s["run_url"]) as ck:
@@ -99,7 +99,7 @@ def test_fsdp_groups_with_a_killed_rank_and_a_hung_rank_reach_the_clean_fsdp_dig
         assert stored_config(ck, 2)["parallelism"] == "fsdp"
         assert isinstance(ck.fragment(2, "shard-0"), GroupFragment)
     cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path / "kh"), "--run-id", "kh", "--resume",
-           "--parallelism", "ddp", "--rounds", "3", "--no-watchdog"]
+           "--parallelism", "ddp", "--rounds", "3", "--no-watchdog", "--validation-runner", "threads"]
     p2 = subprocess.run(cmd, env=cli_env(tmp_path / "kh"), capture_output=True, text=True, timeout=600)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     with Checkpointer(s["run_url"]) as ck:

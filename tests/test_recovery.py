@@ -409,7 +409,7 @@ def test_a_run_killed_mid_round_resumes_from_its_shard_checkpoints(prefect_harne
     store = str(tmp_path / "store")
     args = [sys.executable, "-m", "ckpt", "train", "--store", store, "--run-id", "killed", "--workload", workload,
             "--shards", "2", "--rounds", "3", "--steps-per-round", "40", "--workload-extra", json.dumps(EXTRA),
-            "--heartbeat-every", "0.2", "--shard-checkpoint-every", str(N)]
+            "--heartbeat-every", "0.2", "--shard-checkpoint-every", str(N), "--validation-runner", "threads"]
     proc = subprocess.Popen(args, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run = Path(store, "killed")
     killed_in = None

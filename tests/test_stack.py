@@ -60,6 +60,10 @@ REPO = Path(__file__).resolve().parent.parent
 # Small enough for 2 cores, long enough to kill a run after step 0 with rounds still to go.
 SMALL = {"shards": 1, "rounds": 2, "steps_per_round": 2}
 FINAL = SMALL["rounds"]
+# A run whose test is not about the validation worker validates in the flow's threads: a worker
+# process costs 6-8 CPU-seconds of imports (test_training_run_on_the_worker and
+# test_a_dead_run_is_resumed_by_the_watchdog run the default, a process).
+QUICK = {**SMALL, "validation_runner": "threads"}
 WATCHDOG = {"timeout_s": 8, "poll_s": 1}  # quick detection for tests (the default is 30 s)
 KEEPER_WITHIN_S = 30  # 3 missed signs of life: under CI's load a watchdog can miss one and still live
 
@@ -699,7 +703,8 @@ def test_prefect_cli_runs_the_documented_parameters_and_a_diverging_run_fails(st
     in the bucket, its validate task run and the flow run end Failed with one message naming the step,
     the check and the last healthy step, and both notifications arrive, typed and with HTTP links."""
     run_id = f"div-{uuid.uuid4().hex[:8]}"
-    given = {"shards": 1, "rounds": 2, "steps_per_round": 2, "lr": 1e30, "run_id": run_id}
+    given = {"shards": 1, "rounds": 2, "steps_per_round": 2, "lr": 1e30, "run_id": run_id,
+             "validation_runner": "threads"}
     prefect, env = str(Path(sys.executable).parent / "prefect"), {**_clean_env(), **stack["env"]}
     wrong = subprocess.run([prefect, "deployment", "run", "train-run/train", "--param", "rounds=2"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)  # not a field of the form: loud
@@ -742,7 +747,7 @@ def test_a_killed_worker_takes_no_run_with_it_and_one_command_restarts_it(stack)
     st = Stack(stack["dir"])
     server_pid, worker_pid, supervisor_pid = st.pid("server"), st.pid("worker"), st.pid("supervisor")
     with _api(stack) as api:
-        fr = api.run_deployment("train-run/train", {"params": {**SMALL, "rounds": FINAL + 1, "run_id": run_id}},
+        fr = api.run_deployment("train-run/train", {"params": {**QUICK, "rounds": FINAL + 1, "run_id": run_id}},
                                 name=f"test-{run_id}")
         _wait_state(api, fr["id"], "RUNNING", 180)
         _wait_key(stack, f"runs/{run_id}/heartbeats/coordinator.json")  # it trains
@@ -778,7 +783,7 @@ def test_hang_drill_through_the_stack(stack):
     run_id = f"drill-{uuid.uuid4().hex[:8]}"
     with _api(stack) as api:
         t0 = time.monotonic()
-        fr = api.run_deployment("train-run/train", {"params": {**SMALL, "run_id": run_id,
+        fr = api.run_deployment("train-run/train", {"params": {**QUICK, "run_id": run_id,
                                                                "chaos": ["hang:shard=0,round=1"]}},
                                 name=f"test-{run_id}")
         fr = api.wait(fr["id"], timeout=400)
@@ -875,7 +880,7 @@ def test_retry_of_a_failed_run_resumes_it(stack):
     run_id = f"retry-{uuid.uuid4().hex[:8]}"
     with _api(stack) as api:
         fr = api.run_deployment("train-run/train", {"params": {
-            **SMALL, "run_id": run_id, "shard_retries": 0, "chaos": ["crash:shard=0,round=2"]}}, name=f"test-{run_id}")
+            **QUICK, "run_id": run_id, "shard_retries": 0, "chaos": ["crash:shard=0,round=2"]}}, name=f"test-{run_id}")
         fr = api.wait(fr["id"], timeout=300)
         assert fr["state_type"] == "FAILED", fr["state"]
         api.set_state(fr["id"], "SCHEDULED", "Retry from the UI", name="AwaitingRetry")

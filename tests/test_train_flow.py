@@ -155,7 +155,7 @@ def test_kill_9_mid_run_then_resume_reaches_the_clean_digest(clean, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not (url / "manifests" / "3.json").exists(), "the run finished before it could be killed"
     resume = [sys.executable, "-m", "ckpt", "train", "--resume", "--run-id", "killed", "--store", store,
-              "--json", str(tmp_path / "summary.json")]
+              "--json", str(tmp_path / "summary.json"), "--validation-runner", "threads"]
     out = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"digest: {clean['digests'][3]}" in out.stdout.splitlines()

@@ -254,6 +254,7 @@ def test_cli_options_are_the_schema_and_bad_options_are_one_line_errors(tmp_path
     store = str(tmp_path)
     for args, why in [(["--chaos", "boom:shard=1,round=2"], "unknown chaos kind"),
                       (["--task-runner", "ray"], "task runner 'ray'"),
+                      (["--validation-runner", "proc"], "validation_runner: Input should be 'process' or 'threads'"),
                       (["--run-id", "a/b"], "run id"),
                       (["--shards", "0"], "shards: Input should be greater than or equal to 1"),
                       (["--resume"], "--resume needs --run-id"),

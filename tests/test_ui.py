@@ -265,7 +265,8 @@ def test_a_fenced_shard_shows_on_the_training_run(ui_stack, page):
     run_id = f"ui-hang-{uuid.uuid4().hex[:8]}"
     with _api(ui_stack) as api:
         fr = api.run_deployment("train-run/train", {"params": {"shards": 1, "rounds": 1, "steps_per_round": 2,
-                                                               "run_id": run_id, "chaos": ["hang:shard=0,round=1"]}})
+                                                               "run_id": run_id, "chaos": ["hang:shard=0,round=1"],
+                                                               "validation_runner": "threads"}})
         fr = api.wait(fr["id"], timeout=RUN_TIMEOUT_MS / 1000)
         assert fr["state_type"] == "COMPLETED", fr["state"]
     try:

@@ -408,7 +408,7 @@ def test_cli_kill_and_hang_drills_with_dask_processes(clean, tmp_path):
     cmd = [sys.executable, "-m", "ckpt", "train", "--store", str(tmp_path), "--run-id", "kh", "--shards", "2",
            "--rounds", "3", "--steps-per-round", "40", "--workload-extra", json.dumps(EXTRA), "--heartbeat-every",
            "0.5", "--watchdog-timeout", str(TIMEOUT), "--task-runner", "dask", "--json", str(tmp_path / "s.json"),
-           "--chaos", "kill:shard=1,round=2", "--chaos", "hang:shard=0,round=3"]
+           "--chaos", "kill:shard=1,round=2", "--chaos", "hang:shard=0,round=3", "--validation-runner", "threads"]
     p = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=400)
     log.stop.set()
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
