@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -150,6 +151,15 @@ def stopped_where(run: Path) -> dict[str, int]:
         assert newest_checkpoint(str(run), 2, part) == b.round_step, (part, b)
         where[part] = b.round_step
     return where
+
+
+def end_session(proc: subprocess.Popen) -> None:
+    """SIGKILL to every process left in the session ``proc`` leads (``start_new_session=True``); a
+    session that ended whole (its run validated on threads: no worker process outlives it) is fine."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def resume(args: list[str], env: dict, tmp_path: Path, where: dict[str, int]) -> dict:

@@ -9,8 +9,6 @@ and reaches the clean run's digests. (Before: the workers finished the round, an
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 
@@ -18,7 +16,7 @@ import pytest
 
 from ckptlib.heartbeat import read_heartbeats
 from ckptlib.store import Store
-from tests.runs import SLOW_SPEC, digests, resume, stopped_where, train_args, wait_for_round
+from tests.runs import SLOW_SPEC, digests, end_session, resume, stopped_where, train_args, wait_for_round
 from trainrun.preemption import STOP_KEY
 
 STEP_S = 0.3  # a step's sleep: the 35 steps left of round 2 take 10 s, a stop a beat (0.2 s) and a step
@@ -47,7 +45,7 @@ def test_a_dask_run_cancelled_through_the_api_stops_every_shard_within_seconds_a
             client.set_flow_run_state(fr.id, Cancelling(message="cancelled by the test"), force=True)
         out = proc.communicate(timeout=120)[0]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_session(proc)
     assert "ended CANCELLED" in out and "Traceback" not in out, out[-3000:]
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(fr.id).state

@@ -1404,7 +1404,9 @@ def test_gc_never_removes_the_temp_file_of_a_write_in_flight(tmp_path, monkeypat
         if "/chunks/" in str(dst) and not ran:
             ran.append(True)
             with Checkpointer(url) as other:
-                other.gc(RetentionPolicy(keep_last=1), grace_s=0)  # another process's GC, right now
+                # another process's GC, right now; it waits 0.5 s (not the default 30 s) for the save
+                # in flight, then defers its sweeps
+                other.gc(RetentionPolicy(keep_last=1), grace_s=0, wait_s=0.5)
         return real_link(src, dst, *a, **kw)
 
     monkeypatch.setattr(local.os, "link", link_after_a_gc)

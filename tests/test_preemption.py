@@ -15,7 +15,6 @@ Tiny settings: tinylm of width 32 (``slow_steps``: each step sleeps, so a signal
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from tests.runs import (
     NEVER,
     SLOW_SPEC,
     digests,
+    end_session,
     newest_checkpoint,
     resume,
     stopped_where,
@@ -133,7 +133,7 @@ def test_a_preempted_run_checkpoints_every_shard_and_its_resume_recomputes_nothi
     try:
         out = proc.communicate(timeout=300)[0]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_session(proc)
     assert proc.returncode != 0 and not (run / "manifests" / "2.json").exists(), out[-3000:]
     where = stopped_where(run)
     assert where["shard-0"] == 10  # the drill's shard stopped at its strike step
@@ -160,7 +160,7 @@ def test_a_run_cancelled_through_the_api_checkpoints_ends_cancelled_and_resumes_
             client.set_flow_run_state(fr.id, Cancelling(message="cancelled by the test"), force=True)
         out = proc.communicate(timeout=120)[0]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_session(proc)
     assert "ended CANCELLED" in out and "Traceback" not in out, out[-3000:]
     assert "cancelled after round 1: this session committed steps 0..1" in out, out[-3000:]
     with get_client(sync_client=True) as client:

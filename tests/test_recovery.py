@@ -16,8 +16,6 @@ checkpoint every 10 steps, a beat every 0.5 s, a watchdog timeout of 2 s: ``test
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +29,7 @@ from ckptlib import Checkpointer, CorruptCheckpoint, FencedError, RetentionPolic
 from ckptlib.store import Store
 from tests.drills import DRILL, TIMEOUT
 from tests.drills import train_with_watchdog as beside
-from tests.runs import ENV, EXTRA, digests
+from tests.runs import ENV, EXTRA, digests, end_session
 from trainrun.chaos import parse_chaos
 from trainrun.documents import Cut
 from trainrun.local_tier import LocalTier
@@ -425,7 +423,7 @@ def test_a_run_killed_mid_round_resumes_from_its_shard_checkpoints(prefect_harne
                     break
             time.sleep(0.01)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_session(proc)
         proc.wait(30)
     assert not (run / "manifests" / f"{killed_in}.json").exists(), "the round ended before the kill"
     with Checkpointer(str(run)) as ck:

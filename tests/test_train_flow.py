@@ -218,6 +218,36 @@ def test_dask_runner_with_two_processes_reaches_the_clean_digest(clean, tmp_path
     assert os.getpid() not in pids  # the shards ran in Dask worker processes
 
 
+def _where_am_i() -> dict:
+    import sys
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        parent = f.read().replace(b"\0", b" ").decode()
+    return {"pid": os.getpid(), "parent": parent, "torch": "torch" in sys.modules,
+            "mark": os.environ.get("CKPT_TEST_MARK")}
+
+
+def test_local_dask_workers_are_forked_from_a_server_that_imported_torch(prefect_harness, monkeypatch):
+    """``--task-runner dask``: the cluster's worker processes are forked from multiprocessing's fork
+    server, where torch, Prefect and the shard task were imported once (flows.runners.forked_workers),
+    and each has this process's environment as it was when the cluster started."""
+    from prefect import flow, task
+
+    from flows.runners import shard_runner
+
+    monkeypatch.setenv("CKPT_TEST_MARK", "seen")
+    where = task(_where_am_i)
+
+    @flow
+    def probe() -> list[dict]:
+        with shard_runner("dask", 2) as runner:
+            return [runner.submit(where, {}).result() for _ in range(2)]
+
+    seen = probe()
+    assert all(w["pid"] != os.getpid() and "multiprocessing.forkserver" in w["parent"] for w in seen), seen
+    assert all(w["torch"] and w["mark"] == "seen" for w in seen), seen
+
+
 def test_progress_display_reads_the_run_from_the_store(clean):
     from rich.console import Console
 
