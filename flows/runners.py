@@ -2,11 +2,12 @@
 
 * ``threads``: the flow's own ThreadPoolTaskRunner (one process; shards are threads).
 * ``dask``: a temporary local Dask cluster of processes (``prefect_dask.DaskTaskRunner``), one worker
-  process per shard (at least 2), one thread each; it lives as long as the flow run. No spare
-  worker: one was tried (a preempted worker's task then reran at once, 0.55 s back to training
-  instead of 2-8 s), but Dask hands tasks to idle workers in turn, so a round's shard could land on
-  the spare cold and start seconds after the others (a CI run saw a shard finish its round before
-  the other had begun it). In every
+  process per shard (at least 2), one thread each; it lives as long as the flow run. Its workers,
+  replacements included, are forked from a server that imported torch, Prefect and the shard task
+  once (``forked_workers``, decision 64). No spare worker: one was tried (a preempted worker's task
+  then reran at once, 0.55 s back to training instead of 2-8 s when workers were spawned), but Dask
+  hands tasks to idle workers in turn, so a round's shard could land on the spare cold and start
+  seconds after the others (a CI run saw a shard finish its round before the other had begun it). In every
   worker (either Dask kind) a SIGTERM is a preemption: its shard checkpoints where it is, then the
   worker ends and Dask runs the task again elsewhere, from that checkpoint (``preemptible_workers``).
 * ``dask://HOST:PORT``: an existing scheduler (``dask scheduler`` + ``dask worker`` on many
