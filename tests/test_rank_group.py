@@ -163,6 +163,50 @@ def test_ranks_are_forked_by_one_launcher_that_ignores_sigterm_and_is_replaced_o
     assert end_groups() == 2
 
 
+def test_a_launcher_that_cannot_start_says_why_and_leaves_nothing_running(tmp_path, monkeypatch):
+    """A launcher whose interpreter cannot import the project ends at once: one LauncherError that
+    says so, and no process of it is left."""
+    import subprocess
+
+    from trainrun.errors import LauncherError
+    from trainrun.rank_launcher import RankLauncher
+
+    (tmp_path / "trainrun").mkdir()  # a package of that name ahead of the project on the path
+    (tmp_path / "trainrun" / "__init__.py").write_text("raise ImportError('not this one')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    monkeypatch.chdir(tmp_path)  # `python -m` looks in the working folder first
+    with pytest.raises(LauncherError, match="the rank launcher .* ended") as e:
+        RankLauncher(env)
+    assert "stderr says why" in str(e.value)
+    leftover = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "trainrun.rank_launcher"], capture_output=True,
+                              text=True).stdout.split()
+    assert not [p for p in leftover if alive(int(p))]
+
+
+@pytest.mark.slow
+def test_ranks_start_as_their_own_processes_when_the_launcher_fails(clean, tmp_path, monkeypatch, caplog):
+    """Where the launcher cannot start, a group's ranks start as ``python -m trainrun.rank_round``
+    (with one warning) and train the clean fragment."""
+    import psutil
+
+    from trainrun.errors import LauncherError
+
+    def broken(env, stderr_fd):
+        raise LauncherError("the rank launcher ended (test)")
+
+    monkeypatch.setattr(rank_group, "launch_rank", broken)
+    monkeypatch.setattr(rank_group, "_LAUNCHER_BROKEN", False)
+    s, clean = spec(), clean[1]
+    ck = step_zero(str(tmp_path / "p"), s)
+    with caplog.at_level("WARNING", logger="trainrun.rank_group"):
+        result = train_shard_group(ck, None, s, 0, 1, Cut.of_step(0), heartbeat_every_s=0.2, warm=True)
+    assert result.digest == clean.digest
+    ranks = [psutil.Process(p) for p in rank_pids(ck).values() if p]
+    assert all(r.ppid() == os.getpid() and "trainrun.rank_round" in " ".join(r.cmdline()) for r in ranks)
+    assert sum("start as their own processes" in r.message for r in caplog.records) == 1
+    assert end_groups(ck.url) == 1
+
+
 @pytest.mark.slow
 def test_a_killed_rank_fails_its_group_whose_other_ranks_end_and_a_retry_writes_the_clean_fragment(clean, tmp_path):
     s, clean = spec(), clean[1]

@@ -133,9 +133,13 @@ class RankLauncher:
         self.sock = ours
         self._reader = threading.Thread(target=self._read, name="rank-launcher-notices", daemon=True)
         self._reader.start()
-        ready = self._reply(START_TIMEOUT_S)
-        if "ready" not in ready[0]:
-            raise LauncherError(f"the rank launcher answered {ready[0]} instead of ready")
+        try:
+            ready = self._reply(START_TIMEOUT_S)
+            if "ready" not in ready[0]:
+                raise LauncherError(f"the rank launcher answered {ready[0]} instead of ready")
+        except BaseException:
+            self.close()  # nothing of a launcher that did not start lives on
+            raise
 
     def spawn(self, env: dict[str, str], stdin_fd: int, stderr_fd: int) -> tuple[int, int]:
         """Fork a rank with ``stdin_fd`` and ``stderr_fd`` (this process keeps its own copies); its pid
