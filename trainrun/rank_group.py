@@ -119,10 +119,10 @@ def start_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
     """One process per job, started from the long-lived ``_SPAWNER`` thread: a rank's
     ``PR_SET_PDEATHSIG`` fires when the thread that started it ends, and a warm group outlives the
     task thread that started it. The first job goes on its stdin, which stays open for the next."""
-    return _SPAWNER.submit(_popen_ranks, jobs, workdir).result()
+    return _SPAWNER.submit(_start_rank_processes, jobs, workdir).result()
 
 
-def _popen_ranks(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
+def _start_rank_processes(jobs: Sequence[RankJob], workdir: Path) -> list[Rank]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     ranks = []
     for job in jobs:
