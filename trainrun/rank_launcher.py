@@ -43,6 +43,7 @@ import threading
 import time
 from typing import IO, Any
 
+from . import rank_round
 from .errors import LauncherError
 
 # what a rank imports before its first step: imported once here, shared by every fork (FSDP2's
@@ -245,14 +246,6 @@ def launch_rank(env: dict[str, str], stderr_fd: int) -> LaunchedRank:
 # --- the launcher's side -------------------------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # it died before the call
-        os._exit(1)
-
-
 def serve(sock: socket.socket) -> None:
     """Answer each request with a forked rank; report each rank's exit; return at EOF."""
     watched: dict[int, int] = {}  # pidfd -> pid
@@ -309,7 +302,7 @@ def become_rank(launcher_pid: int, sock: socket.socket, watched: dict[int, int],
                 fds: list[int]) -> int:
     """In the forked child: the rank's standard streams, environment, path and signals, then its main.
     It keeps none of the launcher's descriptors (its socket, its other ranks' pidfds)."""
-    _die_with_parent(launcher_pid)
+    rank_round.die_with(launcher_pid)
     os.close(sock.detach())
     for pidfd in watched:
         os.close(pidfd)
@@ -325,15 +318,13 @@ def become_rank(launcher_pid: int, sock: socket.socket, watched: dict[int, int],
     os.chdir(request["cwd"])
     sys.path[:] = list(request["path"])
     importlib.invalidate_caches()  # files written since the launcher started (a user's workload)
-    from trainrun import rank_round
-
     sys.argv = [rank_round.__file__]
     return int(rank_round.main(parent_pid=launcher_pid))
 
 
 def main() -> int:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
-    _die_with_parent(parent_pid)
+    rank_round.die_with(parent_pid)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a signal to the process group is the ranks'
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
