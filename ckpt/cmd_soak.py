@@ -35,7 +35,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .app import app
-from .common import command_errors
+from .common import WORKLOAD_EXTRA_EXAMPLE, command_errors, parse_json_object
 
 DEFAULT_KINDS = "crash,hang,stall"
 
@@ -52,6 +52,9 @@ def soak(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the failure schedule.")] = 0,
     workload: Annotated[str, typer.Option("--workload", help="The workload (as ckpt train).")] = "tinylm",
     size: Annotated[str, typer.Option("--size", help="Workload size preset: small | bench.")] = "small",
+    workload_extra: Annotated[Optional[str], typer.Option("--workload-extra", metavar="JSON", help="Workload knobs "
+                                                          "over the preset (as ckpt train), e.g. "
+                                                          f"{WORKLOAD_EXTRA_EXAMPLE}.")] = None,
     shards: Annotated[int, typer.Option("--shards", metavar="N", min=1)] = 2,
     steps_per_round: Annotated[int, typer.Option("--steps-per-round", metavar="H", min=2)] = 150,
     rounds: Annotated[Optional[int], typer.Option("--rounds", metavar="R", min=1, help="Rounds of each run (default: "
@@ -88,9 +91,11 @@ def soak(
         for k in names:
             parse_chaos(f"{k}:shard=0,round=1")  # an unknown kind: one error line
         check_runner([f"{k}:shard=0,round=1" for k in names], task_runner)
-        peers = _peers(compare, shards)
+        extra = parse_json_object(workload_extra, "--workload-extra", WORKLOAD_EXTRA_EXAMPLE) or {}
+        peers = _peers(compare, shards, extra)
         root = store or tempfile.mkdtemp(prefix="ckpt-soak-")
-        base = {"workload": workload, "workload_size": size, "shards": shards, "steps_per_round": steps_per_round,
+        base = {"workload": workload, "workload_size": size, "workload_extra": extra, "shards": shards,
+                "steps_per_round": steps_per_round,
                 "seed": 0, "store": root, "heartbeat_every_s": heartbeat_every,
                 "shard_checkpoint_every": shard_checkpoint_every, "local_tier": not no_local_tier,
                 "task_runner": task_runner, "validate_checkpoints": validate, "shard_retries": 3}
@@ -111,7 +116,7 @@ def soak(
             raise typer.Exit(1)
 
 
-def _peers(compare: str | None, shards: int) -> list[str]:
+def _peers(compare: str | None, shards: int, workload_extra: dict[str, Any]) -> list[str]:
     """The peers of ``--compare``, checked before any run starts."""
     from bench.compare import PEERS
 
@@ -119,6 +124,9 @@ def _peers(compare: str | None, shards: int) -> list[str]:
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"--compare: unknown peer {', '.join(unknown)}: choose from {', '.join(PEERS)}")
+    if peers and workload_extra:
+        raise ValueError("--compare: the peers train the workload's --size preset as it is, so --workload-extra "
+                         "would compare different models: leave --workload-extra out")
     if peers and shards != 2:
         raise ValueError(f"--compare: the peers train two ranks, one shard's batches each, but --shards is "
                          f"{shards}: pass --shards 2")
@@ -204,7 +212,8 @@ def _rounds_for(base: dict[str, Any], minutes: float) -> int:
     from workloads import WorkloadConfig, build_workload
 
     torch.set_num_threads(1)
-    wl = build_workload(WorkloadConfig(base["workload"], seed=0, size=base["workload_size"]), 0, base["shards"])
+    config = WorkloadConfig(base["workload"], seed=0, size=base["workload_size"], extra=base["workload_extra"])
+    wl = build_workload(config, 0, base["shards"])
     for _ in range(3):
         wl.train_step()
     t0, n = time.perf_counter(), 20
@@ -256,8 +265,8 @@ def _report(base: dict[str, Any], clean: dict[str, Any], drilled: dict[str, Any]
     c, d = rounds_s(clean), rounds_s(drilled)
     bound = step_bound(base["shard_checkpoint_every"], base["steps_per_round"])
     return {
-        "workload": base["workload"], "size": base["workload_size"], "shards": base["shards"],
-        "rounds": len(clean["rounds_log"]), "steps_per_round": base["steps_per_round"],
+        "workload": base["workload"], "size": base["workload_size"], "workload_extra": base["workload_extra"],
+        "shards": base["shards"], "rounds": len(clean["rounds_log"]), "steps_per_round": base["steps_per_round"],
         "task_runner": base["task_runner"], "shard_checkpoint_every": base["shard_checkpoint_every"],
         "local_tier": base["local_tier"], "watchdog_timeout_s": timeout_s, "heartbeat_every_s": base["heartbeat_every_s"],
         "fail_every_s": fail_every, "kinds": kinds, "seed": seed,

@@ -14,6 +14,10 @@ import pytest
 from tests.runs import cli_env
 from trainrun.shard_checkpoint import AUTO_MAX_STEPS
 
+# A tenth of the small preset's step cost (2 ms a step, not 21): the soak's 880 shard steps are what
+# it recovers, not what it measures
+TINY = {"d_model": 32, "n_layers": 1, "n_heads": 2}
+
 
 @pytest.mark.prefect
 @pytest.mark.slow  # over 60 s on CI: two runs of rounds long enough for 2 automatic shard checkpoints each
@@ -21,13 +25,14 @@ def test_a_small_soak_recovers_every_failure_on_the_clean_digest_within_the_step
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "ckpt", "soak", "--rounds", "2", "--failures", "2", "--kinds", "crash,stall",
            "--steps-per-round", str(2 * AUTO_MAX_STEPS + 10), "--seed", "3", "--store", str(tmp_path / "runs"),
-           "--json", str(out)]
+           "--json", str(out), "--workload-extra", json.dumps(TINY)]
     p = subprocess.run(cmd, env=cli_env(tmp_path), capture_output=True, text=True, timeout=540)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["failures_scheduled"] == 2 and r["failures_struck"] == 2, r["schedule"]
     assert r["recoveries"] == 2 and set(r["kinds_recovered"]) <= {"crash", "stalled"}, r["rows"]
     assert r["same_digest"] and r["clean_digest"] == r["drilled_digest"]
+    assert r["workload_extra"] == TINY
     assert r["steps_bound"] == AUTO_MAX_STEPS and r["beyond_bound"] == 0, r["rows"]
     assert all(0 <= row["steps_recomputed"] <= AUTO_MAX_STEPS for row in r["rows"]), r["rows"]
     assert r["shard_checkpoints"]["clean"]["count"] >= 2 * 2 * 2  # the ceiling: at least 2 a round per shard

@@ -28,9 +28,11 @@ def test_the_soak_schedule_maps_to_a_rank_and_a_global_step_and_says_what_it_can
         loads('[{"kind": "exec", "rank": 0, "step": 1, "source": ""}]')
 
 
-def test_compare_refuses_an_unknown_peer_and_other_than_two_shards_with_one_error_line():
-    for args, said in ((["--compare", "torchft,nope"], "unknown peer nope"), (["--compare", "torchft", "--shards", "3"],
-                                                                               "pass --shards 2")):
+def test_compare_refuses_an_unknown_peer_other_than_two_shards_or_a_changed_model_with_one_error_line():
+    for args, said in ((["--compare", "torchft,nope"], "unknown peer nope"),
+                       (["--compare", "torchft", "--shards", "3"], "pass --shards 2"),
+                       (["--compare", "torchft", "--workload-extra", '{"d_model": 32}'], "leave --workload-extra out"),
+                       (["--workload-extra", "[1]"], "--workload-extra")):
         r = CliRunner().invoke(app, ["soak", "--rounds", "1", *args])
         assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output, r.output
 
