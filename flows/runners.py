@@ -81,8 +81,9 @@ def shard_runner(spec: str, shards: int, preempt_grace_s: float = 30.0) -> Itera
         yield runner
 
 
-# what a shard task's worker imports before its first step (Dask's own preload first)
-WORKER_PRELOAD = ("distributed", "torch", "prefect", "tasks.shard", "trainrun.shard_round")
+# what a shard task's worker imports before its first step (Dask's own preload first); torch._dynamo
+# as the rank launcher's PRELOAD says
+WORKER_PRELOAD = ("distributed", "torch", "torch._dynamo", "prefect", "tasks.shard", "trainrun.shard_round")
 
 
 def forked_workers() -> str:

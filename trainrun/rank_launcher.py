@@ -47,10 +47,13 @@ from . import rank_round
 from .errors import LauncherError
 
 # what a rank imports before its first step: imported once here, shared by every fork (FSDP2's
-# module alone is 0.4 s; a user's workload module is imported by the rank itself)
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp", "trainrun.rank_round",
-           "trainrun.attempt", "trainrun.shard_attempt", "ckptlib.distributed", "workloads.tinylm", "workloads.denselm",
-           "workloads.recsys", "workloads.finetune", "workloads.bf16", "workloads.fsdp")
+# module alone is 0.4 s; a user's workload module is imported by the rank itself). torch._dynamo:
+# torch imports it on the first call of an optimizer's constructor or of a meta-device init (its
+# decorators import it lazily), 0.9 CPU-seconds and 70 MiB that every rank paid again
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp",
+           "trainrun.rank_round", "trainrun.attempt", "trainrun.shard_attempt", "ckptlib.distributed",
+           "workloads.tinylm", "workloads.denselm", "workloads.recsys", "workloads.finetune", "workloads.bf16",
+           "workloads.fsdp")
 MAX_MESSAGE = 1 << 20  # a request: the environment, sys.path and cwd of the supervisor
 START_TIMEOUT_S = 120.0  # the launcher's imports, on a loaded machine
 EXIT_NOTICE_S = 10.0  # a rank that exited has its code within this (the launcher reaps it at once)
