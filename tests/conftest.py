@@ -126,7 +126,7 @@ def pytest_terminal_summary(terminalreporter):
 # go first: xdist's own order (most tests first) started them last, and a 36 s soak or a 237 s file
 # begun near the end of the run kept one worker busy alone for minutes.
 SLOWEST_FILES_FIRST = ("test_stack.py", "test_rank_drills.py", "test_watchdog.py", "test_rank_group.py",
-                       "test_preemption.py", "test_scale_out.py", "test_ui.py", "test_train_flow.py",
+                       "test_preemption.py", "test_scale_out.py", "test_train_flow.py",
                        "test_distributed_jobs.py", "test_recovery.py", "test_hostile_store.py",
                        "test_soak_compare.py", "test_cancel_everywhere.py", "test_rank_fsdp.py",
                        "test_rank_preemption.py", "test_bench.py", "test_validate.py", "test_gc_race.py")

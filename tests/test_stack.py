@@ -6,7 +6,9 @@ worker and its supervisor killed mid-run (the run completes; one command restart
 healed by the long-lived watchdog (the fenced task run says so), a dead flow-run process resumed by
 the watchdog, Retry of a failed run resuming it, the keeper starting a killed watchdog again,
 notifications to a webhook, a re-validation whose report index plot and table agree, gc as a
-deployment, ``deployments.stack down`` leaving nothing behind (and starting no worker again).
+deployment, ``deployments.stack down`` leaving nothing behind (and starting no worker again). And the
+Prefect UI in a real browser (headless Chromium, tests/browser.py): a training run started from the
+deployment's typed form and its validation found, a fenced shard shown on its run.
 
 Everything is real and on loopback: a Prefect server on a PostgreSQL cluster this module starts
 (Debian's ``postgresql``: ``initdb``/``pg_ctl`` as the ``postgres`` user when run as root; SQLite,
@@ -50,6 +52,7 @@ from prefect.client.schemas.sorting import LogSort
 from deployments.client import PrefectAPI
 from deployments.stack import Stack, free_port, stack_processes
 from flows.resume import RESWEEP_AFTER_S
+from tests import browser
 
 # slow, all of them: they share a real stack (a Prefect server on PostgreSQL, S3, a worker) that takes
 # 8-25 s to start, and the drills (Retry, the dead run, the killed worker, the hang) each wait on
@@ -807,6 +810,188 @@ def test_hang_drill_through_the_stack(stack):
         assert reruns == ["rerun-shard-0-round-1-g1"], reruns
     print(f"hang drill {run_id}: fenced {latency:.1f} s after the strike (timeout {WATCHDOG['timeout_s']} s); "
           f"completed in {seconds:.1f} s with the clean digest")
+
+
+# --- the UI in a real browser (tests/browser.py) ------------------------------------------------------
+# What a user does, click by click: open the UI (3.9 serves the V2 UI at ``/v2``), log in (the
+# stack's API takes no call without its credentials, so the UI shows its login form: a wrong
+# password is refused, the stack's ``PREFECT_API_AUTH_STRING`` lets the user in), go to Deployments,
+# open ``train``, Run > Custom run, check the typed form (descriptions, the store defaulting to the
+# stack's bucket), set a small run, submit, follow "View run", come back once the run is Completed,
+# open its Artifacts tab, find the validation artifact and open it (verdict "passed"). Every SPA path
+# answers 200 with the same index.html, so every check is on rendered text. Screenshots of each step
+# go to ``test-output/ui/``. On this module's stack since 2026-12-07: a stack of their own cost 15
+# CPU-seconds and 30 s more.
+
+UI_RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture
+def page(stack, tmp_path):
+    with browser.open_page(tmp_path / "chromium-profile") as pg:
+        yield pg
+
+
+def test_start_a_training_run_from_the_ui_and_find_its_validation(stack, page):
+    sync_api = browser.need_browser()
+    expect = sync_api.expect
+    run_id = f"ui-{uuid.uuid4().hex[:8]}"
+    run_name = f"ui-test-{run_id}"
+    try:
+        # 1. The UI's front door redirects to the V2 app, which asks for a login; once in, Deployments
+        # lists the training deployment.
+        page.goto(stack["ui_url"] + "/")
+        page.wait_for_url(re.compile(r".*/v2/.*"))
+        browser.log_in(page, stack, expect, wrong_first=True)
+        page.get_by_role("link", name="Deployments", exact=True).first.click()
+        train_link = page.get_by_role("link", name="train", exact=True)
+        expect(train_link).to_be_visible()
+        expect(page.get_by_text("train-run", exact=True).first).to_be_visible()
+        browser.shot(page, "01-deployments")
+
+        # 2. The deployment page: flow, pool; Run > Custom run opens the typed form.
+        train_link.click()
+        expect(page.get_by_text("local-pool").first).to_be_visible()
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Custom run").click()
+        store = page.get_by_label("Store (Optional)", exact=True)
+        expect(store).to_have_value(stack["store"])  # the stack's bucket is the default
+        expect(page.get_by_text("Where runs live:").first).to_be_visible()  # field descriptions render
+        # ... whole: a placeholder in angle brackets was taken for an HTML tag ("checkpoints are at /.")
+        expect(page.get_by_text("checkpoints are at store/run_id, e.g.").first).to_be_visible()
+        expect(page.get_by_text("(heartbeats/shard-N.json for shard N)").first).to_be_visible()
+        expect(page.get_by_label("Rounds (Optional)", exact=True)).to_have_value("8")
+        # typed sub-forms, filled in: the validation thresholds (no free dict), start from a checkpoint
+        expect(page.get_by_label("Max Rel Change (Optional)", exact=True)).to_have_value("10")
+        expect(page.get_by_text("Start from a chosen committed checkpoint").first).to_be_visible()
+        expect(page.get_by_text("Storage Options", exact=True)).to_have_count(0)  # secrets go in a Secret block
+        page.get_by_label("Run Name", exact=True).fill(run_name)
+        page.get_by_label("Shards (Optional)", exact=True).fill("1")
+        page.get_by_label("Steps Per Round (Optional)", exact=True).fill("2")
+        page.get_by_label("Rounds (Optional)", exact=True).fill("1")
+        run_id_field = page.locator("xpath=//label[normalize-space()='Run Id (Optional)']"
+                                    "/ancestor::div[contains(concat(' ', @class, ' '), ' group ')][1]")
+        run_id_field.get_by_role("tab", name="str", exact=True).click()  # the str | None field: choose str
+        run_id_field.locator("fieldset input, fieldset textarea").first.fill(run_id)
+        browser.shot(page, "02-run-form")
+        page.get_by_label("Max Rel Change (Optional)", exact=True).scroll_into_view_if_needed()
+        browser.shot(page, "02-run-form-thresholds", full_page=False)
+        browser.submit(page, sync_api)
+
+        # 3. The toast links to the new run; its page shows the run until it is Completed.
+        expect(page.get_by_text(f"{run_name} scheduled to start now")).to_be_visible()
+        page.get_by_role("link", name="View run").first.click()
+        page.wait_for_url(re.compile(r".*/runs/flow-run/[0-9a-f-]{36}.*"))
+        flow_run_id = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
+        # train-run names its runs train-<run id> once it starts; before that the name given in the form
+        shown_name = re.compile(rf"^({re.escape(run_name)}|train-{re.escape(run_id)})$")
+        expect(page.get_by_text(shown_name).first).to_be_visible()
+        # Wait for the run through the API on a blank page: a running run's page redraws its graph (a
+        # WebGL canvas, drawn in software here) all the time, which cost 12 CPU-seconds of a loaded
+        # 2-core machine per run; then its page again, as a user comes back to it.
+        run_url = page.url
+        page.goto("about:blank")
+        with _api(stack) as api:
+            fr = api.wait(flow_run_id, timeout=UI_RUN_TIMEOUT_S)
+        if fr["state_type"] != "COMPLETED":
+            log = (Path(stack["logs"]) / "worker.log").read_text(errors="replace")[-4000:]
+            pytest.fail(f"the run ended {fr['state_type']}: {fr['state']['message']}\n{log}")
+        page.goto(run_url)
+        expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        browser.shot(page, "03-run-completed")
+        # Its task runs (the graph is a canvas: read the Task Runs tab): shards, cut, validations.
+        page.get_by_role("tab", name="Task Runs").click()
+        for name in ("shard-0-round-1", "validate-step-0", "validate-step-1"):
+            expect(page.get_by_text(name, exact=True).first).to_be_visible(timeout=30_000)
+
+        # 4. Artifacts tab: the validation verdict of each checkpoint, keyed per run.
+        page.get_by_role("tab", name="Artifacts").click()
+        cards = page.get_by_role("link").filter(has_text="ckpt-validation-").filter(has_text="TABLE")
+        expect(cards.first).to_be_visible()
+        expect(page.get_by_text(re.compile(r"Validation of checkpoint step 1 of s3://checkpoints/runs/" + run_id))
+               .first).to_be_visible()
+        browser.shot(page, "04-run-artifacts")
+
+        # The report is one click away: the "-link" artifact (a markdown artifact holding one link:
+        # Prefect's create_link_artifact) opens the HTML report over the stack's report server.
+        link = page.get_by_role("link").filter(has_text="-link").filter(has_text="LINK").first
+        expect(link).to_be_visible()
+
+        # 5. The validation artifact itself: a table whose verdict is "passed".
+        cards.filter(has_text="step 1").first.click()
+        page.wait_for_url(re.compile(r".*/artifacts/artifact/.*"))
+        expect(page.get_by_text("verdict", exact=True).first).to_be_visible()
+        expect(page.get_by_role("cell", name="passed", exact=True).first).to_be_visible()
+        expect(page.get_by_text(shown_name).first).to_be_visible()  # linked to our flow run
+        expect(page.get_by_text("validate-step-1", exact=True).first).to_be_visible()  # ... and its task run
+        browser.shot(page, "05-validation-artifact")
+
+        # 6. Its HTML report, as a browser gets it from the stack (no network: nothing from a CDN).
+        report = f"{stack['s3_http_base']}/checkpoints/runs/{run_id}/reports/1/index.html"
+        outside: list[str] = []
+        page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(
+            ("http://127.0.0.1", "data:", "about:")) else None)
+        page.goto(report)
+        expect(page.get_by_text("Checkpoint step 1: PASSED")).to_be_visible()
+        browser.shot(page, "06-report")
+        page.get_by_role("link", name="Great Expectations Data Docs: tensors suite").click()
+        expect(page.get_by_text("Expectation Validation Result").first).to_be_visible()
+        browser.shot(page, "07-data-docs", full_page=False)
+        page.get_by_role("link", name="Home").first.click()  # back to the step's report, not a 404
+        expect(page.get_by_text("Checkpoint step 1: PASSED")).to_be_visible()
+        page.goto(report.replace("1/index.html", "index.html"))
+        expect(page.get_by_text("Checkpoints of").first).to_be_visible()
+        browser.shot(page, "08-report-index")
+        assert not outside, f"the reports fetched from elsewhere: {outside}"
+    except BaseException:
+        browser.record_failure(page)
+        raise
+
+    # The same run through the API: the UI did start it, on the stack's pool, and it wrote to S3.
+    with _api(stack) as api:
+        fr = api.flow_run(flow_run_id)
+        assert shown_name.match(fr["name"]) and fr["state_type"] == "COMPLETED"
+        assert fr["parameters"]["params"]["run_id"] == run_id and fr["parameters"]["params"]["rounds"] == 1
+        keys = {a["key"] for a in api.artifacts(flow_run_id)}
+        assert any(k and k.startswith("ckpt-validation-") for k in keys), keys
+    (browser.OUT / "run.json").write_text(json.dumps({"flow_run_id": flow_run_id, "run_id": run_id}, indent=2))
+
+
+def test_a_fenced_shard_shows_on_the_training_run(stack, page):
+    """A run whose shard hangs (started through the API): on its page, the hung shard's task run is
+    Fenced (not a green Completed), says by whom and which rerun took over, and its artifact links
+    the watchdog's flow run."""
+    sync_api = browser.need_browser()
+    expect = sync_api.expect
+    run_id = f"ui-hang-{uuid.uuid4().hex[:8]}"
+    with _api(stack) as api:
+        fr = api.run_deployment("train-run/train", {"params": {"shards": 1, "rounds": 1, "steps_per_round": 2,
+                                                               "run_id": run_id, "chaos": ["hang:shard=0,round=1"],
+                                                               "validation_runner": "threads"}})
+        fr = api.wait(fr["id"], timeout=UI_RUN_TIMEOUT_S)
+        assert fr["state_type"] == "COMPLETED", fr["state"]
+    try:
+        page.goto(f"{stack['ui_url']}/v2/runs/flow-run/{fr['id']}")
+        browser.log_in(page, stack, expect)  # then the UI goes on to the page asked for
+        page.wait_for_url(re.compile(rf".*/runs/flow-run/{fr['id']}.*"))
+        expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        browser.shot(page, "09-fenced-run-graph")
+        page.get_by_role("tab", name="Task Runs").click()
+        expect(page.get_by_text("Fenced", exact=True).first).to_be_visible()
+        browser.shot(page, "10-fenced-task-runs")
+        page.get_by_role("link", name="shard-0-round-1", exact=True).first.click()
+        page.wait_for_url(re.compile(r".*/runs/task-run/.*"))
+        expect(page.get_by_text(re.compile("fenced by watchdog@")).first).to_be_visible()
+        page.get_by_role("tab", name="Artifacts").click()
+        # the tab shows each artifact as a card with its description; the card opens the markdown
+        page.get_by_text(re.compile(r"round 1 fenced and rerun")).first.click()
+        expect(page.get_by_text("Fenced by the watchdog").first).to_be_visible()
+        browser.shot(page, "11-fenced-task-run")
+    except BaseException:
+        browser.record_failure(page)
+        raise
 
 
 def test_a_dead_run_is_resumed_by_the_watchdog(stack, webhook):
