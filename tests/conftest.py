@@ -121,9 +121,9 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # The files that take longest (wall seconds of a whole run at 3 xdist workers on 2 cores, 2026-12-07:
-# stack 301, rank drills 237, watchdog 210, ... hostile store 100; the rest under 75). `make test`
-# hands xdist whole files in collection order (``--dist loadfile --no-loadscope-reorder``), so these
-# go first: xdist's own order (most tests first) started them last, and a 36 s soak or a 237 s file
+# stack with the UI tests 374, rank drills 148, watchdog 145, ... hostile store 80; the rest under
+# 70). `make test` hands xdist whole files in collection order (``--dist loadfile
+# --no-loadscope-reorder``), so these go first: xdist's own order (most tests first) started them last, and a 36 s soak or a 237 s file
 # begun near the end of the run kept one worker busy alone for minutes.
 SLOWEST_FILES_FIRST = ("test_stack.py", "test_rank_drills.py", "test_watchdog.py", "test_rank_group.py",
                        "test_preemption.py", "test_scale_out.py", "test_train_flow.py",
