@@ -18,9 +18,9 @@ developer's own stack is not disturbed), and a webhook receiver (a thread here).
 run in order and share one stack (module fixture); the first test (the gc flow on local stores)
 uses the session's Prefect test harness instead. Waits follow events, not fixed sleeps (a flow run's
 state events through ``PrefectAPI.wait``, the worker's heartbeats, the supervisor's log), and the
-keeper's 30 s window passes while two tests that need no watchdog run. 4.7 minutes on 2 cores shared
-with other test sessions (load average 4-9), 7.9 at load 5-12; most of it is flow-run processes
-starting and training.
+keeper's 30 s window passes while two tests that need no watchdog run. With the UI tests, 4.2
+minutes alone on 2 cores and 6 minutes inside `make test` (2026-12-07); most of it is flow-run
+processes starting and training.
 
 Select with ``pytest tests/test_stack.py`` (marks: slow, prefect, s3).
 """
