@@ -154,7 +154,8 @@ CLI_FIELDS = {"store": "store", "run_id": "run_id", "workload": "workload", "siz
               "outer_momentum": "outer_momentum", "torch_threads": "torch_threads",
               "ranks_per_shard": "ranks_per_shard", "parallelism": "parallelism", "rounds": "rounds",
               "checkpoint_every": "checkpoint_every", "keyframe_every": "keyframe_every", "resume": "resume",
-              "task_runner": "task_runner", "validation_runner": "validation_runner", "chaos": "chaos", "heartbeat_every": "heartbeat_every_s",
+              "task_runner": "task_runner", "validation_runner": "validation_runner", "chaos": "chaos",
+              "heartbeat_every": "heartbeat_every_s",
               "shard_checkpoint_every": "shard_checkpoint_every", "preempt_grace": "preempt_grace_s", "min_shards": "min_shards",
               "storage_options": "storage_options", "credentials_block": "credentials_block",
               "store_block": "store_block"}

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,14 +69,14 @@ def shard_runner(spec: str, shards: int, preempt_grace_s: float = 30.0) -> Itera
         runner = DaskTaskRunner(cluster_kwargs={"n_workers": max(2, shards), "threads_per_worker": 1,
                                                 "processes": True, "dashboard_address": None,
                                                 "env": dict(os.environ)})
-        method = forked_workers()
+        # Dask reads the method each time a nanny starts a worker: a replacement too, from its own thread
+        worker_start: Any = dask.config.set({"distributed.worker.multiprocessing-method": forked_workers()})
     elif spec.startswith("dask://"):
         runner = DaskTaskRunner(address="tcp://" + spec[len("dask://"):])
-        method = dask.config.get("distributed.worker.multiprocessing-method")
+        worker_start = nullcontext()  # its workers are started by `dask worker` on their machines
     else:
         raise ValueError(f"unknown task runner {spec!r}: use threads, dask, dask://HOST:PORT or pool:FLOW/DEPLOYMENT")
-    # Dask reads the method each time a nanny starts a worker: a replacement too, from its own thread
-    with dask.config.set({"distributed.worker.multiprocessing-method": method}), runner:
+    with worker_start, runner:
         runner.client.register_plugin(preemptible_workers(preempt_grace_s))
         yield runner
 

@@ -81,10 +81,8 @@ class LaunchedRank:
         """None while it runs; once it has exited, its exit code (as ``Popen.poll``: a rank whose exit
         woke the supervisor has its code, waited for here the few milliseconds the launcher takes)."""
         if self.returncode is None:
-            with self._launcher.changed:
-                pidfd = self._pidfd
-            if pidfd >= 0 and select.select([pidfd], [], [], 0)[0]:
-                with self._launcher.changed:
+            with self._launcher.changed:  # (held: ``wait`` closes the pidfd under it)
+                if self._pidfd >= 0 and select.select([self._pidfd], [], [], 0)[0]:
                     self._launcher.changed.wait_for(lambda: self.returncode is not None, EXIT_NOTICE_S)
         return self.returncode
 
@@ -292,12 +290,7 @@ def fork_rank(sock: socket.socket, watched: dict[int, int], request: dict[str, A
 
             traceback.print_exc()
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001
-                    pass
-            os._exit(code)
+            rank_round.leave_at_once(code)  # never back into the launcher's loop
     return pid, os.pidfd_open(pid)
 
 

@@ -385,9 +385,11 @@ def main(parent_pid: int | None = None) -> int:
 
 
 def leave_at_once(code: int) -> None:
-    """End this failed rank now, its gloo group not destroyed: the kernel closes its connections, so
-    it exits before the ranks that fail because of it (the supervisor names the first rank to exit,
-    and a destroy here could let a peer see the closed connection, fail and exit first)."""
+    """End this process now with ``code``, its standard streams flushed and nothing else run (no
+    atexit, no gloo destroy). A failed rank leaves so: the kernel closes its connections, so it exits
+    before the ranks that fail because of it (the supervisor names the first rank to exit, and a
+    destroy here could let a peer see the closed connection, fail and exit first). A forked rank
+    ends so too (``trainrun.rank_launcher``): it must never return into its launcher's loop."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
