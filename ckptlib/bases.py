@@ -11,14 +11,16 @@ and only of units whose next save may take a delta: with ``keyframe_every=1`` a 
 (all an unchanged chunk's dedup needs) and no bytes.
 
 ``BufferPool`` is where snapshots write: the buffers of the last snapshot that the base did not
-keep (units written as keyframes keep no base bytes: ``encoding.UnitHint``) are handed to the
-next snapshot of the same part, their pages already faulted in, so a snapshot of a dense state
-runs at memcpy speed while the writer holds one copy of it.
+keep (units written as keyframes keep no base bytes: ``encoding.UnitHint``), and those of the old
+base's units whose delta try did not pay, are handed to the next snapshot of the same part, their
+pages already faulted in, so a snapshot of a dense state runs at memcpy speed while the writer
+holds one copy of it (docs/decisions.md 44, 65).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import threading
 from collections import Counter
@@ -171,18 +173,25 @@ class BufferPool:
         with self._lock:
             return bool(self._free.get(nbytes))
 
-    def settle(self, held: list[np.ndarray], extra: list[np.ndarray] | None = None) -> None:
+    def settle(self, held: list[np.ndarray], extra: list[np.ndarray] | None = None, room: float = math.inf) -> None:
         """After a save: ``held`` are the arrays the new base keeps; ``extra`` more buffers to keep
-        free (an old base's, for pinned memory)."""
+        free (an old base's) while the free ones add up to at most ``room`` bytes."""
         kept = _Ranges(held)
         with self._lock:
             taken, self._taken = self._taken, []
             self._free = {}
             seen: set[int] = set()
-            for buf in [*taken, *(extra or [])]:
+            free = 0
+            for buf in taken:
                 if _address(buf) not in seen and not kept.overlaps(buf):
                     seen.add(_address(buf))
                     self._free.setdefault(buf.nbytes, []).append(buf)
+                    free += buf.nbytes
+            for buf in extra or []:
+                if _address(buf) not in seen and not kept.overlaps(buf) and free + buf.nbytes <= room:
+                    seen.add(_address(buf))
+                    self._free.setdefault(buf.nbytes, []).append(buf)
+                    free += buf.nbytes
 
     def clear(self) -> None:
         with self._lock:
@@ -248,13 +257,23 @@ class DeltaBases:
         """Where the next snapshot of ``part`` writes (one snapshot of a part at a time)."""
         return self._pools.setdefault(part, BufferPool())
 
-    def adopt(self, part: str, new: Base, old: Base | None, keep_spare: bool) -> None:
+    def adopt(self, part: str, new: Base, old: Base | None, keep_spare: bool, snapshot_bytes: int = 0) -> None:
         """A published save's result becomes the part's base; the snapshot buffers it does not hold
         go back to the pool. With ``keep_spare`` (pinned memory, slow to allocate), so do the old
-        base's buffers that the new one does not hold."""
+        base's buffers that the new one does not hold. Without, so do those of units the old base
+        held only to try a delta that did not pay (a dense unit's first or its probe: the new base
+        holds none of their bytes), while the pool holds at most ``snapshot_bytes``: the next
+        snapshot then finds a buffer for each unit, where it would fault fresh pages for as many
+        units as the new base keeps for its own probes (decision 65)."""
         self._bases[part] = new
-        extra = list(old.raw.values()) if keep_spare and old is not None else []
-        self.buffers(part).settle(list(new.raw.values()), [_owner(b) for b in extra])
+        if old is None:
+            extra = []
+        elif keep_spare:
+            extra = [_owner(b) for b in old.raw.values()]
+        else:
+            extra = [b for ident, digest in old.units.items()
+                     if (b := old.raw.get(digest)) is not None and _whole(b) and _dense(new.hints.get(ident))]
+        self.buffers(part).settle(list(new.raw.values()), extra, math.inf if keep_spare else snapshot_bytes)
 
     def forget_bytes(self, part: str) -> None:
         """After a failed save: a save that read the caller's memory in place has written over the
@@ -287,6 +306,15 @@ def chain_origin(key: str) -> str | None:
 def buffer_address(view: np.ndarray) -> int:
     """The address of the whole buffer ``view`` was cut from (views of one buffer share it)."""
     return _address(_owner(view))
+
+
+def _whole(a: np.ndarray) -> bool:
+    """Whether ``a`` is a writable buffer of its own (not a view that keeps a larger one alive)."""
+    return a.flags.writeable and a.flags.c_contiguous and not isinstance(a.base, np.ndarray)
+
+
+def _dense(hint: UnitHint | None) -> bool:
+    return hint is not None and hint.dense
 
 
 def _owner(view: np.ndarray) -> np.ndarray:

@@ -138,7 +138,8 @@ class PartWriter:
                 damage.confirm(self._confirmed, found, enc.confirmed)
         keep_spare = self.reuse_buffers if self.reuse_buffers is not None else _pinned(snap)
         # a sub-step chain's first base is the part's own: its buffers are never handed out as spares
-        self.bases.adopt(key, enc.next_base, base, keep_spare and own_chain)  # type: ignore[arg-type]
+        self.bases.adopt(key, enc.next_base, base, keep_spare and own_chain,  # type: ignore[arg-type]
+                         snap.logical_bytes if own_chain else 0)
 
     def _still_committed(self, base: Base, key: str) -> bool:
         """Whether the store still keeps every object ``base`` (chain ``key``'s) names. No lease kept
