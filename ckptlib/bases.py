@@ -182,13 +182,8 @@ class BufferPool:
             self._free = {}
             seen: set[int] = set()
             free = 0
-            for buf in taken:
-                if _address(buf) not in seen and not kept.overlaps(buf):
-                    seen.add(_address(buf))
-                    self._free.setdefault(buf.nbytes, []).append(buf)
-                    free += buf.nbytes
-            for buf in extra or []:
-                if _address(buf) not in seen and not kept.overlaps(buf) and free + buf.nbytes <= room:
+            for buf, limit in [*((b, math.inf) for b in taken), *((b, room) for b in extra or [])]:
+                if _address(buf) not in seen and not kept.overlaps(buf) and free + buf.nbytes <= limit:
                     seen.add(_address(buf))
                     self._free.setdefault(buf.nbytes, []).append(buf)
                     free += buf.nbytes
@@ -272,7 +267,8 @@ class DeltaBases:
             extra = [_owner(b) for b in old.raw.values()]
         else:
             extra = [b for ident, digest in old.units.items()
-                     if (b := old.raw.get(digest)) is not None and _whole(b) and _dense(new.hints.get(ident))]
+                     if (b := old.raw.get(digest)) is not None and _whole(b)
+                     and (hint := new.hints.get(ident)) is not None and hint.dense]
         self.buffers(part).settle(list(new.raw.values()), extra, math.inf if keep_spare else snapshot_bytes)
 
     def forget_bytes(self, part: str) -> None:
@@ -311,10 +307,6 @@ def buffer_address(view: np.ndarray) -> int:
 def _whole(a: np.ndarray) -> bool:
     """Whether ``a`` is a writable buffer of its own (not a view that keeps a larger one alive)."""
     return a.flags.writeable and a.flags.c_contiguous and not isinstance(a.base, np.ndarray)
-
-
-def _dense(hint: UnitHint | None) -> bool:
-    return hint is not None and hint.dense
 
 
 def _owner(view: np.ndarray) -> np.ndarray:
