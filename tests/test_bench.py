@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from bench.checkpoint.config import BenchConfig
 from bench.checkpoint.contenders import SYSTEMS
-from bench.checkpoint.measure import RECORD_KEYS, run_benchmark
+from bench.checkpoint.measure import RECORD_KEYS, check_disk_room, run_benchmark
 from bench.checkpoint.probes import PeakRss
 from bench.checkpoint.report import check_targets, markdown_table
-from bench.checkpoint.series import capture_states
+from bench.checkpoint.series import Series, capture_states
 from ckpt.cli import app
 
 runner = CliRunner()
@@ -66,6 +66,21 @@ def test_bench_rejects_unknown_workloads_and_systems():
     assert result.exit_code == 2 and "unknown workload" in result.stderr and "Traceback" not in result.output
     result = runner.invoke(app, ["bench", "--systems", "ckptlib,tape"])
     assert result.exit_code == 2 and "unknown system" in result.stderr
+
+
+def test_a_series_whose_stores_do_not_fit_the_disk_is_refused_before_any_save(tmp_path):
+    """The interleaved pass holds every system's store at once (dense-lm's 17 saves: about 17 GB):
+    on a disk without that room the run is refused up front, naming the need and the fixes, where
+    it used to stop midway in DCP's writer ("unexpected pos")."""
+    free = __import__("shutil").disk_usage(tmp_path).free
+    huge = Series("dense-lm", [0, 1], [{}, {}], state_bytes=free, train_s=0.0)  # 4 systems x 2 saves x the free space
+    cfg = BenchConfig(workloads=("dense-lm",), saves=2, store=str(tmp_path))
+    with pytest.raises(ValueError, match=r"dense-lm: the benchmark's stores need about .* MiB in .*--store DIR"):
+        check_disk_room(huge, cfg)
+    check_disk_room(Series("tinylm", [0, 1], [{}, {}], state_bytes=1 << 20, train_s=0.0), cfg)  # 8 MiB: room
+    memcpy_only = BenchConfig(workloads=("dense-lm",), saves=2, store=str(tmp_path), systems=("memcpy",))
+    check_disk_room(huge, memcpy_only)  # writes nothing
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_peak_rss_sees_an_allocation():

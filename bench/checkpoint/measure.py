@@ -88,6 +88,7 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] = lambda _ms
         progress(f"{name}: training {cfg.saves} x {cfg.steps_for(name)} steps ({cfg.size})")
         series = capture_states(name, cfg)
         progress(f"{name}: state {series.state_bytes / 2**20:.1f} MiB, trained in {series.train_s:.1f} s")
+        check_disk_room(series, cfg)
         bound = entropy_bound(series) if name in DENSE_WORKLOADS else None
         ours = []
         for system in cfg.systems:
@@ -105,6 +106,23 @@ def run_benchmark(cfg: BenchConfig, progress: Callable[[str], None] = lambda _ms
         del series
         release_free_memory()
     return records
+
+
+def check_disk_room(series: Series, cfg: BenchConfig) -> None:
+    """Refuse (ValueError naming the need and the fixes) a series whose stores do not fit the disk
+    of ``cfg.store``: the interleaved pass holds every system's store at once, each at most the raw
+    state per save (ckptlib's is smaller, memcpy writes nothing), and a full disk would stop the run
+    midway with another library's error (DCP's "unexpected pos")."""
+    writers = [s for s in cfg.systems if s != "memcpy"]
+    need = series.state_bytes * len(series.states) * len(writers) * 21 // 20  # 5% for files' metadata
+    where = cfg.store or tempfile.gettempdir()
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ValueError(
+            f"{series.workload}: the benchmark's stores need about {need / 2**20:,.0f} MiB in {where} "
+            f"({len(writers)} systems x {len(series.states)} saves of {series.state_bytes / 2**20:.1f} MiB), and "
+            f"{free / 2**20:,.0f} MiB are free there: pass --store DIR on a disk with room, or fewer --saves, "
+            "--systems or --workloads")
 
 
 def measure_system(system: str, series: Series, cfg: BenchConfig) -> dict[str, Any]:
