@@ -352,6 +352,33 @@ def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_p
     assert ck.gather(1, ["shard-1"], timeout=5)["shard-1"][0].generation == 1
 
 
+def test_a_group_fenced_and_then_killed_is_fenced_whichever_rank_exits_first(tmp_path):
+    """The watchdog fences a hung group, then ends its processes: a rank may exit first (killed, or
+    its collective's connection closed) before the supervisor's next look at the fence. The group
+    was fenced all the same: FencedError (the task run ends Fenced, no retry), never RankGroupFailed,
+    whose retry would train the new generation beside the watchdog's rerun (a CI run saw it: the
+    recovery row said ``process-died`` where the watchdog had found the group silent)."""
+    s = spec(steps_per_round=6)
+    ck = step_zero(str(tmp_path / "fk"), s)
+
+    def fence_then_kill() -> None:
+        deadline = time.monotonic() + 120
+        while (strike := read_strike(ck.store, "shard-1", 1, 1)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
+        os.kill(strike.pid, signal.SIGKILL)  # between two looks of the supervisor (every 30 s here)
+
+    th = threading.Thread(target=fence_then_kill)
+    th.start()
+    with pytest.raises(FencedError, match="fenced"):
+        train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
+                          heartbeat_every_s=30)
+    th.join()
+    beats = read_rank_heartbeats(ck.store, "shard-1")
+    assert not any(alive(b.pid) for b in beats.values() if b.pid)
+    assert ck.store.list("fragments/1") == []
+
+
 def test_a_group_whose_rendezvous_fails_says_why(tmp_path, monkeypatch):
     import trainrun.rank_group as rank_group
 

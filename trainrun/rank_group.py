@@ -330,6 +330,9 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
             codes = [r.process.poll() for r in ranks]
             failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c is not None and c not in stopped]
             if failed:
+                # a watchdog fences a group, then ends its ranks: one may exit before the next look
+                if fenced_since(ck, part, generation):
+                    raise fenced_error(part, generation, ranks)
                 # the first to exit first: the others often failed because it did (a closed connection)
                 failed.sort(key=lambda rc: getattr(rc[0].process, "exit_order", None) or 0)
                 raise detected(group_error(part, generation, ranks, failed))
@@ -348,14 +351,28 @@ def supervise(ck: Checkpointer, part: str, generation: int, ranks: Sequence[Rank
             if now >= next_look:
                 next_look = now + every_s
                 if ck.live_generation(part) > generation:
-                    raise FencedError(f"{part} generation {generation} was fenced while its group of {len(ranks)} "
-                                      "ranks trained; every rank of the group was ended")
+                    raise fenced_error(part, generation, ranks)
                 beat = read_heartbeat(ck.store, part)
                 if on_beat is not None and beat is not None and beat.generation == generation \
                         and beat.beats != last_beats:
                     last_beats = beat.beats
                     on_beat(beat)
             exits.wait(POLL_S)
+
+
+def fenced_error(part: str, generation: int, ranks: Sequence[Rank]) -> FencedError:
+    return FencedError(f"{part} generation {generation} was fenced while its group of {len(ranks)} ranks trained; "
+                       "every rank of the group was ended")
+
+
+def fenced_since(ck: Checkpointer, part: str, generation: int) -> bool:
+    """Whether a newer generation than ``generation`` owns ``part`` now; a store that cannot say is
+    taken for no (the group's own failure is then the error raised)."""
+    try:
+        return ck.live_generation(part) > generation
+    except Exception as e:  # noqa: BLE001 - the group failed either way; its error must be raised
+        log.warning("%s: whether its group was fenced could not be read: %s", part, e)
+        return False
 
 
 class ExitWatch:
