@@ -226,9 +226,10 @@ def record_verify(store: Store, step: int, problems: list) -> None:
     _write(store, step, "verify", keys, lines, len(problems), current, old if stale else None)
 
 
-def record_unverified(store: Store, step: int, objects: set[str]) -> None:
+def record_unverified(store: Store, step: int, objects: set[str] | None) -> None:
     """Committed ``step`` is moved aside without a verify: every object it names is suspect (unless a
-    verify already noted what it found in this very commit of it)."""
+    verify already noted what it found in this very commit of it); ``None``: what it names cannot be
+    read (its manifest does not decode), so every object is, until confirmed."""
     current = manifest_checksum(store, step) or ""
     try:
         old = DamageNote.read(store, note_key(step))
@@ -236,13 +237,14 @@ def record_unverified(store: Store, step: int, objects: set[str]) -> None:
         old = None
     if old is not None and old.manifest in ("", current):
         return
-    _write(store, step, "quarantine", {k for k in objects if _OBJECT.fullmatch(k)}, (), 0, current, old)
+    keys = {k for k in objects or () if _OBJECT.fullmatch(k)}
+    _write(store, step, "quarantine", keys, (), 0, current, old, every=objects is None)
 
 
 def _write(store: Store, step: int, by: str, keys: set[str], lines: tuple[str, ...], count: int,
-           manifest: str, stale: DamageNote | None) -> None:
+           manifest: str, stale: DamageNote | None, *, every: bool = False) -> None:
     """Write ``step``'s note; the objects of a ``stale`` note (another commit of the step) stay in it."""
-    every = stale is not None and stale.every
+    every = every or (stale is not None and stale.every)
     if stale is not None:
         keys = keys | set(stale.objects)
     every = every or len(keys) > MAX_OBJECTS

@@ -56,9 +56,11 @@ from .docfields import (
     checksum_field,
     format_field,
     int_field,
+    json_size,
     max_stored_bytes,
     meta_field,
     multi_part_cap,
+    pack,
     parse_document,
 )
 from .errors import CorruptCheckpoint, UnsupportedState
@@ -239,7 +241,7 @@ def dumps(doc: AnyFragment | Manifest) -> bytes:
             f"{what} would be {len(data)} bytes, more than the {cap} a reader accepts (docs/format.md, \"Caps\"): "
             "save with a larger chunk_bytes (fewer chunks), split the state into parts, or keep meta and "
             "config_hash small")
-    return data
+    return pack(data)
 
 
 def document_cap(doc: AnyFragment | Manifest) -> int:
@@ -257,8 +259,9 @@ def document_checksum(data: bytes) -> str:
 
 def loads_manifest(data: bytes, where: str) -> Manifest:
     m = parse_document(Manifest, data, where, MAX_MANIFEST_BYTES)
-    if len(data) > document_cap(m):  # a multi-part manifest names its parts' fragments: O(parts)
-        raise CorruptCheckpoint(f"{where} is {len(data)} bytes, more than the {document_cap(m)} a manifest of "
+    size = json_size(data)
+    if size > document_cap(m):  # a multi-part manifest names its parts' fragments: O(parts)
+        raise CorruptCheckpoint(f"{where} is {size} bytes of JSON, more than the {document_cap(m)} a manifest of "
                                 f"{len(m.parts)} parts may hold: it was not written by ckptlib")
     try:
         meta_field(m.meta)  # after the cap of its shape, the tighter one for a multi-part manifest

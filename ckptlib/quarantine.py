@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from . import commit, damage
+from .docfields import unpack
 from .documents import Document, DocumentError
-from .errors import CheckpointError, NoCheckpoint, ObjectNotFound, ObjectTooLarge
+from .errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, ObjectNotFound, ObjectTooLarge
 from .manifest import MAX_FRAGMENT_BYTES, MAX_MANIFEST_BYTES
 from .store import Store
 
@@ -43,7 +44,7 @@ log = logging.getLogger("ckptlib")
 
 QUARANTINE = "quarantine"
 RECORD = "record.json"
-# What a manifest or a fragment names, found in its bytes (a damaged one may not parse).
+# What a manifest or a fragment names, found in its JSON (a damaged one may not parse).
 _NAMED = re.compile(rb"chunks/[0-9a-f]{2}/[0-9a-f]{32}|fragments/\d+/[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\.g\d+\.json")
 
 
@@ -79,7 +80,11 @@ def quarantine_step(store: Store, step: int, reason: str) -> QuarantineRecord:
                                f"{existing.reason}); `ckpt quarantine {store.url} --step {step} --undo` puts it back")
         raise NoCheckpoint(f"step {step} is not committed in {store.url}: nothing to quarantine")
     # before it leaves: what it names stays distrusted by saves (unless a verify said which objects)
-    damage.record_unverified(store, step, _objects_named(store, key))
+    try:
+        named: set[str] | None = _objects_named(store, step, key)
+    except CorruptCheckpoint:  # its frame does not decode: which objects it names is unknown
+        named = None
+    damage.record_unverified(store, step, named)
     _copy_aside(store, aside, key, step)
     moved_verdict = store.exists(verdict_key)
     if moved_verdict:
@@ -148,13 +153,20 @@ def quarantined_objects(store: Store) -> set[str]:
     keys: set[str] = set()
     for name in store.list_dirs(QUARANTINE):
         if name.isdigit():
-            keys |= _objects_named(store, f"{QUARANTINE}/{name}/{commit.manifest_key(int(name))}")
+            folder = quarantine_folder(int(name))
+            try:
+                keys |= _objects_named(store, int(name), f"{folder}/{commit.manifest_key(int(name))}")
+            except CorruptCheckpoint as e:  # collecting without its objects could delete what it holds
+                raise CheckpointError(f"garbage collection stops: {e}. It cannot tell which objects that quarantined "
+                                      f"step holds: remove {store.url}/{folder}/ if the step is no longer wanted, "
+                                      "then collect again") from None
     return keys
 
 
-def _objects_named(store: Store, manifest: str) -> set[str]:
-    """The objects the manifest under ``manifest`` names, and those its fragments name."""
-    named = _named(store, manifest, MAX_MANIFEST_BYTES)
+def _objects_named(store: Store, step: int, key: str) -> set[str]:
+    """The objects the manifest of ``step`` under ``key`` names, and those its fragments name;
+    CorruptCheckpoint when one is a frame that does not decode (damaged plain JSON still names them)."""
+    named = _named(store, key, MAX_MANIFEST_BYTES)
     keys = set(named)
     for fragment in sorted(k for k in named if k.startswith("fragments/")):
         keys |= _named(store, fragment, MAX_FRAGMENT_BYTES)
@@ -163,7 +175,8 @@ def _objects_named(store: Store, manifest: str) -> set[str]:
 
 def _named(store: Store, key: str, cap: int) -> set[str]:
     try:
-        return {m.decode() for m in _NAMED.findall(store.get(key, max_bytes=cap))}
+        data = store.get(key, max_bytes=cap)
+        return {m.decode() for m in _NAMED.findall(unpack(data, f"{store.url}/{key}", cap))}
     except ObjectNotFound:
         return set()
     except ObjectTooLarge as e:

@@ -18,6 +18,7 @@ from ckptlib.distributed.plan import Candidate, Summary, candidate_key, make_pla
 from ckptlib.distributed.restoring import RankState
 from ckptlib.restore import ByteRange, decode_ranges
 from ckptlib.store import Store
+from ckptlib.testing import document_json
 from ckptlib.testing.compare import first_difference
 from ckptlib.testing.faulty import FaultyStore
 
@@ -46,7 +47,7 @@ def test_write_group_read_rank_and_restore_whole_or_in_place(tmp_path):
         # the bias and the step counter, the same on both ranks, are stored once; W's halves and each
         # rank's own value once each
         assert g.logical_bytes == W.nbytes + B.nbytes + 2 * 8 + 4
-        frags = [RankFragment.from_json(json.loads(ck.store.get(r.key))) for r in g.ranks]
+        frags = [RankFragment.from_json(document_json(ck.store.get(r.key))) for r in g.ranks]
         stored = [sorted(leaf.spec.path for leaf in f.leaves) for f in frags]
         assert stored == [["/mine/", "/model/b", "/model/w"], ["/mine/", "/model/w", "/optim/step"]]
         assert frags[1].layout.skeleton is not None  # its skeleton differs ("rank": 1): stored by itself
@@ -168,7 +169,9 @@ def test_a_groups_documents_are_checked(tmp_path):
         ck.commit(3, ["part"])
         doc = ck.store.get(g.ranks[1].key)
         assert isinstance(loads_any_fragment(doc, "x"), RankFragment)
-        ck.store.put(g.ranks[1].key, doc.replace(b'"lr":0.1', b'"lr":0.2'))
+        text = json.dumps(document_json(doc), separators=(",", ":")).encode()
+        assert b'"lr":0.1' in text
+        ck.store.put(g.ranks[1].key, text.replace(b'"lr":0.1', b'"lr":0.2'))
         with pytest.raises(CorruptCheckpoint, match="does not match the checksum its group names"):
             ck.restore(3, part="part", rank=1)
         assert ck.verify(3) and "checksum" in str(ck.verify(3)[0])

@@ -33,6 +33,7 @@ from ckptlib import (
     StoreError,
 )
 from ckptlib.store import Store, WrapperStore
+from ckptlib.testing import document_json
 from ckptlib.testing.protocol import assert_same_state
 
 CHUNK = 4096
@@ -105,7 +106,7 @@ def cut_run(_cut_template, tmp_path) -> Path:
 
 
 def load(run: Path, step: int) -> dict:
-    return json.loads((run / "manifests" / f"{step}.json").read_text())
+    return document_json((run / "manifests" / f"{step}.json").read_bytes())
 
 
 def store_doc(run: Path, step: int, doc: dict) -> None:
@@ -906,7 +907,7 @@ def test_fragment_object_replaced(cut_run, tmp_path, replacement):
     elif replacement == "other-step":
         target.write_bytes((cut_run / "fragments" / "1" / "shard-0.g0.json").read_bytes())
     elif replacement == "edited":  # a self-consistent fragment with another state: another digest
-        frag = json.loads(target.read_text())
+        frag = document_json(target.read_bytes())
         leaf(frag, "/model/a")["chunks"] = leaf(frag, "/model/b")["chunks"]
         leaf(frag, "/model/a")["digest"] = leaf(frag, "/model/b")["digest"]
         frag["digest"] = part_digest(frag)

@@ -27,6 +27,7 @@ import torch
 
 from ckptlib import Checkpointer, CorruptCheckpoint, FencedError, RetentionPolicy, commit
 from ckptlib.store import Store
+from ckptlib.testing import document_json
 from tests.drills import DRILL, TIMEOUT
 from tests.drills import train_with_watchdog as beside
 from tests.runs import ENV, EXTRA, digests, end_session
@@ -283,7 +284,7 @@ def test_a_crashed_round_continues_from_its_checkpoint_and_a_damaged_local_copy_
         ("crash", 25, 20, 5, "store")
     assert not copy.exists()  # the round is written: its local copies are gone
     # the committed bytes do not depend on shard checkpoints: the round's fragment is the clean one's
-    frag = lambda r: json.loads(Path(r, "fragments", "1", "shard-0.g0.json").read_text())  # noqa: E731
+    frag = lambda r: document_json(Path(r, "fragments", "1", "shard-0.g0.json").read_bytes())  # noqa: E731
     assert frag(root)["blobs"] == frag(clean_root)["blobs"]
     # an intact local copy is used: crash again in a fresh run, at another step and cadence
     root2 = tmp_path / "run2"

@@ -49,6 +49,7 @@ import pytest
 from prefect.client.schemas.filters import LogFilter, LogFilterLevel, LogFilterTaskRunId
 from prefect.client.schemas.sorting import LogSort
 
+from ckptlib.testing import document_json
 from deployments.client import PrefectAPI
 from deployments.stack import Stack, free_port, stack_processes
 from flows.resume import RESWEEP_AFTER_S
@@ -1208,7 +1209,7 @@ def _need(stack: dict, key: str):
 
 def digest(stack: dict, run_id: str, step: int = FINAL) -> str:
     body = s3_client(stack).get_object(Bucket="checkpoints", Key=f"runs/{run_id}/manifests/{step}.json")["Body"]
-    return json.loads(body.read())["digest"]
+    return document_json(body.read())["digest"]
 
 
 def _status(method: str, url: str, body: bytes | None = None) -> int:

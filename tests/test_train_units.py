@@ -10,6 +10,7 @@ import torch
 
 from ckptlib import Checkpointer, FencedError
 from ckptlib.heartbeat import Heartbeat, read_heartbeats
+from ckptlib.testing import document_json
 from tests.runs import TINY, run_rounds
 from trainrun.chaos import ChaosCrash, for_attempt, parse_chaos
 from trainrun.documents import Cut
@@ -173,7 +174,7 @@ def test_checkpoint_every_two_commits_the_same_states_and_continues_from_fragmen
     with Checkpointer(str(tmp_path / "b")) as ck:
         assert ck.steps() == [0, 2, 4]
         for step in (2, 4):
-            assert json.loads(ck.store.get(f"fragments/{step}/shard-0.g0.json"))["stats"]["delta"] > 0
+            assert document_json(ck.store.get(f"fragments/{step}/shard-0.g0.json"))["stats"]["delta"] > 0
 
 
 def test_checkpoint_holds_the_run_layout(tmp_path):

@@ -26,6 +26,7 @@ from ckptlib import Checkpointer
 from ckptlib import commit as ckcommit
 from ckptlib.manifest import combined_digest, document_checksum, fragment_key, part_digest
 from ckptlib.store import Store
+from ckptlib.testing import document_json
 from ckptlib.validate import CHECK_NAMES, Thresholds, Verdict, read_verdict, validate_checkpoint
 from ckptlib.validate.report import PLOT_SIZE_PX
 from trainrun.checks import RUN_CHECKS, validate_run_checkpoint
@@ -246,9 +247,9 @@ def _rewrite_part(root, step: int, part: str, edit, *, fix_digests: bool) -> Non
     """Write the fragment of ``part`` of committed ``step`` again after ``edit(dict)``, and its
     checksum into the manifest (a forged or damaged part; the manifest names each part's fragment)."""
     store = Store.from_url(str(root))
-    m = json.loads(store.get(ckcommit.manifest_key(step)))
+    m = document_json(store.get(ckcommit.manifest_key(step)))
     ref = m["parts"][part]
-    frag = json.loads(store.get(ref["key"]))
+    frag = document_json(store.get(ref["key"]))
     edit(frag)
     if fix_digests:  # a consistent forgery: only the structure checks can catch it
         from ckptlib.manifest import Leaf
@@ -257,7 +258,7 @@ def _rewrite_part(root, step: int, part: str, edit, *, fix_digests: bool) -> Non
         ref["digest"] = frag["digest"]
         m["digest"] = combined_digest({n: p["digest"] for n, p in m["parts"].items()}, m["single"])
     data = json.dumps(frag, separators=(",", ":")).encode()
-    ref["checksum"] = document_checksum(data)
+    ref.update(checksum=document_checksum(data), size=len(data))  # written back as plain JSON
     assert ref["key"] == fragment_key(step, part, ref["generation"])
     with open(root / ref["key"], "wb") as f:
         f.write(data)
