@@ -327,23 +327,35 @@ def test_a_groups_retry_reads_its_ranks_local_copies_and_damaged_copies_fall_bac
     assert not list(tier.root.glob("*/*.bin"))  # the round is written: its copies are gone
 
 
+def fence_the_hung_group(ck: Checkpointer, s: RunSpec, *, heartbeat_every_s: float, kill: bool = False) -> FencedError:
+    """Train shard-1's round 1 with its rank 1 hung at step 2; fence the part once the hang struck
+    (and with ``kill``, SIGKILL the hung rank right after, as a watchdog ends a fenced group):
+    the FencedError the group raised."""
+    def fence() -> None:
+        deadline = time.monotonic() + 120
+        while (strike := read_strike(ck.store, "shard-1", 1, 1)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
+        if kill and strike is not None:
+            os.kill(strike.pid, signal.SIGKILL)
+
+    th = threading.Thread(target=fence)
+    th.start()
+    try:
+        with pytest.raises(FencedError) as err:
+            train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
+                              heartbeat_every_s=heartbeat_every_s)
+    finally:
+        th.join()
+    return err.value
+
+
 @pytest.mark.slow
 def test_a_fenced_group_ends_every_rank_and_its_fragment_is_never_gathered(tmp_path):
     s = spec(steps_per_round=6)
     ck = step_zero(str(tmp_path / "f"), s)
-
-    def fence_once_struck() -> None:
-        deadline = time.monotonic() + 120
-        while read_strike(ck.store, "shard-1", 1, 1) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
-
-    th = threading.Thread(target=fence_once_struck)
-    th.start()
-    with pytest.raises(FencedError, match="every rank of the group was ended"):
-        train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
-                          heartbeat_every_s=0.2)
-    th.join()
+    err = fence_the_hung_group(ck, s, heartbeat_every_s=0.2)
+    assert "every rank of the group was ended" in str(err)
     beats = read_rank_heartbeats(ck.store, "shard-1")
     assert sorted(beats) == [0, 1] and not any(alive(b.pid) for b in beats.values() if b.pid)
     assert ck.store.list("fragments/1") == []  # the fenced group wrote nothing
@@ -360,20 +372,7 @@ def test_a_group_fenced_and_then_killed_is_fenced_whichever_rank_exits_first(tmp
     recovery row said ``process-died`` where the watchdog had found the group silent)."""
     s = spec(steps_per_round=6)
     ck = step_zero(str(tmp_path / "fk"), s)
-
-    def fence_then_kill() -> None:
-        deadline = time.monotonic() + 120
-        while (strike := read_strike(ck.store, "shard-1", 1, 1)) is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        ck.fence("shard-1", 1, reason="test: rank 1 hangs", by="test")
-        os.kill(strike.pid, signal.SIGKILL)  # between two looks of the supervisor (every 30 s here)
-
-    th = threading.Thread(target=fence_then_kill)
-    th.start()
-    with pytest.raises(FencedError, match="fenced"):
-        train_shard_group(ck, None, s, 1, 1, Cut.of_step(0), chaos=["hang:shard=1,round=1,rank=1,step=2"],
-                          heartbeat_every_s=30)
-    th.join()
+    fence_the_hung_group(ck, s, heartbeat_every_s=30, kill=True)  # 30 s: the kill comes between two looks
     beats = read_rank_heartbeats(ck.store, "shard-1")
     assert not any(alive(b.pid) for b in beats.values() if b.pid)
     assert ck.store.list("fragments/1") == []
