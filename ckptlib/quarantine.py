@@ -81,7 +81,7 @@ def quarantine_step(store: Store, step: int, reason: str) -> QuarantineRecord:
         raise NoCheckpoint(f"step {step} is not committed in {store.url}: nothing to quarantine")
     # before it leaves: what it names stays distrusted by saves (unless a verify said which objects)
     try:
-        named: set[str] | None = _objects_named(store, step, key)
+        named: set[str] | None = _objects_named(store, key)
     except CorruptCheckpoint:  # its frame does not decode: which objects it names is unknown
         named = None
     damage.record_unverified(store, step, named)
@@ -155,7 +155,7 @@ def quarantined_objects(store: Store) -> set[str]:
         if name.isdigit():
             folder = quarantine_folder(int(name))
             try:
-                keys |= _objects_named(store, int(name), f"{folder}/{commit.manifest_key(int(name))}")
+                keys |= _objects_named(store, f"{folder}/{commit.manifest_key(int(name))}")
             except CorruptCheckpoint as e:  # collecting without its objects could delete what it holds
                 raise CheckpointError(f"garbage collection stops: {e}. It cannot tell which objects that quarantined "
                                       f"step holds: remove {store.url}/{folder}/ if the step is no longer wanted, "
@@ -163,8 +163,8 @@ def quarantined_objects(store: Store) -> set[str]:
     return keys
 
 
-def _objects_named(store: Store, step: int, key: str) -> set[str]:
-    """The objects the manifest of ``step`` under ``key`` names, and those its fragments name;
+def _objects_named(store: Store, key: str) -> set[str]:
+    """The objects the manifest under ``key`` names, and those its fragments name;
     CorruptCheckpoint when one is a frame that does not decode (damaged plain JSON still names them)."""
     named = _named(store, key, MAX_MANIFEST_BYTES)
     keys = set(named)
