@@ -254,22 +254,27 @@ class DeltaBases:
 
     def adopt(self, part: str, new: Base, old: Base | None, keep_spare: bool, snapshot_bytes: int = 0) -> None:
         """A published save's result becomes the part's base; the snapshot buffers it does not hold
-        go back to the pool. With ``keep_spare`` (pinned memory, slow to allocate), so do the old
-        base's buffers that the new one does not hold. Without, so do those of units the old base
-        held only to try a delta that did not pay (a dense unit's first or its probe: the new base
-        holds none of their bytes), while the pool holds at most ``snapshot_bytes``: the next
-        snapshot then finds a buffer for each unit, where it would fault fresh pages for as many
-        units as the new base keeps for its own probes (decision 65)."""
+        go back to the pool. So do the old base's buffers that the new one does not hold: with
+        ``keep_spare`` (pinned memory, slow to allocate) all of them. Without, those of whole units
+        whose bytes the base stopped holding (a dense unit's delta try that did not pay first, then
+        a frozen unit found unchanged twice): the next snapshot copies each such unit and finds a
+        buffer for it, where it would fault fresh pages in for as many units (decision 65). They
+        are kept while the pool and the bytes the new base keeps for good (not for a dense unit's
+        next try) add up to at most ``snapshot_bytes``: one copy of the state, never a spare one."""
         self._bases[part] = new
+        room = math.inf
         if old is None:
             extra = []
         elif keep_spare:
             extra = [_owner(b) for b in old.raw.values()]
         else:
-            extra = [b for ident, digest in old.units.items()
-                     if (b := old.raw.get(digest)) is not None and _whole(b)
-                     and (hint := new.hints.get(ident)) is not None and hint.dense]
-        self.buffers(part).settle(list(new.raw.values()), extra, math.inf if keep_spare else snapshot_bytes)
+            dense = [b for ident, digest in old.units.items()
+                     if (b := old.raw.get(digest)) is not None and (h := new.hints.get(ident)) is not None and h.dense]
+            extra = [b for b in [*dense, *old.raw.values()] if _whole(b)]  # settle keeps each buffer once
+            room = snapshot_bytes - sum(b.nbytes for ident, digest in new.units.items()
+                                        if (b := new.raw.get(digest)) is not None
+                                        and not ((h := new.hints.get(ident)) is not None and h.dense))
+        self.buffers(part).settle(list(new.raw.values()), extra, room)
 
     def forget_bytes(self, part: str) -> None:
         """After a failed save: a save that read the caller's memory in place has written over the

@@ -31,10 +31,14 @@ def copy_into(obj: Any, spec: LeafSpec, out: np.ndarray, non_blocking: bool = Fa
         return
     if spec.kind in TORCH_KINDS:
         torch = _torch()
-        src = obj.detach()
+        src = obj.detach() if obj.requires_grad else obj
         if spec.stride is not None:  # memory order of a dense non-contiguous layout
             src = src.as_strided((spec.numel,), (1,))
-        dst = torch.from_numpy(out).view(src.dtype).view(src.shape)
+        elif src.is_contiguous():  # one dimension on both sides: view(shape) costs more than a small copy
+            src = src.view(-1)
+        dst = torch.from_numpy(out).view(src.dtype)
+        if src.dim() != 1:
+            dst = dst.view(src.shape)
         dst.copy_(src, non_blocking=non_blocking and src.is_cuda)
     elif spec.kind in ("bytes", "bytearray"):
         out[:] = np.frombuffer(obj, dtype=np.uint8)

@@ -34,7 +34,7 @@ from .bases import Base, DeltaBases, chain_origin
 from .chunking import auto_chunk_bytes
 from .errors import CorruptCheckpoint, FormatVersionError, NoCheckpoint, StoreError
 from .leases import Lease
-from .save import EncodedPart, Snapshot, WriteOptions, encode_part, take_secure_snapshot, take_snapshot
+from .save import EncodedPart, Layout, Snapshot, WriteOptions, encode_part, take_secure_snapshot, take_snapshot
 from .store import Store
 
 log = logging.getLogger("ckptlib")
@@ -68,6 +68,7 @@ class PartWriter:
         self._lock = threading.Lock()
         # suspect objects (ckptlib.damage) this writer found intact or wrote again, by note
         self._confirmed: dict[tuple[int, str], set[str]] = {}
+        self._layouts: dict[str, Layout] = {}  # by chain: what its snapshots plan once (save.Layout)
 
     def chunk_size(self, key: str) -> int | Callable[[int], int]:
         """The chunk size of chain ``key``'s next write: the option, else its base's (so deltas line
@@ -84,13 +85,18 @@ class PartWriter:
         read in place, so the state must not change until its ``writing`` ends). ``chain``: whose
         buffers it reuses, when not ``key``'s (a sub-step chain's)."""
         return take_snapshot(state, self.pool, self.chunk_size(key), copy=copy,
-                             buffers=self.bases.buffers(chain or key).take)
+                             buffers=self.bases.buffers(chain or key).take, layout=self._layout(key))
 
     def secure_snapshot(self, state: Any, key: str) -> Snapshot:
         """A snapshot that is this writer's own once it returns, without a second copy of the state:
         each unit read in place is patched into chain ``key``'s base or copied (``take_secure_snapshot``)."""
         return take_secure_snapshot(state, self.pool, self.chunk_size(key), self.bases.held(key),
-                                    self.bases.buffers(key))
+                                    self.bases.buffers(key), self._layout(key))
+
+    def _layout(self, key: str) -> Layout:
+        """Chain ``key``'s plan (``save.Layout``), kept while the writer lives."""
+        with self._lock:
+            return self._layouts.setdefault(key, Layout())
 
     @contextmanager
     def writing(self, snap: Snapshot, part: str, step: int, *, base_key: str | None = None, compress: bool = True,

@@ -48,10 +48,10 @@ from .leaves import copy_into, raw_view
 from .manifest import MAX_CHAIN, Blob, Fragment, Leaf, part_digest
 from .store import Store
 from .throttle import RateLimiter
-from .tree import flatten
+from .tree import SpecMemo, flatten
 from .types import TORCH_KINDS, LeafSpec
 
-__all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Snapshot", "WriteOptions",
+__all__ = ["DEFAULT_DELTA_BUDGET", "DEFAULT_KEYFRAME_EVERY", "EncodedPart", "Layout", "Snapshot", "WriteOptions",
            "encode_part", "take_snapshot"]
 
 
@@ -121,27 +121,48 @@ class EncodedPart:
 
 # --- 1. snapshot -----------------------------------------------------------------------------------
 
+class Layout:
+    """What a chain's snapshots plan once and reuse while the state keeps its layout: the tensors'
+    specs (``tree.SpecMemo``) and the units (``plan_units``, a function of the specs and the chunk
+    size, known again by the specs' identity). One per chain (a writer's saves of one chain are
+    taken one at a time); a state laid out anew is planned anew."""
+
+    def __init__(self) -> None:
+        self.specs = SpecMemo()
+        self._plan: tuple[list[LeafSpec], int, list[Unit]] | None = None
+
+    def units(self, specs: list[LeafSpec], chunk_bytes: int) -> list[Unit]:
+        last = self._plan
+        if (last is not None and last[1] == chunk_bytes and len(last[0]) == len(specs)
+                and all(a is b for a, b in zip(last[0], specs))):
+            return list(last[2])
+        units = plan_units(specs, chunk_bytes)
+        self._plan = (specs, chunk_bytes, list(units))
+        return units
+
+
 Work = list[tuple[int, Callable[[], None]]]  # (bytes it moves, what moves them): a snapshot's parallel part
 
 
 def take_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], *, copy: bool = True,
-                  buffers: Callable[[int, bool], np.ndarray] | None = None) -> Snapshot:
+                  buffers: Callable[[int, bool], np.ndarray] | None = None, layout: Layout | None = None) -> Snapshot:
     """The leaves of ``state`` as raw bytes (the blocking part of a save).
 
     With tensors on a GPU the host buffers are pinned (page-locked): device-to-host copies into
     pinned memory run at full bus speed and asynchronously. ``buffers(nbytes, pinned)``: where the
     host buffers come from (a writer's ``bases.BufferPool``: buffers of earlier snapshots, whose
     pages are faulted in already; pinning is slow, and so are page faults on fresh memory).
+    ``layout``: the chain's plan, reused while the state keeps its layout (``Layout``).
     """
     t0 = time.perf_counter()
-    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, copy, buffers)
+    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, copy, buffers, layout)
     _run(pool, copies, on_gpu)
     snap.seconds = time.perf_counter() - t0
     return snap
 
 
 def take_secure_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable[[int], int], base: Base | None,
-                         buffers: BufferPool) -> Snapshot:
+                         buffers: BufferPool, layout: Layout | None = None) -> Snapshot:
     """A snapshot of ``state`` that is our own, so the caller may change its state as soon as this
     returns: the blocking part of a background save, without a second copy of the state.
 
@@ -156,7 +177,7 @@ def take_secure_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable
     The copies and the comparisons share one round of the pool (each of two rounds waited for its
     slowest group). If anything fails, the base's bytes are dropped (some may be patched)."""
     t0 = time.perf_counter()
-    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, False, buffers.take)
+    snap, copies, on_gpu = _planned_snapshot(state, chunk_bytes, False, buffers.take, layout)
     try:
         _run(pool, copies + _securing(snap, base, buffers), on_gpu)
     except BaseException:
@@ -168,14 +189,15 @@ def take_secure_snapshot(state: Any, pool: Executor, chunk_bytes: int | Callable
 
 
 def _planned_snapshot(state: Any, chunk_bytes: int | Callable[[int], int], copy: bool,
-                      buffers: Callable[[int, bool], np.ndarray] | None) -> tuple[Snapshot, Work, bool]:
+                      buffers: Callable[[int, bool], np.ndarray] | None,
+                      layout: Layout | None) -> tuple[Snapshot, Work, bool]:
     """The snapshot with its units placed, the copies still to make into our buffers, and whether a
     leaf is on a GPU (its copies are asynchronous: ``_run`` synchronises)."""
-    skeleton, leaves = flatten(state)
+    skeleton, leaves = flatten(state, memo=layout.specs if layout is not None else None)
     specs = [spec for spec, _ in leaves]
     if callable(chunk_bytes):
         chunk_bytes = chunk_bytes(sum(spec.nbytes for spec in specs))
-    units = plan_units(specs, chunk_bytes)
+    units = layout.units(specs, chunk_bytes) if layout is not None else plan_units(specs, chunk_bytes)
     on_gpu = any(spec.kind in TORCH_KINDS and obj.is_cuda for spec, obj in leaves)
 
     def buffer(nbytes: int) -> np.ndarray:

@@ -283,15 +283,35 @@ def attribute_problem(cls: type, name: Any) -> str | None:
 
 # --- flatten (save) --------------------------------------------------------------------------------
 
-def flatten(state: Any, *, subclass: Any = None) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
+def flatten(state: Any, *, subclass: Any = None, memo: SpecMemo | None = None) -> tuple[Any, list[tuple[LeafSpec, Any]]]:
     """(skeleton, [(spec, leaf object)]) in a deterministic order; raises UnsupportedState.
     ``subclass(obj, path)``: the plain tensor to store for a tensor subclass (a DTensor's local
-    shard, for ``ckptlib.distributed``), or None to refuse it."""
+    shard, for ``ckptlib.distributed``), or None to refuse it. ``memo``: the specs of the last
+    flatten of a state laid out the same way (``SpecMemo``), which this one updates."""
     enc = _Encoder()
     enc.subclass = subclass
+    if memo is not None:
+        enc.memo, enc.memo_last = {}, memo.last
     skeleton = enc.walk(state, "", 0)
     enc.share_storages()
+    if memo is not None and enc.memo is not None:
+        memo.last = enc.memo  # only after a whole walk: a refused state leaves the memo as it was
     return skeleton, enc.leaves
+
+
+class SpecMemo:
+    """The tensor specs of a writer's last ``flatten``, by path, for its next one.
+
+    A tensor's ``LeafSpec`` is a function of its path and metadata (type, dtype, shape, strides,
+    gradient flags, device kind, layout), so a tensor found where one with the same metadata was
+    last time is given that very spec object, without the checks and the object built again (a
+    few microseconds a tensor, which a state of hundreds of tensors pays at every save). The next
+    save's plan is then known by the specs' identity (``save.Layout``). Tensors with Python
+    attributes are never memoised (``isinstance(t, Parameter)`` may read one). Holds the last
+    flatten's entries only: one per tensor of the state."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[tuple, LeafSpec]] = {}
 
 
 def _refuse(path: str, obj: Any, hint: str) -> UnsupportedState:
@@ -309,11 +329,14 @@ class _Encoder:
     def __init__(self) -> None:
         self.leaves: list[tuple[LeafSpec, Any]] = []
         self.tensor_types = _torch_types()
+        self.strided = _torch().strided if self.tensor_types else None
         self.ties: dict[Any, int] = {}  # tensor identity -> leaf index
         self.on_path: set[int] = set()  # ids of the containers being walked: a repeat is a cycle
         self.nodes: list[dict[str, Any]] = []  # every leaf and ref node made (patched by share_storages)
         self.storages: dict[tuple, list[int]] = {}  # (device, storage) -> leaf indices of its tensors
         self.subclass: Any = None  # flatten's hook for tensor subclasses
+        self.memo: dict[str, tuple[tuple, LeafSpec]] | None = None  # SpecMemo: this walk's entries
+        self.memo_last: dict[str, tuple[tuple, LeafSpec]] = {}  # and the last walk's
 
     def walk(self, obj: Any, path: str, depth: int) -> Any:
         cls = type(obj)
@@ -420,13 +443,14 @@ class _Encoder:
         return node
 
     def add_tensor(self, t: Any, path: str) -> dict[str, Any]:
-        spec = _torch_spec(t, path)
+        spec, stride = self.tensor_spec(t, path)
         # Tensors that are the same memory (tied weights: state_dict() returns two views of one
         # parameter) come back as one tensor, as torch.save restores them.
         tie = None
         if spec.nbytes:
-            tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, tuple(t.stride()),
-                   str(t.device), spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
+            device = t.device
+            tie = (t.untyped_storage().data_ptr(), t.storage_offset(), spec.dtype, spec.shape, stride,
+                   device, spec.param, spec.requires_grad, t.is_conj(), t.is_neg())
             if tie in self.ties:
                 ref = tagged("ref", self.ties[tie])
                 self.nodes.append(ref)
@@ -434,13 +458,24 @@ class _Encoder:
         node = self.add_leaf(spec, t)
         if tie is not None:
             self.ties[tie] = node["__leaf__"]
-            self.storages.setdefault((str(t.device), tie[0]), []).append(node["__leaf__"])
+            self.storages.setdefault((device, tie[0]), []).append(node["__leaf__"])
         elif t.is_conj() or t.is_neg():  # an empty tensor with a bit: its own (empty) storage
             self.storages[("empty", node["__leaf__"])] = [node["__leaf__"]]
         if getattr(t, "__dict__", None):  # Python attributes set on the tensor: kept, as torch.save keeps them
             return Node("attrs", attrs=self.attributes(t, type(t), path, 1), inner=node).json()
         return node
 
+    def tensor_spec(self, t: Any, path: str) -> tuple[LeafSpec, tuple]:
+        """(t's spec, its strides): the memo's spec when t's metadata are the last flatten's at ``path``."""
+        if self.memo is None or t.is_nested or t.layout is not self.strided or getattr(t, "__dict__", None):
+            spec = _torch_spec(t, path)  # (refuses what has no strides)
+            return spec, tuple(t.stride())
+        stride = t.stride()
+        key = (type(t), t.dtype, t.shape, stride, t.requires_grad, t.is_leaf, t.is_meta)
+        seen = self.memo_last.get(path)
+        spec = seen[1] if seen is not None and seen[0] == key else _torch_spec(t, path)
+        self.memo[path] = (key, spec)
+        return spec, stride
 
     def share_storages(self) -> None:
         """After the walk: tensors that share a storage without being the same view, and tensors

@@ -471,6 +471,60 @@ def test_dense_units_keep_no_base_bytes_and_snapshots_reuse_the_pool(tmp_path):
         assert_same({"dense": dense, "sparse": sparse}, Checkpointer(str(tmp_path)).restore())
 
 
+def test_a_frozen_unit_whose_base_bytes_are_dropped_leaves_its_buffer_to_the_pool(tmp_path):
+    """A frozen weight (unchanged save after save) is compared with its base bytes, then, once
+    found unchanged twice, keeps none (decision 42) and is copied at each save. Its old base
+    buffer goes back to the pool in its place: the snapshot that first copies it reuses those
+    pages, so no snapshot after the first allocates a buffer for it (before: each such unit
+    faulted a fresh buffer in once, 96 MiB at once in finetune's fourth save)."""
+    gen = torch.Generator().manual_seed(4)
+    frozen = torch.randn(1 << 18, generator=gen)  # 16 chunks of 64 KiB
+    allocated: list[int] = []
+    import ckptlib.bases as bases_module
+
+    real = bases_module.host_buffer
+
+    def counting(nbytes: int, pinned: bool = False) -> np.ndarray:
+        allocated.append(nbytes)
+        return real(nbytes, pinned=pinned)
+
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        bases_module.host_buffer = counting
+        try:
+            per_save = []
+            for step in range(6):
+                allocated.clear()
+                fut = ck.save_async(step, {"frozen": frozen, "step": step})
+                per_save.append(sum(allocated))
+                fut.result()
+        finally:
+            bases_module.host_buffer = real
+        base = ck._bases.held("state")
+        assert not any(base.raw.get(d) is not None for u, d in base.units.items() if u[1] == "/frozen")
+        assert per_save[0] == frozen.numel() * 4  # the first snapshot copies it into new buffers
+        assert per_save[1:] == [0] * 5, per_save
+        assert_same({"frozen": frozen, "step": 5}, Checkpointer(str(tmp_path)).restore())
+
+
+def test_a_writer_whose_units_are_copied_each_save_holds_one_copy_of_the_state(tmp_path):
+    """A unit whose sparse deltas pay but whose changes are too many to patch (a fifth of its
+    elements) is copied into a new buffer at each save, which the new base keeps. The old base's
+    buffer is then free, but the pool does not keep it: the base and the pool together hold one
+    copy of the state, never a spare one (decision 44; ``reuse_buffers=True`` is the spare)."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(1 << 18, generator=gen)  # 16 chunks of 64 KiB
+    with Checkpointer(str(tmp_path), chunk_bytes=1 << 16) as ck:
+        for step in range(6):
+            w = w.clone()
+            w[torch.randperm(w.numel(), generator=gen)[: w.numel() // 5]] += 1.0
+            info = ck.save_async(step, {"w": w}).result()
+            base, pool = ck._bases.held("state"), ck._bases.buffers("state")
+            held = sum(a.nbytes for a in base.raw.values())
+            assert held + pool.free_bytes <= w.numel() * 4, (step, held, pool.free_bytes)
+        assert info.chunks["delta"] == 16  # its deltas pay: the base holds every unit's bytes
+        assert_same({"w": w}, Checkpointer(str(tmp_path)).restore())
+
+
 def test_a_moderate_change_is_patched_in_place_and_a_large_one_copied(tmp_path):
     """5% of a tensor's elements change between saves (a hot embedding chunk, a bf16 copy of
     weights): the pool holds no buffer of its size (the base holds the last one), so a copy would
