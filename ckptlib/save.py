@@ -269,19 +269,23 @@ _SNAPSHOT_GROUPS = 8
 # against 4.4 ms (an Intel Xeon VM before it: 1.1 ms at 10% against 0.44 ms, so 2% there).
 _PATCH_BELOW = 0.02
 _PATCH_BELOW_FRESH = 0.08
-_SAMPLE = 1024  # elements looked at before a unit is compared whole
+_SAMPLE_RUNS, _RUN = 64, 16  # elements looked at before a unit is compared whole: 64 runs of 16
 
 
 def _mostly_changed(new: np.ndarray, old: np.ndarray, below: float) -> bool:
-    """Whether a sample of ``_SAMPLE`` evenly spaced elements already shows far more change than a
-    patch takes (4x ``below``): a dense unit (every weight of a dense model moves each step) is then
-    copied without first being compared whole, a pass over two streams that could only say "copy".
+    """Whether a sample of the unit (``_SAMPLE_RUNS`` evenly spaced runs of ``_RUN`` elements)
+    already shows far more change than a patch takes (4x ``below``): a dense unit (every weight of
+    a dense model moves each step) is then copied without first being compared whole, a pass over
+    two streams that could only say "copy". Runs, not single elements: 1,024 elements a page apart
+    cost as many cache and TLB misses on memory the step left cold (4 MiB of uint32, cold: 0.03 ms
+    a unit against 0.01 for the runs).
     Only the choice between patch and copy depends on it, never what the snapshot holds."""
-    if new.size < 8 * _SAMPLE:
+    if new.size < 8 * _SAMPLE_RUNS * _RUN:
         return False
-    every = new.size // _SAMPLE
-    sample = new[::every]
-    return int(np.count_nonzero(sample != old[::every])) > 4 * below * sample.size
+    rows = new.size // _SAMPLE_RUNS * _SAMPLE_RUNS
+    sample = new[:rows].reshape(_SAMPLE_RUNS, -1)[:, :_RUN]
+    differs = sample != old[:rows].reshape(_SAMPLE_RUNS, -1)[:, :_RUN]
+    return int(np.count_nonzero(differs)) > 4 * below * differs.size
 
 
 def _securing(snap: Snapshot, base: Base | None, buffers: BufferPool) -> Work:
