@@ -12,9 +12,10 @@ and only of units whose next save may take a delta: with ``keyframe_every=1`` a 
 
 ``BufferPool`` is where snapshots write: the buffers of the last snapshot that the base did not
 keep (units written as keyframes keep no base bytes: ``encoding.UnitHint``), and those of the old
-base's units whose delta try did not pay, are handed to the next snapshot of the same part, their
-pages already faulted in, so a snapshot of a dense state runs at memcpy speed while the writer
-holds one copy of it (docs/decisions.md 44, 65).
+base's units whose bytes the new base stopped holding (a delta try that did not pay, a frozen unit),
+are handed to the next snapshot of the same part, their pages already faulted in, so a snapshot of
+a dense state runs at memcpy speed while the writer holds one copy of it (docs/decisions.md 44, 65,
+67).
 """
 
 from __future__ import annotations
@@ -270,7 +271,8 @@ class DeltaBases:
         else:
             dense = [b for ident, digest in old.units.items()
                      if (b := old.raw.get(digest)) is not None and (h := new.hints.get(ident)) is not None and h.dense]
-            extra = [b for b in [*dense, *old.raw.values()] if _whole(b)]  # settle keeps each buffer once
+            # dense units' first: their next snapshot surely copies them (settle keeps each buffer once)
+            extra = [b for b in [*dense, *old.raw.values()] if _whole(b)]
             room = snapshot_bytes - sum(b.nbytes for ident, digest in new.units.items()
                                         if (b := new.raw.get(digest)) is not None
                                         and not ((h := new.hints.get(ident)) is not None and h.dense))

@@ -303,11 +303,12 @@ class SpecMemo:
     """The tensor specs of a writer's last ``flatten``, by path, for its next one.
 
     A tensor's ``LeafSpec`` is a function of its path and metadata (type, dtype, shape, strides,
-    gradient flags, device kind, layout), so a tensor found where one with the same metadata was
+    gradient flags, whether it is on the meta device), so a tensor found where one with the same metadata was
     last time is given that very spec object, without the checks and the object built again (a
     few microseconds a tensor, which a state of hundreds of tensors pays at every save). The next
-    save's plan is then known by the specs' identity (``save.Layout``). Tensors with Python
-    attributes are never memoised (``isinstance(t, Parameter)`` may read one). Holds the last
+    save's plan is then known by the specs' identity (``save.Layout``). Nested and non-strided
+    tensors, and tensors with Python attributes (``isinstance(t, Parameter)`` may read one), are
+    never memoised. Holds the last
     flatten's entries only: one per tensor of the state."""
 
     def __init__(self) -> None:
